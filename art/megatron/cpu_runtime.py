@@ -1,0 +1,154 @@
+"""Run real Megatron-Core 0.16.1 on CPU by redirecting its few CUDA-only calls.
+
+Active only when CUDA is not available: `install()` is a no-op on a GPU machine, except
+for the CheckpointWithoutOutput FP8 fix, which applies whenever Transformer Engine is
+missing (the FP8 path it wrongly enables can only work with Transformer Engine).
+Everything patched here is listed in `REDIRECTS` so that tests and the README can name it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+from typing import Any
+
+import torch
+
+REDIRECTS: tuple[str, ...] = (
+    "torch.cuda.current_device -> 'cpu'",
+    "torch.cuda.get_rng_state / set_rng_state / manual_seed / manual_seed_all -> CPU generator",
+    "torch.cuda.random.get_rng_state / set_rng_state -> CPU generator",
+    "megatron.core.tensor_parallel.random._get_cuda_rng_state / _set_cuda_rng_state -> CPU",
+    "megatron.core.transformer.utils.get_default_causal_mask -> allocated on CPU",
+    "torch.cuda.Stream / current_stream / stream -> synchronous stand-ins (MoE dispatcher)",
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm -> None when TE is missing",
+    "CheckpointWithoutOutput(fp8=False) -> FP8 path off (0.16.1 bug: `fp8 is not None`)",
+)
+
+_installed = False
+
+
+def cuda_available() -> bool:
+    return torch.cuda.is_available()
+
+
+def transformer_engine_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class _CpuEvent:
+    def synchronize(self) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+
+class _CpuStream:
+    """Stand-in for torch.cuda.Stream: CPU work is synchronous, so every call is a no-op."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def wait_stream(self, other: Any) -> None:
+        return None
+
+    def wait_event(self, event: Any) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> _CpuEvent:
+        return _CpuEvent()
+
+    def query(self) -> bool:
+        return True
+
+
+_CPU_STREAM = _CpuStream()
+
+
+def _fix_checkpoint_without_output_fp8() -> None:
+    from megatron.core.tensor_parallel import random as mrandom
+
+    cls = mrandom.CheckpointWithoutOutput
+    if getattr(cls, "_art_fp8_fixed", False):
+        return
+    original_init = cls.__init__
+
+    def __init__(self: Any, fp8: Any = False) -> None:
+        original_init(self, fp8)
+        # 0.16.1 sets `self.fp8 = fp8 is not None`, which is True for fp8=False.
+        self.fp8 = bool(fp8)
+
+    cls.__init__ = __init__
+    cls._art_fp8_fixed = True
+
+
+def _cpu_causal_mask(sq: int) -> torch.Tensor:
+    return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
+
+
+def install() -> bool:
+    """Apply the redirects once. Returns True when the CPU redirects are active."""
+    global _installed
+    if not transformer_engine_available():
+        _fix_checkpoint_without_output_fp8()
+    if cuda_available():
+        return False
+    if _installed:
+        return True
+
+    def get_rng_state(device: Any = "cuda") -> torch.Tensor:
+        return torch.get_rng_state()
+
+    def set_rng_state(state: torch.Tensor, device: Any = "cuda") -> None:
+        torch.set_rng_state(state)
+
+    def manual_seed(seed: int) -> None:
+        torch.default_generator.manual_seed(seed)
+
+    torch.cuda.current_device = lambda: "cpu"  # type: ignore[assignment]
+    torch.cuda.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.cuda.set_rng_state = set_rng_state  # type: ignore[assignment]
+    torch.cuda.manual_seed = manual_seed  # type: ignore[assignment]
+    torch.cuda.manual_seed_all = manual_seed  # type: ignore[assignment]
+    torch.cuda.random.get_rng_state = get_rng_state  # type: ignore[assignment]
+    torch.cuda.random.set_rng_state = set_rng_state  # type: ignore[assignment]
+    torch.cuda.Stream = _CpuStream  # type: ignore[assignment,misc]
+    torch.cuda.current_stream = lambda device=None: _CPU_STREAM  # type: ignore[assignment]
+    torch.cuda.stream = lambda stream=None: contextlib.nullcontext()  # type: ignore[assignment]
+
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import utils as mutils
+
+    def _get_cuda_rng_state(device: Any = "cuda", clone: bool = False, graph_safe: bool = False):
+        state = torch.get_rng_state()
+        return state.clone() if clone else state
+
+    def _set_cuda_rng_state(new_state: torch.Tensor, device: int = -1, graph_safe: bool = False):
+        torch.set_rng_state(new_state)
+
+    mrandom._get_cuda_rng_state = _get_cuda_rng_state
+    mrandom._set_cuda_rng_state = _set_cuda_rng_state
+    mutils.get_default_causal_mask = _cpu_causal_mask
+    # fused_softmax imported the helper by name and keeps its own reference.
+    from megatron.core.fusions import fused_softmax
+
+    fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    try:
+        from megatron.core.transformer.moe import moe_utils
+
+        if not hasattr(moe_utils, "te_general_gemm"):
+            moe_utils.te_general_gemm = None
+    except ImportError:
+        pass
+    _installed = True
+    return True

@@ -1,0 +1,62 @@
+"""Implementation: the kernels a built model really uses; they decide what a layer keeps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """attention: "flash" (fused; keeps q, k, v, out and softmax stats) or "unfused"
+    (Megatron's DotProductAttention; keeps s^2 scores and probabilities). norm: "fused"
+    (keeps input + fp32 rstd) or "torch" (CPU composite rms_norm keeps fp32 copies).
+    spec: "local" (Megatron's local layer spec) or "te" (Transformer Engine spec).
+    """
+
+    spec: str = "te"
+    attention: str = "flash"
+    norm: str = "fused"
+    swiglu_fused: bool = True
+    device: str = "cuda"
+
+    def __post_init__(self) -> None:
+        if self.spec not in ("local", "te"):
+            raise ValueError(f"spec must be 'local' or 'te', got {self.spec!r}")
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention must be 'flash' or 'unfused', got {self.attention!r}")
+        if self.norm not in ("fused", "torch"):
+            raise ValueError(f"norm must be 'fused' or 'torch', got {self.norm!r}")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+
+    @property
+    def norm_fused_into_linear(self) -> bool:
+        """The TE spec fuses the pre-attention and pre-MLP norms into the next linear."""
+        return self.spec == "te"
+
+    @property
+    def key(self) -> str:
+        fused = "swiglu-fused" if self.swiglu_fused else "swiglu-unfused"
+        return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}"
+
+    @classmethod
+    def cpu_local(cls) -> Implementation:
+        """What Megatron's local spec builds on CPU (no TE, no apex, no flash attention)."""
+        return cls(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
+                   device="cpu")
+
+    @classmethod
+    def gpu_te(cls) -> Implementation:
+        return cls()
+
+    @classmethod
+    def detect(cls) -> Implementation:
+        """What `model_builder` will build on this machine."""
+        from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
+
+        if cuda_available() and transformer_engine_available():
+            return cls.gpu_te()
+        if cuda_available():
+            return cls(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
+                       device="cuda")
+        return cls.cpu_local()

@@ -1,0 +1,154 @@
+"""Geometry + layout + recompute + dtype -> Megatron-Core TransformerConfig and GPTModel.
+
+Local layer spec on CPU (or without Transformer Engine), TE spec when TE and CUDA exist.
+Megatron's parallel state must be initialised first (see `distributed.initialize_distributed`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from art.megatron import cpu_runtime
+from art.megatron.geometry import ATTENTION, ModelGeometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+
+DTYPES: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "float32": torch.float32,
+}
+
+
+@dataclass(frozen=True)
+class RecomputeConfig:
+    """The raw Megatron recompute knobs (already validated by `recompute.resolve_recompute`)."""
+
+    granularity: str | None = None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] | None = None
+
+
+def build_transformer_config(
+    geometry: ModelGeometry,
+    *,
+    layout: ParallelLayout,
+    recompute: RecomputeConfig,
+    dtype: str | None = None,
+    implementation: Implementation | None = None,
+):
+    from megatron.core.transformer import TransformerConfig
+
+    impl = implementation or Implementation.detect()
+    dtype = dtype or geometry.dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    if geometry.is_hybrid:
+        raise ValueError(
+            f"{geometry.name} has Gated DeltaNet linear-attention layers; building it needs the "
+            "hybrid layer spec (see provider), not the plain GPT builder"
+        )
+    if ATTENTION not in geometry.layer_types:
+        raise ValueError(f"{geometry.name} has no attention layers")
+    torch_dtype = DTYPES[dtype]
+    kwargs: dict = dict(
+        num_layers=geometry.num_layers,
+        hidden_size=geometry.hidden_size,
+        ffn_hidden_size=geometry.ffn_hidden_size,
+        num_attention_heads=geometry.num_attention_heads,
+        num_query_groups=geometry.num_query_groups,
+        kv_channels=geometry.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=geometry.norm_epsilon,
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        qk_layernorm=geometry.qk_layernorm,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bf16=dtype == "bfloat16",
+        fp16=dtype == "float16",
+        params_dtype=torch_dtype,
+        pipeline_dtype=torch_dtype,
+        tensor_model_parallel_size=layout.tensor_parallel,
+        pipeline_model_parallel_size=layout.pipeline_parallel,
+        context_parallel_size=layout.context_parallel,
+        expert_model_parallel_size=layout.expert_parallel,
+        sequence_parallel=layout.sequence_parallel,
+        use_cpu_initialization=impl.device == "cpu",
+        perform_initialization=True,
+        gradient_accumulation_fusion=False,
+        # Fused kernels exist only on GPU; on CPU the torch paths are what is built.
+        bias_activation_fusion=impl.swiglu_fused,
+        masked_softmax_fusion=impl.device == "cuda",
+        persist_layer_norm=False,
+        bias_dropout_fusion=impl.device == "cuda",
+        apply_rope_fusion=impl.device == "cuda",
+        recompute_granularity=recompute.granularity,
+        recompute_method=recompute.method,
+        recompute_num_layers=recompute.num_layers,
+    )
+    if recompute.granularity == "selective" and recompute.modules is not None:
+        kwargs["recompute_modules"] = list(recompute.modules)
+    if geometry.is_moe:
+        kwargs.update(
+            num_moe_experts=geometry.num_experts,
+            moe_router_topk=geometry.moe_router_topk,
+            moe_ffn_hidden_size=geometry.moe_ffn_hidden_size,
+            moe_token_dispatcher_type="alltoall",
+            moe_router_load_balancing_type="none",
+            moe_aux_loss_coeff=0.0,
+            moe_grouped_gemm=False,
+        )
+        if geometry.shared_expert_ffn_hidden_size:
+            kwargs["moe_shared_expert_intermediate_size"] = geometry.shared_expert_ffn_hidden_size
+    return TransformerConfig(**kwargs)
+
+
+def layer_spec(geometry: ModelGeometry, implementation: Implementation):
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    num_experts = geometry.num_experts or None
+    if implementation.spec == "te":
+        return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
+            num_experts=num_experts, qk_layernorm=geometry.qk_layernorm
+        )
+    return gpt_layer_specs.get_gpt_layer_local_spec(
+        num_experts=num_experts, qk_layernorm=geometry.qk_layernorm, normalization="RMSNorm"
+    )
+
+
+def build_gpt_model(
+    geometry: ModelGeometry,
+    config,
+    *,
+    implementation: Implementation | None = None,
+    seed: int = 0,
+):
+    """Build a GPTModel on this rank's device, in the config's dtype, in training mode."""
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+
+    cpu_runtime.install()
+    impl = implementation or Implementation.detect()
+    torch.manual_seed(seed)
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=layer_spec(geometry, impl),
+        vocab_size=geometry.vocab_size,
+        max_sequence_length=geometry.max_position_embeddings,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+        share_embeddings_and_output_weights=geometry.tied_embeddings,
+        position_embedding_type="rope",
+        rotary_base=int(geometry.rope_theta),
+    )
+    model = model.to(dtype=config.params_dtype)
+    if impl.device == "cuda":
+        model = model.cuda()
+    model.train()
+    return model

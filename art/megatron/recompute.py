@@ -1,0 +1,277 @@
+"""EffectiveRecompute: what Megatron-Core 0.16.1 will actually checkpoint, layer by layer.
+
+Megatron's rules, read from its source (transformer_block.py, transformer_layer.py,
+attention.py, moe_layer.py):
+- full + uniform N: each model chunk is cut into consecutive groups of N layers; each group is
+  one checkpoint that keeps only its input. N must divide the chunk (0.16.1 raises IndexError
+  in the forward otherwise), so such a configuration is rejected here.
+- full + block N: the first N layers of each chunk are checkpointed one by one; the rest keep
+  everything. N above the chunk size checkpoints all of them.
+- full only takes effect in training mode with grad enabled; under no_grad nothing is retained.
+- selective: the listed modules are recomputed in every layer; `mlp` is ignored on MoE layers,
+  `layernorm` does nothing where the norm is fused into the next linear (Transformer Engine
+  spec), `moe`/`moe_act`/`shared_experts` need MoE layers, `mla_up_proj` needs MLA.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, replace
+
+RECOMPUTE_MODULES: tuple[str, ...] = (
+    "core_attn",
+    "mlp",
+    "moe",
+    "moe_act",
+    "layernorm",
+    "shared_experts",
+    "mla_up_proj",
+)
+DEFAULT_SELECTIVE_MODULES: tuple[str, ...] = ("core_attn",)
+# Modules Megatron recomputes with CheckpointWithoutOutput: the output storage is freed
+# after its consumer ran and is rebuilt in backward.
+WITHOUT_OUTPUT_MODULES: frozenset[str] = frozenset({"layernorm", "moe_act", "mla_up_proj"})
+
+
+@dataclass(frozen=True)
+class LayerRecompute:
+    """The recompute that applies to one transformer layer."""
+
+    layer_number: int  # 1-based, global across pipeline stages (Megatron's numbering)
+    pipeline_stage: int
+    virtual_chunk: int
+    # Index of the full-recompute checkpoint unit within its chunk, None when not inside one.
+    full_checkpoint_unit: int | None
+    # Number of layers in that checkpoint unit (0 when not inside one).
+    full_unit_layers: int
+    # Selective modules that really take effect on this layer.
+    selective_modules: frozenset[str]
+
+    @property
+    def mode(self) -> str:
+        if self.full_checkpoint_unit is not None:
+            return "full"
+        if self.selective_modules:
+            return "selective"
+        return "none"
+
+
+@dataclass(frozen=True)
+class EffectiveRecompute:
+    """Per-layer recompute, as Megatron will run it, plus the raw settings it came from."""
+
+    granularity: str | None  # None | "selective" | "full"
+    method: str | None  # None | "uniform" | "block"
+    num_layers: int | None
+    modules: tuple[str, ...]  # requested selective modules (after defaults)
+    layers: tuple[LayerRecompute, ...]
+    pipeline_stages: int = 1
+    virtual_chunks: int = 1
+
+    @property
+    def summary(self) -> str:
+        if self.granularity == "full":
+            return f"full recompute ({self.method}, {self.num_layers} layer(s) per checkpoint)"
+        if self.granularity == "selective":
+            mods = "+".join(self.modules) if self.modules else "nothing"
+            return f"selective recompute ({mods})"
+        return "no recompute"
+
+    @property
+    def mode(self) -> str:
+        return self.granularity or "none"
+
+    @property
+    def key(self) -> str:
+        """Stable key for profiles: equal policies give equal keys across processes."""
+        payload = json.dumps(
+            {
+                "g": self.granularity,
+                "m": self.method,
+                "n": self.num_layers,
+                "mods": sorted(self.modules),
+                "layers": [
+                    (lr.full_checkpoint_unit, lr.full_unit_layers, sorted(lr.selective_modules))
+                    for lr in self.layers
+                ],
+            },
+            sort_keys=True,
+        )
+        return f"{self.mode}-{hashlib.sha256(payload.encode()).hexdigest()[:12]}"
+
+    def chunk_layers(self, stage: int, chunk: int = 0) -> tuple[LayerRecompute, ...]:
+        return tuple(
+            lr for lr in self.layers if lr.pipeline_stage == stage and lr.virtual_chunk == chunk
+        )
+
+    def for_grad(self, grad_enabled: bool) -> EffectiveRecompute:
+        """The policy as it runs: without grad nothing is checkpointed (nothing is retained)."""
+        if grad_enabled:
+            return self
+        return replace(
+            self,
+            layers=tuple(
+                replace(lr, full_checkpoint_unit=None, full_unit_layers=0,
+                        selective_modules=frozenset())
+                for lr in self.layers
+            ),
+        )
+
+    def describe_layers(self) -> str:
+        """Compact per-layer description, runs of equal layers merged."""
+        parts: list[str] = []
+        run_start = 0
+        labels = [_layer_label(lr) for lr in self.layers]
+        for i in range(1, len(labels) + 1):
+            if i == len(labels) or labels[i] != labels[run_start]:
+                first = self.layers[run_start].layer_number
+                last = self.layers[i - 1].layer_number
+                span = f"{first}" if first == last else f"{first}-{last}"
+                parts.append(f"layers {span}: {labels[run_start]}")
+                run_start = i
+        return "; ".join(parts)
+
+
+def _layer_label(lr: LayerRecompute) -> str:
+    if lr.full_checkpoint_unit is not None:
+        return f"full (unit of {lr.full_unit_layers})"
+    if lr.selective_modules:
+        return "selective " + "+".join(sorted(lr.selective_modules))
+    return "keeps everything"
+
+
+def resolve_recompute(
+    *,
+    granularity: str | None,
+    method: str | None,
+    num_layers: int | None,
+    modules: tuple[str, ...] | None,
+    moe_layers: tuple[bool, ...],
+    pipeline_stages: int = 1,
+    virtual_chunks: int = 1,
+    layers_per_chunk: tuple[int, ...] | None = None,
+    norm_fused_into_linear: bool = False,
+    has_mla: bool = False,
+    has_grouped_gemm: bool = False,
+    has_shared_experts: bool = False,
+) -> EffectiveRecompute:
+    """Apply Megatron-Core's rules. Raises ValueError for what Megatron would crash on."""
+    total = len(moe_layers)
+    n_chunks = pipeline_stages * virtual_chunks
+    if layers_per_chunk is None:
+        if total % n_chunks:
+            raise ValueError(
+                f"{total} layers cannot be split evenly over {pipeline_stages} pipeline stage(s) "
+                f"x {virtual_chunks} virtual chunk(s); choose sizes whose product divides {total}"
+            )
+        layers_per_chunk = (total // n_chunks,) * n_chunks
+    if sum(layers_per_chunk) != total or len(layers_per_chunk) != n_chunks:
+        raise ValueError(f"layers_per_chunk {layers_per_chunk} does not cover {total} layers")
+
+    if granularity not in (None, "selective", "full"):
+        raise ValueError(
+            f"recompute granularity {granularity!r} is not one of: full, selective, none"
+        )
+    requested: tuple[str, ...] = ()
+    if granularity == "full":
+        if method not in ("uniform", "block"):
+            raise ValueError(
+                f"full recompute needs a recompute method (uniform or block), got {method!r}"
+            )
+        if num_layers is None or num_layers < 1:
+            raise ValueError(
+                f"full recompute needs recompute num_layers >= 1, got {num_layers!r}"
+            )
+        if modules:
+            raise ValueError(
+                f"recompute modules {','.join(modules)} only apply to selective recompute; "
+                "unset them or use granularity selective"
+            )
+        if method == "uniform":
+            for c, n in enumerate(layers_per_chunk):
+                if n % num_layers:
+                    raise ValueError(
+                        f"full uniform recompute with num_layers={num_layers} does not divide the "
+                        f"{n} layers of model chunk {c} (Megatron-Core 0.16.1 fails with "
+                        f"IndexError mid-forward); use a divisor of {n}, e.g. 1"
+                    )
+    elif granularity == "selective":
+        if num_layers is not None:
+            raise ValueError(
+                f"selective recompute does not take recompute num_layers (got {num_layers}); "
+                "unset it (Megatron rejects it)"
+            )
+        requested = DEFAULT_SELECTIVE_MODULES if modules is None else tuple(modules)
+        unknown = [m for m in requested if m not in RECOMPUTE_MODULES]
+        if unknown:
+            raise ValueError(
+                f"unknown recompute module(s) {unknown}; allowed: {', '.join(RECOMPUTE_MODULES)}"
+            )
+        any_moe = any(moe_layers)
+        needs = {
+            "moe": (any_moe, "MoE layers"),
+            "moe_act": (any_moe and has_grouped_gemm, "MoE layers with grouped GEMM"),
+            "shared_experts": (any_moe and has_shared_experts, "MoE layers with shared experts"),
+            "mla_up_proj": (has_mla, "multi-latent attention"),
+        }
+        for mod in requested:
+            if mod in needs and not needs[mod][0]:
+                raise ValueError(
+                    f"recompute module {mod!r} needs {needs[mod][1]}, which this model does not "
+                    "have; remove it from the recompute modules"
+                )
+    else:
+        if method is not None or num_layers is not None or modules:
+            raise ValueError(
+                "recompute method / num_layers / modules are set but recompute granularity is "
+                "none; set a granularity or unset them"
+            )
+
+    layers: list[LayerRecompute] = []
+    index = 0
+    for c, n in enumerate(layers_per_chunk):
+        # Megatron orders virtual chunks round-robin over stages: chunk v of stage p holds
+        # the (v * stages + p)-th block of layers.
+        stage, chunk = c % pipeline_stages, c // pipeline_stages
+        for i in range(n):
+            is_moe = moe_layers[index]
+            unit: int | None = None
+            unit_layers = 0
+            selective: set[str] = set()
+            if granularity == "full":
+                assert num_layers is not None
+                if method == "uniform":
+                    unit, unit_layers = i // num_layers, num_layers
+                elif i < num_layers:
+                    unit, unit_layers = i, 1
+            elif granularity == "selective":
+                for mod in requested:
+                    if mod == "mlp" and is_moe:
+                        continue  # Megatron ignores mlp recompute on MoE layers
+                    if mod in ("moe", "moe_act", "shared_experts") and not is_moe:
+                        continue
+                    if mod == "layernorm" and norm_fused_into_linear:
+                        continue  # TE fuses the norm into the next linear: nothing to recompute
+                    selective.add(mod)
+            layers.append(
+                LayerRecompute(
+                    layer_number=index + 1,
+                    pipeline_stage=stage,
+                    virtual_chunk=chunk,
+                    full_checkpoint_unit=unit,
+                    full_unit_layers=unit_layers,
+                    selective_modules=frozenset(selective),
+                )
+            )
+            index += 1
+    layers.sort(key=lambda lr: lr.layer_number)
+    return EffectiveRecompute(
+        granularity=granularity,
+        method=method if granularity == "full" else None,
+        num_layers=num_layers if granularity == "full" else None,
+        modules=requested,
+        layers=tuple(layers),
+        pipeline_stages=pipeline_stages,
+        virtual_chunks=virtual_chunks,
+    )

@@ -1,0 +1,99 @@
+"""What the memory model is asked to price: layout, implementation, outputs, one micro-batch.
+
+These plain frozen objects are the contract between the admission code (which builds them
+from a live model and a candidate micro-batch) and the estimator (which prices them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+
+__all__ = [
+    "Implementation",
+    "LoraShape",
+    "MicroBatchShape",
+    "OutputRequest",
+    "ParallelLayout",
+]
+
+
+@dataclass(frozen=True)
+class OutputRequest:
+    """Outputs requested for one micro-batch (the union over its sequences)."""
+
+    target_logprobs: bool = False
+    top_k: int = 0
+    logits: bool = False
+    hidden_states: bool = False
+
+    def __post_init__(self) -> None:
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+
+    @property
+    def key(self) -> str:
+        parts = []
+        if self.target_logprobs:
+            parts.append("logprobs")
+        if self.top_k:
+            parts.append(f"top_k={self.top_k}")
+        if self.logits:
+            parts.append("logits")
+        if self.hidden_states:
+            parts.append("hidden_states")
+        return ",".join(parts) or "none"
+
+    @classmethod
+    def parse(cls, text: str) -> OutputRequest:
+        """Parse 'logprobs,top_k=20,hidden_states' (the CLI form)."""
+        kwargs: dict[str, object] = {}
+        for raw in filter(None, (p.strip() for p in text.split(","))):
+            name, _, value = raw.partition("=")
+            if name in ("logprobs", "target_logprobs"):
+                kwargs["target_logprobs"] = True
+            elif name == "top_k":
+                if not value.isdigit() or int(value) < 1:
+                    raise ValueError(f"outputs: top_k needs an integer >= 1, got {raw!r}")
+                kwargs["top_k"] = int(value)
+            elif name in ("logits", "hidden_states"):
+                kwargs[name] = True
+            elif name != "none":
+                raise ValueError(
+                    f"outputs: unknown output {name!r}; allowed: logprobs, top_k=K, logits, "
+                    "hidden_states, none"
+                )
+        return cls(**kwargs)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class LoraShape:
+    rank: int = 0  # 0 = no adapter
+    target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class MicroBatchShape:
+    """One candidate micro-batch: the sequences packed into one row."""
+
+    sequence_lengths_tokens: tuple[int, ...]
+    outputs: OutputRequest = field(default_factory=OutputRequest)
+    grad_enabled: bool = True
+    # Tokens in the packed row (after TP/SP/CP padding, or after prefix sharing); 0 = the sum.
+    padded_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.sequence_lengths_tokens or min(self.sequence_lengths_tokens) < 1:
+            raise ValueError(
+                f"a micro-batch needs sequences of >= 1 token, got {self.sequence_lengths_tokens}"
+            )
+
+    @property
+    def logical_tokens(self) -> int:
+        return sum(self.sequence_lengths_tokens)
+
+    @property
+    def packed_tokens(self) -> int:
+        return self.padded_tokens or self.logical_tokens
