@@ -33,7 +33,7 @@ def run_torchrun(
     )
     if proc.returncode != 0:
         raise AssertionError(
-            f"torchrun failed with exit code {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-6000:]}"
+            f"torchrun failed with exit code {proc.returncode}\n"
+            f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
