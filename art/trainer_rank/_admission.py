@@ -1,0 +1,377 @@
+"""Admission: which whole items run next, under which recompute, or why they cannot run.
+
+Prices candidates with the memory model (recompute-aware, itemised) and the learned profile
+(max of the two inside the profile's trust window), and decides: cold-capped (no profile yet:
+start with the smallest item), admitted, split (a no-grad group run as sub-forwards), escalated
+(fits only under full recompute) or declined (with the remedies priced in the message).
+Pure logic: no model, no tensors; the runtime hands it a memory model and a usable limit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from art.megatron.recompute import EffectiveRecompute
+from art.trainer_rank._items import Item, outputs_union
+from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+from art.trainer_rank._profiles import ProfileStore, signature
+from art.trainer_rank._types import (
+    ADMITTED,
+    COLD_CAPPED,
+    DECLINED,
+    ESCALATED,
+    SPLIT,
+    ForwardInput,
+    TrainerRankMemoryError,
+)
+
+# After this many consecutive candidates that do not fit, stop looking further down the queue.
+MAX_MISFITS_SCANNED = 8
+
+
+class MemoryModelLike(Protocol):
+    def estimate(self, batch: MicroBatchShape) -> Any: ...
+    def with_recompute(self, recompute: EffectiveRecompute) -> MemoryModelLike: ...
+    def max_tokens_that_fit(
+        self, usable_bytes: int, *, outputs: OutputRequest, grad_enabled: bool, sequences: int = 1
+    ) -> int: ...
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+@dataclass(frozen=True)
+class Pricing:
+    """One candidate priced: the memory model's estimate and the profile's prediction."""
+
+    estimate: Any  # the memory model's Estimate
+    profile_dynamic_bytes: int | None  # measured-line prediction + the allocator reserve
+    recompute: EffectiveRecompute
+
+    @property
+    def model_dynamic_bytes(self) -> int:
+        return int(self.estimate.dynamic_bytes)
+
+    @property
+    def dynamic_bytes(self) -> int:
+        return max(self.model_dynamic_bytes, self.profile_dynamic_bytes or 0)
+
+    @property
+    def source(self) -> str:
+        if self.profile_dynamic_bytes is not None and (
+            self.profile_dynamic_bytes > self.model_dynamic_bytes
+        ):
+            return "profile"
+        return "model"
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.estimate.resident_bytes) + self.dynamic_bytes
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The next micro-batch. sub_forwards: for each sub-forward, indices into `leaves` (the
+    flattened sequences of `items`, in order); one sub-forward unless decision is split."""
+
+    decision: str
+    items: tuple[Item, ...]
+    pricing: Pricing  # of the whole micro-batch (split: of its largest sub-forward)
+    shape: MicroBatchShape
+    sub_forwards: tuple[tuple[int, ...], ...]
+    signature: str
+    escalate: bool = False
+    error: TrainerRankMemoryError | None = None
+    note: str = ""
+
+    @property
+    def leaves(self) -> tuple[ForwardInput, ...]:
+        return tuple(leaf for item in self.items for leaf in item.leaves)
+
+    @property
+    def indices(self) -> list[int]:
+        return [item.index for item in self.items]
+
+
+@dataclass
+class AdmissionPolicy:
+    escalate_to_full_recompute: bool = True
+    cold_start_fraction: float = 0.25
+    trust_window: float = 2.0
+
+
+@dataclass
+class Admission:
+    """Decides micro-batches for one rank. `next_tp_model` prices the same item at the next
+    TP size for the decline message (None when there is no next size to suggest)."""
+
+    memory_model: MemoryModelLike
+    profiles: ProfileStore
+    recompute: EffectiveRecompute
+    topology: str
+    adapter: str
+    packed_length: Callable[[Sequence[int]], int]
+    full_recompute: EffectiveRecompute | None = None
+    next_tp_model: Callable[[], tuple[int, MemoryModelLike] | None] | None = None
+    policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+
+    def signature(self, recompute: EffectiveRecompute, grad: bool, outputs: OutputRequest) -> str:
+        return signature(
+            topology=self.topology,
+            recompute_key=recompute.for_grad(grad).key,
+            grad_enabled=grad,
+            outputs_key=outputs.key,
+            adapter=self.adapter,
+        )
+
+    def shape(self, leaves: Sequence[ForwardInput], grad: bool) -> MicroBatchShape:
+        lengths = tuple(leaf.num_tokens for leaf in leaves)
+        return MicroBatchShape(
+            sequence_lengths_tokens=lengths,
+            outputs=outputs_union(leaves),
+            grad_enabled=grad,
+            padded_tokens=self.packed_length(lengths),
+        )
+
+    def price(
+        self,
+        leaves: Sequence[ForwardInput],
+        grad: bool,
+        recompute: EffectiveRecompute | None = None,
+    ) -> tuple[Pricing, MicroBatchShape, str]:
+        recompute = recompute or self.recompute
+        model = self.memory_model
+        if recompute is not self.recompute:
+            model = model.with_recompute(recompute)
+        shape = self.shape(leaves, grad)
+        estimate = model.estimate(shape)
+        sig = self.signature(recompute, grad, shape.outputs)
+        profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window)
+        profile_dynamic = None if profile is None else profile + int(estimate.reserve_bytes)
+        return Pricing(estimate, profile_dynamic, recompute), shape, sig
+
+    # -- the decision -------------------------------------------------------------------------
+
+    def plan_next(self, pending: Sequence[Item], grad: bool, usable_bytes: int) -> Plan:
+        """The next micro-batch from `pending` (never empty). The caller removes the plan's
+        items from its queue whatever the decision (a declined item is reported, not retried)."""
+        if not pending:
+            raise ValueError("plan_next needs at least one pending item")
+        _, _, first_sig = self.price(pending[0].leaves, grad)
+        cold = not self.profiles.has_profile(first_sig)
+        queue = list(pending)
+        cap_tokens: int | None = None
+        if cold:
+            # No measurement yet for this signature: start with the smallest item, and only
+            # add more up to a fraction of what the model alone would admit.
+            smallest = min(queue, key=lambda it: (it.num_tokens, it.index))
+            queue.remove(smallest)
+            queue.insert(0, smallest)
+            outputs = outputs_union(smallest.leaves)
+            model_max = self.memory_model.max_tokens_that_fit(
+                usable_bytes, outputs=outputs, grad_enabled=grad
+            )
+            cap_tokens = max(
+                smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
+            )
+        first = queue[0]
+        pricing, shape, sig = self.price(first.leaves, grad)
+        if pricing.dynamic_bytes > usable_bytes:
+            return self._does_not_fit(first, grad, usable_bytes, pricing, shape, sig)
+
+        chosen = [first]
+        misfits = 0
+        for item in queue[1:]:
+            leaves = [leaf for it in chosen for leaf in it.leaves] + list(item.leaves)
+            candidate, cand_shape, cand_sig = self.price(leaves, grad)
+            too_big = cap_tokens is not None and cand_shape.packed_tokens > cap_tokens
+            if too_big or candidate.dynamic_bytes > usable_bytes:
+                misfits += 1
+                if misfits >= MAX_MISFITS_SCANNED:
+                    break
+                continue
+            misfits = 0
+            chosen.append(item)
+            pricing, shape, sig = candidate, cand_shape, cand_sig
+        chosen.sort(key=lambda it: it.index)
+        leaves_count = sum(len(it.leaves) for it in chosen)
+        note = ""
+        if cold:
+            note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
+        return Plan(
+            decision=COLD_CAPPED if cold else ADMITTED,
+            items=tuple(chosen),
+            pricing=pricing,
+            shape=shape,
+            sub_forwards=(tuple(range(leaves_count)),),
+            signature=sig,
+            note=note,
+        )
+
+    def _does_not_fit(
+        self,
+        item: Item,
+        grad: bool,
+        usable_bytes: int,
+        pricing: Pricing,
+        shape: MicroBatchShape,
+        sig: str,
+    ) -> Plan:
+        if not grad and len(item.leaves) > 1:
+            split = self._split(item, usable_bytes)
+            if split is not None:
+                groups, worst, worst_shape, worst_sig = split
+                return Plan(
+                    decision=SPLIT,
+                    items=(item,),
+                    pricing=worst,
+                    shape=worst_shape,
+                    sub_forwards=groups,
+                    signature=worst_sig,
+                    note=f"{len(item.leaves)} sequences in {len(groups)} sub-forwards",
+                )
+        full = self.full_recompute
+        full_pricing: Pricing | None = None
+        if grad and full is not None and full.key != self.recompute.key:
+            full_pricing, full_shape, full_sig = self.price(item.leaves, grad, full)
+            if full_pricing.dynamic_bytes <= usable_bytes and (
+                self.policy.escalate_to_full_recompute
+            ):
+                return Plan(
+                    decision=ESCALATED,
+                    items=(item,),
+                    pricing=full_pricing,
+                    shape=full_shape,
+                    sub_forwards=(tuple(range(len(item.leaves))),),
+                    signature=full_sig,
+                    escalate=True,
+                    note=f"{self.recompute.summary} needs {gib(pricing.dynamic_bytes)}; "
+                    f"escalated to {full.summary}",
+                )
+        error = self.decline_error(item, grad, usable_bytes, pricing, shape, full_pricing)
+        return Plan(
+            decision=DECLINED,
+            items=(item,),
+            pricing=pricing,
+            shape=shape,
+            sub_forwards=(),
+            signature=sig,
+            error=error,
+        )
+
+    def _split(
+        self, item: Item, usable_bytes: int
+    ) -> tuple[tuple[tuple[int, ...], ...], Pricing, MicroBatchShape, str] | None:
+        """Greedy consecutive sub-forwards that each fit (no grad: nothing is retained between
+        them); None when one sequence alone does not fit."""
+        groups: list[tuple[int, ...]] = []
+        current: list[int] = []
+        worst: tuple[Pricing, MicroBatchShape, str] | None = None
+        best_current: tuple[Pricing, MicroBatchShape, str] | None = None
+        for index, _leaf in enumerate(item.leaves):
+            trial = current + [index]
+            priced = self.price([item.leaves[i] for i in trial], False)
+            if priced[0].dynamic_bytes <= usable_bytes:
+                current, best_current = trial, priced
+                continue
+            if not current:
+                return None
+            groups.append(tuple(current))
+            assert best_current is not None
+            if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
+                worst = best_current
+            alone = self.price([item.leaves[index]], False)
+            if alone[0].dynamic_bytes > usable_bytes:
+                return None
+            current, best_current = [index], alone
+        groups.append(tuple(current))
+        assert best_current is not None
+        if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
+            worst = best_current
+        return (tuple(groups), *worst)
+
+    # -- the message --------------------------------------------------------------------------
+
+    def decline_error(
+        self,
+        item: Item,
+        grad: bool,
+        usable_bytes: int,
+        pricing: Pricing,
+        shape: MicroBatchShape,
+        full_pricing: Pricing | None,
+        *,
+        cause: str = "declined before running",
+    ) -> TrainerRankMemoryError:
+        """The recompute-aware error: the mode in force, predicted vs limit, and the same item
+        priced under full recompute and at the next TP size, with which of them would fit."""
+        what = (
+            f"item {item.index} ({len(item.leaves)} sequence(s), {shape.logical_tokens} logical / "
+            f"{shape.packed_tokens} packed tokens, {'grad' if grad else 'no-grad'}, outputs "
+            f"{shape.outputs.key})"
+        )
+        lines = [
+            f"forward_micro_batches: {what} {cause}: under {self.recompute.summary} the predicted "
+            f"dynamic peak is {gib(pricing.dynamic_bytes)} ({pricing.source}; peak with resident "
+            f"{gib(pricing.peak_bytes)}) against a usable limit of {gib(usable_bytes)}."
+        ]
+        remedies: list[str] = []
+        full = self.full_recompute
+        if grad and full is not None and full.key != self.recompute.key:
+            if full_pricing is None:
+                full_pricing, _, _ = self.price(item.leaves, grad, full)
+            fits = full_pricing.dynamic_bytes <= usable_bytes
+            lines.append(
+                f"Under {full.summary} it would need {gib(full_pricing.dynamic_bytes)}: "
+                f"{'fits' if fits else 'does not fit'}."
+            )
+            if fits:
+                remedies.append(
+                    "switch to full recompute (ART_MEGATRON_RECOMPUTE_GRANULARITY=full, "
+                    "ART_MEGATRON_RECOMPUTE_METHOD=uniform, ART_MEGATRON_RECOMPUTE_NUM_LAYERS=1)"
+                    + ("" if self.policy.escalate_to_full_recompute else
+                       " or enable escalate_to_full_recompute")
+                )
+        elif not grad:
+            lines.append(
+                "Without grad no activations are retained, so recompute cannot help; "
+                f"{'its sequences are run one per sub-forward at best' if len(item.leaves) > 1 else 'a single sequence cannot be split'}."  # noqa: E501
+            )
+        elif full is not None:
+            lines.append(f"{self.recompute.summary} is already the most frugal recompute policy.")
+        if self.next_tp_model is not None:
+            try:
+                next_tp = self.next_tp_model()
+            except ValueError as exc:
+                next_tp, reason = None, str(exc)
+            else:
+                reason = "no larger TP size is possible for this model"
+            if next_tp is None:
+                lines.append(f"A larger TP size: not priced ({reason}).")
+            else:
+                tp, model = next_tp
+                estimate = model.estimate(shape)
+                fits = int(estimate.dynamic_bytes) <= usable_bytes
+                lines.append(
+                    f"At TP={tp} (same recompute) it would need {gib(int(estimate.dynamic_bytes))} "
+                    f"per rank: {'fits' if fits else 'does not fit'} (if the per-rank limit is "
+                    "the same)."
+                )
+                if fits:
+                    remedies.append(f"set ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE={tp}")
+        if len(item.leaves) > 1:
+            remedies.append("pass the group's sequences as separate top-level items")
+        remedies.append("shorten the sequences or request fewer outputs")
+        suggestion = "; or ".join(remedies)
+        lines.append(f"Remedy: {suggestion}.")
+        return TrainerRankMemoryError(
+            " ".join(lines),
+            predicted_peak_bytes=pricing.dynamic_bytes,
+            usable_limit_bytes=usable_bytes,
+            recompute_summary=self.recompute.summary,
+            suggestion=suggestion,
+            indices_not_run=(item.index,),
+        )

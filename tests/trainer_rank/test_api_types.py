@@ -1,0 +1,102 @@
+"""Public value types: validation, nesting helpers, DP dealing, picklable errors, stats table."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from art.trainer_rank._items import deal_to_ranks, grad_mode, make_items, outputs_union, rebuild
+from art.trainer_rank._types import (
+    ADMITTED,
+    ForwardInput,
+    MicroBatchStats,
+    TrainerRankMemoryError,
+    format_stats_table,
+)
+
+
+def fi(n: int, **kw) -> ForwardInput:
+    return ForwardInput(torch.arange(n), **kw)
+
+
+def test_forward_input_validation_names_the_problem():
+    with pytest.raises(ValueError, match="1-D"):
+        ForwardInput(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty"):
+        ForwardInput(torch.zeros(0, dtype=torch.long))
+    with pytest.raises(ValueError, match="integer token ids"):
+        ForwardInput(torch.zeros(3))
+    with pytest.raises(ValueError, match="shaped like input_tokens"):
+        ForwardInput(torch.arange(3), target_tokens=torch.arange(4))
+    with pytest.raises(ValueError, match="top_k must be None or an integer >= 1, got 0"):
+        ForwardInput(torch.arange(3), top_k=0)
+    x = ForwardInput(torch.arange(3), target_tokens=torch.arange(3), top_k=4, hidden_states=True)
+    assert x.outputs.key == "logprobs,top_k=4,hidden_states"
+
+
+def test_nesting_round_trips_and_outputs_union():
+    inputs = [fi(3), [fi(2, top_k=2), [fi(4, logits=True), fi(1)]], [fi(5)]]
+    items = make_items(inputs)
+    assert [len(it.leaves) for it in items] == [1, 3, 1]
+    assert items[1].num_tokens == 7 and items[1].is_group and not items[0].is_group
+    out = rebuild(inputs[1], ["a", "b", "c"])
+    assert out == ["a", ["b", "c"]]
+    union = outputs_union(items[1].leaves)
+    assert union.top_k == 2 and union.logits and not union.target_logprobs
+    with pytest.raises(TypeError, match=r"inputs\[1\]\[0\] is a int"):
+        make_items([fi(1), [3]])
+    with pytest.raises(ValueError, match="empty group"):
+        make_items([[]])
+    with pytest.raises(TypeError, match="list of top-level items"):
+        make_items(fi(2))
+
+
+def test_grad_mode_agreement():
+    items = make_items([fi(2), fi(3, no_grad=True)])
+    with pytest.raises(ValueError, match="mix no_grad"):
+        grad_mode(items, None)
+    assert grad_mode(items, True) is False
+    assert grad_mode(make_items([fi(2, no_grad=True)]), None) is False
+    assert grad_mode(make_items([fi(2)]), None) is True
+
+
+def test_deal_is_deterministic_balanced_and_whole():
+    items = make_items([fi(n) for n in (50, 10, 40, 30, 20, 5)])
+    dealt = deal_to_ranks(items, 2)
+    assert sorted(i.index for b in dealt for i in b) == list(range(6))
+    loads = [sum(i.num_tokens for i in b) for b in dealt]
+    assert abs(loads[0] - loads[1]) <= 10
+    assert deal_to_ranks(items, 2) == dealt
+    assert all([i.index for i in b] == sorted(i.index for i in b) for b in dealt)
+    assert [len(b) for b in deal_to_ranks(items[:1], 3)] == [1, 0, 0]
+
+
+def test_memory_error_pickles_with_its_fields():
+    err = TrainerRankMemoryError(
+        "too big", predicted_peak_bytes=10, usable_limit_bytes=5,
+        recompute_summary="selective recompute (core_attn)", suggestion="use full",
+        indices_not_run=(3,),
+    )
+    back = pickle.loads(pickle.dumps(err))
+    assert isinstance(back, TrainerRankMemoryError)
+    assert (back.predicted_peak_bytes, back.usable_limit_bytes) == (10, 5)
+    assert back.indices_not_run == (3,)
+    assert back.recompute_summary.startswith("selective") and str(back) == "too big"
+
+
+def test_stats_table_renders_rows():
+    s = MicroBatchStats(
+        decision=ADMITTED, packed_tokens=64, logical_tokens=60, predicted_peak_bytes=3 << 20,
+        predicted_dynamic_bytes=2 << 20, usable_limit_bytes=8 << 20,
+        recompute_summary="no recompute", grad_enabled=True, measured_peak_bytes=1 << 20,
+    )
+    table = format_stats_table([s, s])
+    lines = table.splitlines()
+    assert len(lines) == 4 and "decision" in lines[0]
+    assert "0.500" in lines[2] and "2.00" in lines[2]
+    with pytest.raises(ValueError, match="decision must be one of"):
+        MicroBatchStats(decision="maybe", packed_tokens=1, logical_tokens=1,
+                        predicted_peak_bytes=1, predicted_dynamic_bytes=1, usable_limit_bytes=1,
+                        recompute_summary="", grad_enabled=False)
