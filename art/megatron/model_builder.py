@@ -78,6 +78,10 @@ def build_transformer_config(
         pipeline_model_parallel_size=layout.pipeline_parallel,
         context_parallel_size=layout.context_parallel,
         expert_model_parallel_size=layout.expert_parallel,
+        expert_tensor_parallel_size=layout.expert_tensor_parallel,
+        virtual_pipeline_model_parallel_size=(
+            layout.virtual_pipeline_parallel if layout.virtual_pipeline_parallel > 1 else None
+        ),
         sequence_parallel=layout.sequence_parallel,
         use_cpu_initialization=impl.device == "cpu",
         perform_initialization=True,
@@ -109,7 +113,32 @@ def build_transformer_config(
     return TransformerConfig(**kwargs)
 
 
-def layer_spec(geometry: ModelGeometry, implementation: Implementation):
+class SequenceParallelTorchRMSNorm(torch.nn.RMSNorm):
+    """torch RMSNorm usable under sequence parallel with the local spec.
+
+    Megatron's WrappedTorchNorm refuses sequence parallel only because nobody reduces the norm
+    weight's gradient over TP ranks that each saw a slice of the sequence. The norm itself is
+    row-wise, so a sequence shard is normalised exactly as in the full row. Marking the weight
+    `sequence_parallel` lets Megatron's gradient finalisation (finalize_model_grads) all-reduce
+    it, which is what Transformer Engine's and apex's norms do.
+    """
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
+
+
+class _QkTorchRMSNorm(torch.nn.RMSNorm):
+    """Per-head q/k RMSNorm for the local spec; it sees whole heads, never sequence shards."""
+
+    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
+        super().__init__(hidden_size, eps=eps)
+
+
+def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=None):
+    """Megatron's layer spec for this implementation. With the local spec and a config that
+    turns sequence parallel on, the torch norms are swapped for ones that accept it (see
+    above), and a block spec for this pipeline stage is returned so the final norm is too."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = geometry.num_experts or None
@@ -117,8 +146,35 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation):
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, qk_layernorm=geometry.qk_layernorm
         )
-    return gpt_layer_specs.get_gpt_layer_local_spec(
+    spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, qk_layernorm=geometry.qk_layernorm, normalization="RMSNorm"
+    )
+    if config is None or not config.sequence_parallel:
+        return spec
+    return _sequence_parallel_local_block_spec(spec, config)
+
+
+def _sequence_parallel_local_block_spec(spec, config):
+    import copy
+
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    spec = copy.deepcopy(spec)
+    layer = spec.submodules
+    layer.input_layernorm = SequenceParallelTorchRMSNorm
+    layer.pre_mlp_layernorm = SequenceParallelTorchRMSNorm
+    attention = layer.self_attention.submodules
+    if attention.q_layernorm is not IdentityOp:
+        attention.q_layernorm = _QkTorchRMSNorm
+        attention.k_layernorm = _QkTorchRMSNorm
+    # A TransformerBlockSubmodules is used as given, so it lists only this stage's layers.
+    return TransformerBlockSubmodules(
+        layer_specs=[spec] * get_num_layers_to_build(config),
+        layer_norm=SequenceParallelTorchRMSNorm,
     )
 
 
@@ -138,7 +194,7 @@ def build_gpt_model(
     torch.manual_seed(seed)
     model = GPTModel(
         config=config,
-        transformer_layer_spec=layer_spec(geometry, impl),
+        transformer_layer_spec=layer_spec(geometry, impl, config),
         vocab_size=geometry.vocab_size,
         max_sequence_length=geometry.max_position_embeddings,
         pre_process=parallel_state.is_pipeline_first_stage(),

@@ -47,6 +47,13 @@ class LayerRecompute:
     full_unit_layers: int
     # Selective modules that really take effect on this layer.
     selective_modules: frozenset[str]
+    # With `layernorm` recompute: which norms are really rebuilt in backward ("input",
+    # "pre_mlp"). The TE spec fuses the input norm into linear_qkv everywhere and the pre-MLP
+    # norm into fc1 on dense layers, so there only an MoE layer's pre-MLP norm is left.
+    recomputed_norms: frozenset[str] = frozenset()
+    # ATTENTION or LINEAR_ATTENTION (geometry's words); Gated DeltaNet layers have no
+    # core_attn checkpoint.
+    layer_type: str = "attention"
 
     @property
     def mode(self) -> str:
@@ -93,6 +100,7 @@ class EffectiveRecompute:
                 "mods": sorted(self.modules),
                 "layers": [
                     (lr.full_checkpoint_unit, lr.full_unit_layers, sorted(lr.selective_modules))
+                    + ((sorted(lr.recomputed_norms),) if lr.recomputed_norms else ())
                     for lr in self.layers
                 ],
             },
@@ -113,7 +121,7 @@ class EffectiveRecompute:
             self,
             layers=tuple(
                 replace(lr, full_checkpoint_unit=None, full_unit_layers=0,
-                        selective_modules=frozenset())
+                        selective_modules=frozenset(), recomputed_norms=frozenset())
                 for lr in self.layers
             ),
         )
@@ -155,9 +163,14 @@ def resolve_recompute(
     has_mla: bool = False,
     has_grouped_gemm: bool = False,
     has_shared_experts: bool = False,
+    layer_types: tuple[str, ...] | None = None,
 ) -> EffectiveRecompute:
     """Apply Megatron-Core's rules. Raises ValueError for what Megatron would crash on."""
     total = len(moe_layers)
+    if layer_types is None:
+        layer_types = ("attention",) * total
+    if len(layer_types) != total:
+        raise ValueError(f"layer_types has {len(layer_types)} entries for {total} layers")
     n_chunks = pipeline_stages * virtual_chunks
     if layers_per_chunk is None:
         if total % n_chunks:
@@ -236,9 +249,11 @@ def resolve_recompute(
         stage, chunk = c % pipeline_stages, c // pipeline_stages
         for i in range(n):
             is_moe = moe_layers[index]
+            is_linear_attention = layer_types[index] == "linear_attention"
             unit: int | None = None
             unit_layers = 0
             selective: set[str] = set()
+            norms: set[str] = set()
             if granularity == "full":
                 assert num_layers is not None
                 if method == "uniform":
@@ -251,8 +266,17 @@ def resolve_recompute(
                         continue  # Megatron ignores mlp recompute on MoE layers
                     if mod in ("moe", "moe_act", "shared_experts") and not is_moe:
                         continue
-                    if mod == "layernorm" and norm_fused_into_linear:
-                        continue  # TE fuses the norm into the next linear: nothing to recompute
+                    if mod == "core_attn" and is_linear_attention:
+                        continue  # Gated DeltaNet has no core-attention checkpoint
+                    if mod == "layernorm":
+                        # TE fuses the input norm into linear_qkv (and GDN's in_proj) and the
+                        # pre-MLP norm into fc1 on dense layers; an MoE layer keeps a real one.
+                        if not norm_fused_into_linear:
+                            norms.update(("input", "pre_mlp"))
+                        elif is_moe:
+                            norms.add("pre_mlp")
+                        if not norms:
+                            continue
                     selective.add(mod)
             layers.append(
                 LayerRecompute(
@@ -262,6 +286,8 @@ def resolve_recompute(
                     full_checkpoint_unit=unit,
                     full_unit_layers=unit_layers,
                     selective_modules=frozenset(selective),
+                    recomputed_norms=frozenset(norms),
+                    layer_type=layer_types[index],
                 )
             )
             index += 1

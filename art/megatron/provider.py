@@ -1,0 +1,282 @@
+"""Provider: a model config plus the ART_MEGATRON_* settings -> a Megatron-Core model, and an
+exact account of what Megatron will do with it (layout, implementation, recompute per layer).
+
+Construction validates everything and builds nothing, so the planner can price a model (and
+what-if recompute policies) on a machine that could never hold it. `build_model` is the only
+step that allocates weights; it needs Megatron's parallel state (`initialize_distributed`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from art.megatron import model_builder
+from art.megatron.distributed import DistributedState
+from art.megatron.distributed import initialize_distributed as _initialize_distributed
+from art.megatron.geometry import ModelGeometry, load_geometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.recompute import EffectiveRecompute, resolve_recompute
+from art.megatron.settings import Settings, load_settings
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
+
+
+class Provider:
+    """Settings + geometry -> TransformerConfig, GPTModel (+ LoRA) and `effective_recompute`."""
+
+    def __init__(
+        self,
+        model: str | Path | ModelGeometry,
+        *,
+        settings: Settings | None = None,
+        lora: LoraConfig | None = None,
+        dtype: str | None = None,
+        implementation: Implementation | None = None,
+    ) -> None:
+        self.settings: Settings = settings if settings is not None else load_settings()
+        self.geometry: ModelGeometry = (
+            model if isinstance(model, ModelGeometry) else load_geometry(model)
+        )
+        self.implementation: Implementation = implementation or Implementation.detect()
+        self.dtype: str = dtype or self.geometry.dtype
+        if self.dtype not in model_builder.DTYPES:
+            raise ValueError(
+                f"dtype {self.dtype!r} is not one of {', '.join(model_builder.DTYPES)}"
+            )
+        self.lora_config: LoraConfig | None = lora
+        self._world_size: int | None = None
+        self._check_layout()
+        self._check_implementation()
+        if lora is not None:
+            from art.megatron.lora import validate_lora_config
+
+            validate_lora_config(lora, self.geometry)
+        s = self.settings
+        self.effective_recompute: EffectiveRecompute = self.recompute_as(
+            s.recompute_granularity, s.recompute_method, s.recompute_num_layers,
+            s.recompute_modules,
+        )
+
+    @classmethod
+    def from_env(
+        cls,
+        model: str | Path | ModelGeometry,
+        *,
+        env: Mapping[str, str] | None = None,
+        lora: LoraConfig | None = None,
+        dtype: str | None = None,
+    ) -> Provider:
+        return cls(model, settings=load_settings(env), lora=lora, dtype=dtype)
+
+    # ------------------------------------------------------------------ what Megatron will do
+    @property
+    def layout(self) -> ParallelLayout:
+        """The parallel layout; data parallel is known once distributed is initialised."""
+        return self.settings.layout(self._world_size)
+
+    def recompute_as(
+        self,
+        granularity: str | None,
+        method: str | None = None,
+        num_layers: int | None = None,
+        modules: tuple[str, ...] | list[str] | None = None,
+    ) -> EffectiveRecompute:
+        """The per-layer policy Megatron would run for these knobs on this model and layout.
+
+        Price-only (nothing is built); validated exactly like the configured policy, so a
+        what-if such as full/uniform/1 for escalation fails here if Megatron would fail.
+        """
+        layout = self.settings.layout()
+        return resolve_recompute(
+            granularity=granularity,
+            method=method,
+            num_layers=num_layers,
+            modules=None if modules is None else tuple(modules),
+            moe_layers=self.geometry.moe_layers,
+            layer_types=self.geometry.layer_types,
+            pipeline_stages=layout.pipeline_parallel,
+            virtual_chunks=layout.virtual_pipeline_parallel,
+            norm_fused_into_linear=self.implementation.norm_fused_into_linear,
+            has_mla=False,
+            # model_builder builds MoE experts as SequentialMLP (moe_grouped_gemm=False).
+            has_grouped_gemm=False,
+            has_shared_experts=self.geometry.shared_expert_ffn_hidden_size > 0,
+        )
+
+    def describe(self) -> str:
+        """Human-readable account: model, layout, implementation, recompute per layer."""
+        er = self.effective_recompute
+        return "\n".join(
+            [
+                f"model {self.geometry.name}: {self.geometry.num_layers} layers, hidden "
+                f"{self.geometry.hidden_size}, dtype {self.dtype}",
+                f"layout {self.layout.summary}; implementation {self.implementation.key}",
+                f"recompute: {er.summary} [{er.key}]",
+                f"  {er.describe_layers()}",
+            ]
+        )
+
+    # ------------------------------------------------------------------ building
+    def initialize_distributed(self) -> DistributedState:
+        """torch.distributed + Megatron parallel state for this layout (torchrun env or one
+        local process). Idempotent; also fixes the data-parallel size from the world size."""
+        layout = self.settings.layout()
+        state = _initialize_distributed(
+            tensor_parallel=layout.tensor_parallel,
+            context_parallel=layout.context_parallel,
+            pipeline_parallel=layout.pipeline_parallel,
+            virtual_pipeline_parallel=self.settings.virtual_pipeline_model_parallel_size,
+            expert_parallel=layout.expert_parallel,
+            expert_tensor_parallel=self.settings.expert_tensor_parallel_size,
+        )
+        self._world_size = state.world_size
+        self.settings.layout(state.world_size)  # raises when the world does not divide
+        return state
+
+    def transformer_config(self):
+        """Megatron's TransformerConfig; its recompute fields are checked against ours."""
+        config = model_builder.build_transformer_config(
+            self.geometry,
+            layout=self.settings.layout(),
+            recompute=self.settings.recompute_config(),
+            dtype=self.dtype,
+            implementation=self.implementation,
+        )
+        expected = self.effective_recompute
+        if config.recompute_granularity != expected.granularity or (
+            expected.granularity == "selective"
+            and tuple(config.recompute_modules) != expected.modules
+        ):
+            raise RuntimeError(
+                f"Megatron's config says recompute {config.recompute_granularity} "
+                f"{config.recompute_modules}, the provider resolved {expected.summary}; "
+                "the two must agree for memory estimates to hold"
+            )
+        return config
+
+    def build_model(self, seed: int = 0) -> Any:
+        """Build this rank's GPTModel in training mode; with a LoRA config the adapters are
+        applied and only they are trainable."""
+        from megatron.core import parallel_state
+
+        if not parallel_state.model_parallel_is_initialized():
+            raise RuntimeError(
+                "Megatron's parallel state is not initialised; call "
+                "provider.initialize_distributed() before build_model()"
+            )
+        self._check_parallel_state_matches(parallel_state)
+        if self.settings.virtual_pipeline_model_parallel_size not in (None, 1):
+            raise ValueError(
+                "ART_MEGATRON_VIRTUAL_PIPELINE_MODEL_PARALLEL_SIZE > 1: this provider prices "
+                "interleaved virtual chunks but builds one chunk per stage only; unset it to "
+                "build a model"
+            )
+        config = self.transformer_config()
+        model = model_builder.build_gpt_model(
+            self.geometry, config, implementation=self.implementation, seed=seed
+        )
+        if self.lora_config is not None:
+            from art.megatron.lora import apply_lora
+
+            apply_lora(model, self.lora_config, seed=seed)
+        return model
+
+    # ------------------------------------------------------------------ validation
+    def _check_layout(self) -> None:
+        g, s = self.geometry, self.settings
+        tp = s.tensor_model_parallel_size
+        etp = s.expert_tensor_parallel_size or tp
+        checks = [
+            ("num_attention_heads", g.num_attention_heads, tp, "TENSOR_MODEL_PARALLEL_SIZE"),
+            ("num_key_value_heads", g.num_query_groups, tp, "TENSOR_MODEL_PARALLEL_SIZE"),
+            ("intermediate_size", g.ffn_hidden_size, tp, "TENSOR_MODEL_PARALLEL_SIZE"),
+            ("vocab_size", g.vocab_size, tp, "TENSOR_MODEL_PARALLEL_SIZE"),
+        ]
+        if g.is_moe:
+            checks += [
+                ("num_experts", g.num_experts, s.expert_model_parallel_size,
+                 "EXPERT_MODEL_PARALLEL_SIZE"),
+                ("moe_intermediate_size", g.moe_ffn_hidden_size, etp,
+                 "EXPERT_TENSOR_PARALLEL_SIZE" if s.expert_tensor_parallel_size else
+                 "TENSOR_MODEL_PARALLEL_SIZE (expert TP defaults to it)"),
+            ]
+        elif s.expert_model_parallel_size > 1:
+            raise ValueError(
+                f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size} but "
+                f"{g.name} has no MoE layers; unset it"
+            )
+        if g.linear_attention is not None:
+            la = g.linear_attention
+            checks += [
+                ("linear_num_key_heads", la.num_key_heads, tp, "TENSOR_MODEL_PARALLEL_SIZE"),
+                ("linear_num_value_heads", la.num_value_heads, tp,
+                 "TENSOR_MODEL_PARALLEL_SIZE"),
+            ]
+        for what, value, size, variable in checks:
+            if value % size:
+                raise ValueError(
+                    f"{g.name}: {what}={value} is not divisible by {variable}={size}; Megatron "
+                    f"shards it evenly. Choose a size that divides {value}"
+                )
+        chunks = s.pipeline_model_parallel_size * (s.virtual_pipeline_model_parallel_size or 1)
+        if g.num_layers % chunks:
+            raise ValueError(
+                f"{g.name}: {g.num_layers} layers cannot be split evenly over "
+                f"PIPELINE_MODEL_PARALLEL_SIZE={s.pipeline_model_parallel_size} x "
+                f"VIRTUAL_PIPELINE_MODEL_PARALLEL_SIZE="
+                f"{s.virtual_pipeline_model_parallel_size or 1}"
+            )
+
+    def _check_implementation(self) -> None:
+        impl, s = self.implementation, self.settings
+        if impl.spec == "local" and s.context_parallel_size > 1:
+            # Megatron's local DotProductAttention asserts context_parallel_size == 1 at build.
+            raise ValueError(
+                f"ART_MEGATRON_CONTEXT_PARALLEL_SIZE={s.context_parallel_size} needs Transformer "
+                "Engine attention (TE spec on CUDA); the local spec built here "
+                f"({impl.key}) supports only 1"
+            )
+        if impl.device == "cpu" and s.expert_model_parallel_size > 1:
+            # gloo's all_to_all_single rejects the split sizes the alltoall dispatcher passes.
+            raise ValueError(
+                f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size} needs "
+                "NCCL (CUDA): on CPU the gloo backend cannot run the MoE all-to-all; use 1"
+            )
+        if self.geometry.is_hybrid and impl.spec == "local":
+            raise ValueError(
+                f"{self.geometry.name} mixes Gated DeltaNet and attention layers; Megatron-Core "
+                "0.16.1 builds that hybrid block only with the Transformer Engine spec "
+                f"(implementation here: {impl.key}). It can be priced "
+                "(geometry, recompute_as) but not built here"
+            )
+
+    def _check_parallel_state_matches(self, parallel_state: Any) -> None:
+        layout = self.settings.layout()
+        seen = {
+            "TENSOR_MODEL_PARALLEL_SIZE": (
+                parallel_state.get_tensor_model_parallel_world_size(), layout.tensor_parallel),
+            "PIPELINE_MODEL_PARALLEL_SIZE": (
+                parallel_state.get_pipeline_model_parallel_world_size(),
+                layout.pipeline_parallel),
+            "CONTEXT_PARALLEL_SIZE": (
+                parallel_state.get_context_parallel_world_size(), layout.context_parallel),
+        }
+        for variable, (actual, wanted) in seen.items():
+            if actual != wanted:
+                raise RuntimeError(
+                    f"Megatron's parallel state has {variable}={actual} but the settings say "
+                    f"{wanted}; one process initialised Megatron with other settings "
+                    "(parallel state is global: one layout per process)"
+                )
+
+    def __repr__(self) -> str:
+        return (
+            f"Provider({self.geometry.name!r}, layout={self.layout.summary!r}, "
+            f"dtype={self.dtype!r}, recompute={self.effective_recompute.summary!r}, "
+            f"lora={'r=' + str(self.lora_config.r) if self.lora_config else None})"
+        )
+
