@@ -1,0 +1,75 @@
+"""Run one planned micro-batch: pack each sub-forward, decoder, chunked heads, and hand every
+sequence its own outputs (only those it asked for), in source order."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._forward import decoder_hidden_states
+from art.trainer_rank._heads import compute_heads
+from art.trainer_rank._items import outputs_union
+from art.trainer_rank._packing import IGNORE_INDEX, pack_sequences, pack_values, unpack
+from art.trainer_rank._types import ForwardInput, ForwardOutput, TopK
+
+
+def run_sub_forward(
+    model: Any,
+    leaves: Sequence[ForwardInput],
+    *,
+    implementation: Implementation,
+    layout: ParallelLayout,
+    device: torch.device,
+    head_chunk_tokens: int,
+) -> list[ForwardOutput]:
+    """One packed forward over `leaves` under the caller's grad mode."""
+    batch = pack_sequences(
+        [leaf.input_tokens for leaf in leaves],
+        implementation=implementation,
+        layout=layout,
+        device=device,
+    )
+    wanted = outputs_union(leaves)
+    hidden = decoder_hidden_states(model, batch)
+    targets = None
+    if wanted.target_logprobs:
+        targets = pack_values(
+            [
+                leaf.target_tokens if leaf.target_tokens is not None
+                else torch.full_like(leaf.input_tokens, IGNORE_INDEX)
+                for leaf in leaves
+            ],
+            batch,
+            fill=IGNORE_INDEX,
+        ).to(device=device, dtype=torch.long)
+    heads = None
+    if wanted.target_logprobs or wanted.top_k or wanted.logits:
+        heads = compute_heads(
+            model, hidden, target_tokens=targets, top_k=wanted.top_k, logits=wanted.logits,
+            chunk_tokens=head_chunk_tokens,
+        )
+    per_hidden = unpack(hidden, batch) if wanted.hidden_states else None
+    per_logprobs = unpack(heads.target_logprobs, batch) if heads and targets is not None else None
+    per_top_values = per_top_tokens = per_logits = None
+    if heads is not None and wanted.top_k:
+        per_top_values = unpack(heads.top_k_logprobs, batch)
+        per_top_tokens = unpack(heads.top_k_tokens, batch)
+    if heads is not None and wanted.logits:
+        per_logits = unpack(heads.logits, batch)
+    outputs = []
+    for i, leaf in enumerate(leaves):
+        out = ForwardOutput()
+        if leaf.target_tokens is not None and per_logprobs is not None:
+            out.target_logprobs = per_logprobs[i]
+        if leaf.top_k and per_top_values is not None and per_top_tokens is not None:
+            out.top_k = TopK(per_top_values[i][:, : leaf.top_k], per_top_tokens[i][:, : leaf.top_k])
+        if leaf.logits and per_logits is not None:
+            out.logits = per_logits[i]
+        if leaf.hidden_states and per_hidden is not None:
+            out.hidden_states = per_hidden[i]
+        outputs.append(out)
+    return outputs

@@ -1,0 +1,439 @@
+"""TrainerRank: forward_micro_batches and dp_rank_forward (orchestration only).
+
+Each micro-batch: agree the usable limit over the replica's ranks, ask admission for a plan,
+run it inside a live-bytes meter (CPU: the virtual limit; GPU: allocator stats), yield, and
+when the caller hands control back (its loss and backward done) record the measured peak in
+the profile. A run-time OOM is recorded as a miss and the items are re-planned, which makes
+them smaller, split, escalated or declined; nothing is yielded twice unless the caller itself
+caught an OOM in its backward and asked for the retry by iterating on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import logging
+import traceback
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from art.trainer_rank import _agree
+from art.trainer_rank._admission import Admission, AdmissionPolicy, Plan
+from art.trainer_rank._escalation import full_recompute
+from art.trainer_rank._execute import run_sub_forward
+from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
+from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank._options import TrainerRankOptions
+from art.trainer_rank._packing import packed_length_tokens
+from art.trainer_rank._profiles import ProfileStore
+from art.trainer_rank._types import (
+    DECLINED,
+    ForwardOutput,
+    MicroBatch,
+    MicroBatchStats,
+    TrainerRankMemoryError,
+    TrainerRankRuntimeSupportError,
+)
+
+logger = logging.getLogger("art.trainer_rank")
+
+# Gradients are snapshotted before a grad micro-batch is yielded (so a caller-backward OOM can
+# be retried without double-counting) only when the trainable parameters are this small,
+# i.e. adapters, not full fine-tuning.
+GRAD_SNAPSHOT_MAX_BYTES = 256 * 2**20
+
+
+@dataclass
+class Runtime:
+    """An already-built model and the provider that describes it (tests, custom builders)."""
+
+    model: Any
+    provider: Any
+
+
+def _cpu_available_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class _GradSnapshot:
+    def __init__(self, model: Any) -> None:
+        self.saved: list[tuple[torch.Tensor, str, torch.Tensor | None]] = []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            for name in ("grad", "main_grad"):
+                g = getattr(p, name, None)
+                self.saved.append((p, name, None if g is None else g.detach().clone()))
+
+    @staticmethod
+    def affordable(model: Any) -> bool:
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return total <= GRAD_SNAPSHOT_MAX_BYTES
+
+    def restore(self) -> None:
+        for p, name, g in self.saved:
+            if name == "grad":
+                p.grad = g
+            elif g is not None:
+                getattr(p, name).copy_(g)
+
+
+class TrainerRank:
+    """LoRA training and scoring forwards with recompute-aware memory admission."""
+
+    def __init__(
+        self,
+        provider_or_runtime: Any,
+        *,
+        options: TrainerRankOptions | None = None,
+        memory_model: Any | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.options = options or TrainerRankOptions.from_env()
+        if isinstance(provider_or_runtime, Runtime):
+            self.provider = provider_or_runtime.provider
+            self.model = provider_or_runtime.model
+        else:
+            self.provider = provider_or_runtime
+            self.provider.initialize_distributed()
+            self.model = self.provider.build_model(seed=seed)
+        provider = self.provider
+        layout = provider.layout
+        if layout.pipeline_parallel > 1:
+            raise TrainerRankRuntimeSupportError(
+                f"pipeline parallel size {layout.pipeline_parallel}: TrainerRank runs the whole "
+                "model on each rank; set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
+            )
+        if memory_model is None:
+            from art.trainer_rank._memory.model import MemoryModel
+
+            memory_model = MemoryModel.for_provider(provider)
+        self.memory_model = memory_model
+        self.layout = layout
+        self.implementation = provider.implementation
+        self.device = next(self.model.parameters()).device
+        self.profiles = ProfileStore(self.options.profile_path)
+        self.profiles.profiles = _agree.broadcast_from_replica_root(self.profiles.profiles)
+        try:
+            full = provider.recompute_as("full", "uniform", 1)
+        except ValueError:
+            full = None
+        lora = provider.lora_config
+        adapter = "none" if lora is None else (
+            f"r{lora.r}:{','.join(sorted(lora.target_modules or []))}"
+        )
+        self.admission = Admission(
+            memory_model=memory_model,
+            profiles=self.profiles,
+            recompute=provider.effective_recompute,
+            topology=f"{provider.geometry.name}|{provider.implementation.key}|{layout.summary}|"
+            f"{provider.dtype}",
+            adapter=adapter,
+            packed_length=lambda lengths: packed_length_tokens(lengths, layout),
+            full_recompute=full,
+            next_tp_model=self._next_tp_model,
+            policy=AdmissionPolicy(
+                escalate_to_full_recompute=self.options.escalate_to_full_recompute,
+                cold_start_fraction=self.options.cold_start_fraction,
+                trust_window=self.options.trust_window,
+            ),
+        )
+        self.stats_history: list[MicroBatchStats] = []
+
+    # -- limits and pricing helpers -----------------------------------------------------------
+
+    def _next_tp_model(self) -> tuple[int, Any] | None:
+        from art.trainer_rank._memory.model import MemoryModel
+
+        settings = self.provider.settings
+        tp = settings.tensor_model_parallel_size * 2
+        other = type(self.provider)(
+            self.provider.geometry,
+            settings=replace(settings, tensor_model_parallel_size=tp),
+            lora=self.provider.lora_config,
+            dtype=self.provider.dtype,
+            implementation=self.provider.implementation,
+        )
+        return tp, MemoryModel.for_provider(other)
+
+    def usable_limit_bytes(self) -> int:
+        """What the next micro-batch may use, the minimum over this replica's TP/CP ranks."""
+        if self.options.test_memory_limit_bytes is not None:
+            local = self.options.test_memory_limit_bytes
+        elif self.device.type == "cuda":
+            free, _total = torch.cuda.mem_get_info(self.device)
+            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
+                self.device
+            )
+            local = free + cached
+        else:
+            local = _cpu_available_bytes()
+        return _agree.min_over_replica(local)
+
+    def _meter(self, usable: int) -> LiveBytesMeter:
+        limit = self.options.test_memory_limit_bytes
+        return LiveBytesMeter(limit_bytes=None if limit is None else usable,
+                              device=self.device.type)
+
+    # -- public API ---------------------------------------------------------------------------
+
+    def forward_micro_batches(
+        self, inputs: Sequence[Any], *, no_grad: bool | None = None
+    ) -> Iterator[MicroBatch]:
+        """Yield micro-batches of whole top-level items (this DP rank's share). Compute the
+        loss and run backward before asking for the next one: that is measured too."""
+        items = make_items(inputs)
+        grad = grad_mode(items, no_grad)
+        _agree.check_same_call("forward_micro_batches", (*fingerprint(items), int(grad)))
+        dp_rank, dp_size = _agree.data_parallel_rank_and_size()
+        local = deal_to_ranks(items, dp_size)[dp_rank]
+        yield from self._micro_batches(local, grad)
+
+    def dp_rank_forward(
+        self, inputs: Sequence[Any], *, no_grad: bool | None = None
+    ) -> list[Any]:
+        """Run already-DP-local inputs in one call; outputs mirror `inputs`. Without grad the
+        items may run as several sub-forwards; with grad everything is retained until the
+        caller's backward, so the whole call is admitted (or escalated, or declined) as one."""
+        items = make_items(inputs)
+        grad = grad_mode(items, no_grad)
+        if grad:
+            group = Item(index=0, value=list(inputs), leaves=tuple(
+                leaf for item in items for leaf in item.leaves))
+            queue = [group]
+        else:
+            queue = items
+        results: dict[int, Any] = {}
+        for mb in self._micro_batches(queue, grad, measure_caller=not grad):
+            for index, out in zip(mb.indices, mb.outputs):
+                results[index] = out
+        if grad:
+            return results[0]
+        return [results[item.index] for item in items]
+
+    # -- the loop -----------------------------------------------------------------------------
+
+    def _micro_batches(
+        self, local: list[Item], grad: bool, *, measure_caller: bool = True
+    ) -> Iterator[MicroBatch]:
+        pending = list(local)
+        declined: list[TrainerRankMemoryError] = []
+        retries: dict[int, int] = {}
+        last_oom: BaseException | None = None
+        oom_count = 0
+        while pending:
+            usable = self.usable_limit_bytes()
+            plan = self.admission.plan_next(pending, grad, usable)
+            _agree.check_same_plan(
+                f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
+                f"escalate={plan.escalate} usable={usable}"
+            )
+            chosen = {item.index for item in plan.items}
+            pending = [item for item in pending if item.index not in chosen]
+            if plan.decision == DECLINED:
+                assert plan.error is not None
+                logger.warning("%s", plan.error)
+                declined.append(plan.error)
+                continue
+            if plan.escalate:
+                logger.warning("escalating to full recompute: %s", plan.note)
+            outcome = yield from self._run_plan(
+                plan, grad, usable, retries, measure_caller=measure_caller
+            )
+            if outcome is not None:  # an OOM: the items go back to the queue, smaller next time
+                oom_count += 1
+                last_oom = outcome
+                if oom_count > self.options.max_oom_retries:
+                    raise TrainerRankMemoryError(
+                        f"forward_micro_batches: {oom_count} run-time OOMs in one call (limit "
+                        f"{self.options.max_oom_retries}); items {sorted(chosen)} and "
+                        f"{[i.index for i in pending]} were not run. The memory model and "
+                        "profile keep under-predicting this run; lower the usable limit or "
+                        "switch to full recompute",
+                        predicted_peak_bytes=plan.pricing.dynamic_bytes,
+                        usable_limit_bytes=usable,
+                        recompute_summary=plan.pricing.recompute.summary,
+                        suggestion="switch to full recompute or use smaller items",
+                        indices_not_run=tuple(sorted(chosen | {i.index for i in pending})),
+                    ) from outcome
+                for index in chosen:
+                    retries[index] = retries.get(index, 0) + 1
+                pending = sorted([*plan.items, *pending], key=lambda it: it.index)
+        self._save_profiles()
+        if declined:
+            raise _combine(declined) from last_oom
+
+    def _run_plan(
+        self,
+        plan: Plan,
+        grad: bool,
+        usable: int,
+        retries: dict[int, int],
+        *,
+        measure_caller: bool,
+    ) -> Iterator[MicroBatch]:
+        """Run and yield one plan; returns the OOM exception when it ran out of memory."""
+        leaves = plan.leaves
+        snapshot = (
+            _GradSnapshot(self.model) if grad and _GradSnapshot.affordable(self.model) else None
+        )
+        stack = contextlib.ExitStack()
+        with stack:
+            if plan.escalate:
+                stack.enter_context(full_recompute(self.model))
+            meter = stack.enter_context(self._meter(usable))
+            ooms_before = _cuda_oom_count(self.device)
+            failed_sub: tuple[int, ...] | None = None
+            try:
+                leaf_outputs: list[ForwardOutput] = []
+                with torch.set_grad_enabled(grad):
+                    for sub in plan.sub_forwards:
+                        failed_sub = sub
+                        leaf_outputs.extend(
+                            run_sub_forward(
+                                self.model, [leaves[i] for i in sub],
+                                implementation=self.implementation, layout=self.layout,
+                                device=self.device,
+                                head_chunk_tokens=self.options.head_chunk_tokens,
+                            )
+                        )
+            except torch.OutOfMemoryError as exc:
+                leaf_outputs = []
+                self._record_oom(plan, failed_sub, usable, exc)
+                stack.close()
+                if snapshot is not None:
+                    snapshot.restore()
+                _release_memory()
+                return exc
+            stats = self._stats(plan, usable, grad, retries)
+            outputs, cursor = [], 0
+            for item in plan.items:
+                n = len(item.leaves)
+                outputs.append(rebuild(item.value, leaf_outputs[cursor:cursor + n]))
+                cursor += n
+            del leaf_outputs
+            yield MicroBatch(
+                inputs=[item.value for item in plan.items],
+                outputs=outputs,
+                indices=plan.indices,
+                stats=stats,
+            )
+            del outputs
+            over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
+            caller_oom = over or _cuda_oom_count(self.device) > ooms_before
+            caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
+            measured = _agree.max_over_replica(meter.peak_bytes)
+        if caller_oom:
+            exc = torch.OutOfMemoryError(
+                f"the caller's loss/backward ran out of memory at {measured} bytes (usable "
+                f"{usable}) for items {plan.indices}"
+            )
+            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable)
+            if snapshot is None:
+                raise TrainerRankMemoryError(
+                    f"forward_micro_batches: the caller's backward for items {plan.indices} ran "
+                    f"out of memory (predicted {plan.pricing.dynamic_bytes} bytes, usable "
+                    f"{usable}); the trainable parameters are too large to snapshot their "
+                    "gradients, so the partially accumulated gradients cannot be undone and the "
+                    "items are not retried. Zero the gradients and run the step again; the miss "
+                    "is recorded and the planner will admit less",
+                    predicted_peak_bytes=plan.pricing.dynamic_bytes,
+                    usable_limit_bytes=usable,
+                    recompute_summary=plan.pricing.recompute.summary,
+                    suggestion="rerun the step; the planner now admits less",
+                    indices_not_run=tuple(plan.indices),
+                ) from exc
+            snapshot.restore()
+            _release_memory()
+            return exc
+        stats.measured_peak_bytes = measured
+        self.stats_history.append(stats)
+        if measure_caller:
+            # A split's signature and size are its largest sub-forward's: nothing is kept
+            # between sub-forwards without grad, so the measured peak is that one's.
+            self.profiles.observe(plan.signature, plan.shape.packed_tokens, measured)
+        return None
+
+    def _save_profiles(self) -> None:
+        import torch.distributed as dist
+
+        if self.options.profile_path and (not dist.is_initialized() or dist.get_rank() == 0):
+            self.profiles.save()
+
+    def _record_oom(
+        self, plan: Plan, failed_sub: tuple[int, ...] | None, usable: int, exc: BaseException
+    ) -> None:
+        if failed_sub is not None and len(plan.sub_forwards) > 1:
+            _, shape, sig = self.admission.price(
+                [plan.leaves[i] for i in failed_sub], plan.shape.grad_enabled,
+                plan.pricing.recompute,
+            )
+            self.profiles.record_miss(sig, shape.packed_tokens, usable)
+        else:
+            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable)
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
+        logger.warning(
+            "OOM at run time for items %s (%d packed tokens, predicted %d bytes, usable %d): "
+            "recorded; re-planning smaller", plan.indices, plan.shape.packed_tokens,
+            plan.pricing.dynamic_bytes, usable,
+        )
+
+    def _stats(
+        self, plan: Plan, usable: int, grad: bool, retries: dict[int, int]
+    ) -> MicroBatchStats:
+        return MicroBatchStats(
+            decision=plan.decision,
+            packed_tokens=plan.shape.packed_tokens,
+            logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
+            predicted_peak_bytes=plan.pricing.peak_bytes,
+            predicted_dynamic_bytes=plan.pricing.dynamic_bytes,
+            usable_limit_bytes=usable,
+            recompute_summary=plan.pricing.recompute.summary if grad else "no grad",
+            grad_enabled=grad,
+            term_table=plan.pricing.estimate.table(),
+            predicted_source=plan.pricing.source,
+            sub_forwards=len(plan.sub_forwards),
+            retries=max((retries.get(i, 0) for i in plan.indices), default=0),
+            note=plan.note,
+        )
+
+
+def _cuda_oom_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+
+
+def _release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _combine(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryError:
+    if len(errors) == 1:
+        return errors[0]
+    indices = tuple(sorted(i for e in errors for i in e.indices_not_run))
+    worst = max(errors, key=lambda e: e.predicted_peak_bytes)
+    return TrainerRankMemoryError(
+        f"forward_micro_batches: {len(errors)} items were declined before running (indices "
+        f"{list(indices)}); every other item was yielded.\n" + "\n".join(str(e) for e in errors),
+        predicted_peak_bytes=worst.predicted_peak_bytes,
+        usable_limit_bytes=worst.usable_limit_bytes,
+        recompute_summary=worst.recompute_summary,
+        suggestion=worst.suggestion,
+        indices_not_run=indices,
+    )

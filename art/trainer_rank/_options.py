@@ -1,0 +1,123 @@
+"""TrainerRankOptions: every knob of the trainer, from arguments or ART_TRAINER_RANK_* env,
+validated before anything runs."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+from art.trainer_rank._heads import HEAD_CHUNK_TOKENS
+from art.trainer_rank._memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
+from art.trainer_rank._profiles import ENV_PROFILE_PATH
+
+ENV_PREFIX = "ART_TRAINER_RANK_"
+# env name (after the prefix) -> (field, meaning)
+ENV_VARIABLES: dict[str, tuple[str, str]] = {
+    "PROFILE_PATH": ("profile_path", "JSON file for learned memory profiles (unset: in memory)"),
+    "TEST_MEMORY_LIMIT_BYTES": (
+        "test_memory_limit_bytes",
+        "virtual memory limit for CPU runs: live tensor bytes past it raise OutOfMemoryError",
+    ),
+    "ESCALATE_TO_FULL_RECOMPUTE": (
+        "escalate_to_full_recompute",
+        "run an item that fits only under full recompute with full recompute (default true)",
+    ),
+    "COLD_START_FRACTION": (
+        "cold_start_fraction",
+        "first micro-batch of an unprofiled signature: this fraction of what the model admits",
+    ),
+    "TRUST_WINDOW": (
+        "trust_window",
+        "a profile is used from min observed / w to max observed x w tokens (default 2)",
+    ),
+    "HEAD_CHUNK_TOKENS": ("head_chunk_tokens", "tokens per output-head chunk"),
+}
+assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
+assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+
+
+@dataclass(frozen=True)
+class TrainerRankOptions:
+    profile_path: str | None = None
+    test_memory_limit_bytes: int | None = None
+    escalate_to_full_recompute: bool = True
+    cold_start_fraction: float = 0.25
+    trust_window: float = 2.0
+    head_chunk_tokens: int = HEAD_CHUNK_TOKENS
+    # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
+    max_oom_retries: int = 8
+
+    def __post_init__(self) -> None:
+        limit = self.test_memory_limit_bytes
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
+                                  or limit <= 0):
+            raise ValueError(
+                f"test_memory_limit_bytes must be a positive integer or None, got {limit!r}"
+            )
+        if not 0.0 < self.cold_start_fraction <= 1.0:
+            raise ValueError(
+                f"cold_start_fraction must be in (0, 1], got {self.cold_start_fraction!r}"
+            )
+        if not self.trust_window >= 1.0:
+            raise ValueError(f"trust_window must be >= 1.0, got {self.trust_window!r}")
+        if isinstance(self.head_chunk_tokens, bool) or not isinstance(self.head_chunk_tokens, int) \
+                or self.head_chunk_tokens < 1:
+            raise ValueError(
+                f"head_chunk_tokens must be an integer >= 1, got {self.head_chunk_tokens!r}"
+            )
+        if not isinstance(self.escalate_to_full_recompute, bool):
+            raise ValueError(
+                f"escalate_to_full_recompute must be a bool, got "
+                f"{self.escalate_to_full_recompute!r}"
+            )
+        if self.max_oom_retries < 0:
+            raise ValueError(f"max_oom_retries must be >= 0, got {self.max_oom_retries}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TrainerRankOptions:
+        """Options from ART_TRAINER_RANK_* (arguments in `overrides` win). An unknown
+        ART_TRAINER_RANK_* name is an error with the closest known name."""
+        environ = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for name, raw in environ.items():
+            if not name.startswith(ENV_PREFIX):
+                continue
+            short = name[len(ENV_PREFIX):]
+            if short not in ENV_VARIABLES:
+                close = difflib.get_close_matches(short, list(ENV_VARIABLES), n=1, cutoff=0.5)
+                hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
+                raise ValueError(
+                    f"unknown variable {name}{hint} Known: "
+                    f"{', '.join(ENV_PREFIX + k for k in ENV_VARIABLES)}"
+                )
+            field_name = ENV_VARIABLES[short][0]
+            values[field_name] = _parse(name, field_name, raw)
+        known = {f.name for f in fields(cls)}
+        unknown = set(overrides) - known
+        if unknown:
+            raise TypeError(f"unknown TrainerRankOptions field(s) {sorted(unknown)}")
+        return replace(cls(**values), **overrides)
+
+
+def _parse(name: str, field_name: str, raw: str) -> Any:
+    text = raw.strip()
+    if field_name == "profile_path":
+        return text or None
+    if field_name == "test_memory_limit_bytes":
+        return test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: text})
+    if field_name == "escalate_to_full_recompute":
+        if text.lower() in _TRUE:
+            return True
+        if text.lower() in _FALSE:
+            return False
+        raise ValueError(f"{name}={raw!r} is not a boolean; use true or false")
+    try:
+        return float(text) if field_name in ("cold_start_fraction", "trust_window") else int(text)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
