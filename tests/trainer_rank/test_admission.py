@@ -1,0 +1,183 @@
+"""Admission decisions and messages.
+
+The memory model here is a linear stand-in (bytes = rate x packed tokens, rate by recompute
+mode) so each decision boundary is placed exactly; the real MemoryModel is exercised in
+test_trainer.py and test_seed_scaled_down.py. The recompute policies are the real resolved ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from art.megatron.recompute import resolve_recompute
+from art.trainer_rank._admission import Admission, AdmissionPolicy
+from art.trainer_rank._items import make_items
+from art.trainer_rank._profiles import ProfileStore
+from art.trainer_rank._types import (
+    ADMITTED,
+    COLD_CAPPED,
+    DECLINED,
+    ESCALATED,
+    SPLIT,
+    ForwardInput,
+)
+
+MOE = (False,) * 4
+SELECTIVE = resolve_recompute(granularity="selective", method=None, num_layers=None,
+                              modules=None, moe_layers=MOE)
+FULL = resolve_recompute(granularity="full", method="uniform", num_layers=1, modules=None,
+                         moe_layers=MOE)
+RATE = {"selective": 100, "full": 10, "none": 100}
+
+
+@dataclasses.dataclass
+class _Estimate:
+    dynamic_bytes: int
+    resident_bytes: int = 1000
+    reserve_bytes: int = 0
+
+    def table(self) -> str:
+        return "stand-in"
+
+
+@dataclasses.dataclass
+class LinearModel:
+    recompute: object = SELECTIVE
+    per_tp: int = 1
+
+    def estimate(self, shape):
+        grad_mode = self.recompute.mode if shape.grad_enabled else "none"
+        per_token = RATE[grad_mode] if shape.grad_enabled else 20
+        return _Estimate(per_token * shape.packed_tokens // self.per_tp)
+
+    def with_recompute(self, recompute):
+        return LinearModel(recompute, self.per_tp)
+
+    def max_tokens_that_fit(self, usable_bytes, *, outputs, grad_enabled, sequences=1):
+        per_token = RATE[self.recompute.mode] if grad_enabled else 20
+        return usable_bytes // per_token
+
+
+def admission(**policy) -> Admission:
+    return Admission(
+        memory_model=LinearModel(),
+        profiles=ProfileStore(),
+        recompute=SELECTIVE,
+        topology="tiny|TP1",
+        adapter="r1",
+        packed_length=sum,
+        full_recompute=FULL,
+        next_tp_model=lambda: (2, LinearModel(per_tp=2)),
+        policy=AdmissionPolicy(**policy),
+    )
+
+
+def items(*groups):
+    return make_items(
+        [
+            [ForwardInput(torch.arange(n)) for n in g] if isinstance(g, tuple)
+            else ForwardInput(torch.arange(g))
+            for g in groups
+        ]
+    )
+
+
+def warm(adm: Admission, grad: bool) -> None:
+    """One observation for the signature, as a measured first micro-batch leaves behind."""
+    pricing, shape, sig = adm.price(items(10)[0].leaves, grad)
+    adm.profiles.observe(sig, shape.packed_tokens, 10)
+
+
+def test_cold_start_runs_the_smallest_item_first_under_a_cap():
+    adm = admission(cold_start_fraction=0.25)
+    plan = adm.plan_next(items(300, 50, 400, 60, 70), grad=True, usable_bytes=100_000)
+    # model admits 1000 tokens; the cap is 250: smallest (50) first, then what fits under 250.
+    assert plan.decision == COLD_CAPPED
+    assert sum(it.num_tokens for it in plan.items) <= 250
+    assert [it.index for it in plan.items] == [1, 3, 4]
+
+
+def test_warm_admits_the_largest_set_of_whole_items_that_fits():
+    adm = admission()
+    warm(adm, True)
+    plan = adm.plan_next(items(300, 500, 400, 60), grad=True, usable_bytes=100_000)
+    assert plan.decision == ADMITTED
+    # 300 + 500 fit (800 of 1000 tokens), 400 does not, 60 still does: first fit, whole items.
+    assert [it.index for it in plan.items] == [0, 1, 3]
+    assert plan.shape.packed_tokens == 860 and plan.pricing.dynamic_bytes == 86_000
+    plan2 = adm.plan_next([items(300, 500, 400, 60)[2]], grad=True, usable_bytes=100_000)
+    assert [it.index for it in plan2.items] == [2]
+
+
+def test_profile_above_model_wins_inside_the_trust_window_only():
+    adm = admission(trust_window=2.0)
+    _, shape, sig = adm.price(items(100)[0].leaves, True)
+    adm.profiles.observe(sig, 100, 30_000)  # measured 3x the model
+    pricing, _, _ = adm.price(items(150)[0].leaves, True)
+    assert pricing.source == "profile" and pricing.dynamic_bytes == 45_000
+    outside, _, _ = adm.price(items(300)[0].leaves, True)
+    assert outside.source == "model" and outside.dynamic_bytes == 30_000
+
+
+def test_no_grad_group_that_does_not_fit_is_split_into_sub_forwards():
+    adm = admission()
+    warm(adm, False)
+    plan = adm.plan_next(items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
+    assert plan.decision == SPLIT
+    assert plan.sub_forwards == ((0, 1), (2, 3))  # 700 and 550 tokens x 20 B <= 16000
+    assert plan.pricing.dynamic_bytes <= 16_000
+
+
+def test_grad_item_escalates_to_full_recompute_when_only_that_fits():
+    adm = admission()
+    warm(adm, True)
+    plan = adm.plan_next(items((600, 600)), grad=True, usable_bytes=100_000)
+    assert plan.decision == ESCALATED and plan.escalate
+    assert plan.pricing.recompute is FULL and plan.pricing.dynamic_bytes == 12_000
+
+
+def test_decline_names_mode_prices_remedies_and_says_which_fit():
+    adm = admission(escalate_to_full_recompute=False)
+    warm(adm, True)
+    plan = adm.plan_next(items(50, (600, 600)), grad=True, usable_bytes=100_000)
+    assert plan.decision == ADMITTED
+    plan = adm.plan_next(items(50, (600, 600))[1:], grad=True, usable_bytes=100_000)
+    assert plan.decision == DECLINED and plan.sub_forwards == ()
+    err = plan.error
+    msg = str(err)
+    assert "selective recompute (core_attn)" in msg
+    assert "item 1" in msg and "1200 packed tokens" in msg
+    assert "0.000 GiB" not in msg.split("usable limit of")[1][:5]
+    assert "full recompute (uniform, 1 layer(s) per checkpoint) it would need" in msg
+    assert "fits" in msg and "At TP=2" in msg
+    assert "ART_MEGATRON_RECOMPUTE_GRANULARITY=full" in err.suggestion
+    assert "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=2" in err.suggestion
+    assert err.indices_not_run == (1,)
+    assert err.predicted_peak_bytes == 120_000 and err.usable_limit_bytes == 100_000
+
+
+def test_decline_when_nothing_fits_says_so():
+    adm = admission()
+    warm(adm, True)
+    plan = adm.plan_next(items(20_000), grad=True, usable_bytes=100_000)
+    assert plan.decision == DECLINED
+    msg = str(plan.error)
+    assert msg.count("does not fit") == 2  # full recompute and TP=2
+    assert "RECOMPUTE_GRANULARITY" not in plan.error.suggestion
+    no_grad = adm.plan_next(items(20_000), grad=False, usable_bytes=100_000)
+    assert no_grad.decision == DECLINED
+    assert "recompute cannot help" in str(no_grad.error)
+
+
+@pytest.mark.parametrize("usable", [5_000, 50_000])
+def test_a_recorded_miss_shrinks_what_is_admitted(usable):
+    adm = admission()
+    warm(adm, False)
+    first = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
+    tokens = first.shape.packed_tokens
+    adm.profiles.record_miss(first.signature, tokens, usable)
+    again = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
+    assert again.decision == DECLINED or again.shape.packed_tokens < tokens
