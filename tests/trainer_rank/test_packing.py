@@ -1,0 +1,137 @@
+"""Packing: positions restart per sequence, isolation (mask or cu_seqlens), layout padding."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._packing import (
+    IGNORE_INDEX,
+    next_token_targets,
+    pack_sequences,
+    pack_values,
+    packed_length_tokens,
+    unpack,
+)
+
+LOCAL = Implementation.cpu_local()
+TE = Implementation.gpu_te()
+
+
+def _seqs(*lengths: int) -> list[torch.Tensor]:
+    return [torch.arange(1, n + 1) + 100 * i for i, n in enumerate(lengths)]
+
+
+def test_positions_offsets_and_block_diagonal_causal_mask():
+    batch = pack_sequences(_seqs(3, 1, 4), implementation=LOCAL, layout=ParallelLayout())
+    assert batch.padded_tokens == batch.logical_tokens == 8
+    assert batch.offsets == (0, 3, 4)
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
+    assert batch.tokens.tolist() == [[1, 2, 3, 101, 201, 202, 203, 204]]
+    assert batch.packed_seq_params is None
+    mask = batch.attention_mask
+    assert mask.dtype == torch.bool and mask.shape == (1, 1, 8, 8)
+    owner = [0, 0, 0, 1, 2, 2, 2, 2]
+    for q in range(8):
+        for k in range(8):
+            visible = owner[q] == owner[k] and k <= q
+            assert bool(mask[0, 0, q, k]) is (not visible), (q, k)
+
+
+def test_sequence_parallel_pads_the_row_to_a_multiple_of_tp_with_its_own_block():
+    layout = ParallelLayout(tensor_parallel=4, sequence_parallel=True)
+    batch = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=layout)
+    assert batch.logical_tokens == 5 and batch.padded_tokens == 8
+    assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
+    mask = batch.attention_mask[0, 0]
+    # The pad tokens see only pad tokens, and no real token sees them.
+    causal_masked = torch.ones(3, 3, dtype=torch.bool).triu(diagonal=1)
+    assert torch.equal(mask[5:, 5:], causal_masked)
+    assert mask[:5, 5:].all() and mask[5:, :5].all()
+    # Without sequence parallel TP needs no padding.
+    plain = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=ParallelLayout(2))
+    assert plain.padded_tokens == 5
+
+
+def test_te_spec_gets_cu_seqlens_instead_of_a_mask():
+    layout = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
+    batch = pack_sequences(_seqs(3, 4), implementation=TE, layout=layout)
+    assert batch.attention_mask is None
+    params = batch.packed_seq_params
+    assert params.qkv_format == "thd"
+    assert params.cu_seqlens_q.dtype == torch.int32
+    # 7 real tokens padded to 8: the trailing pad is its own pseudo-sequence.
+    assert params.cu_seqlens_q.tolist() == [0, 3, 7, 8]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 3, 7, 8]
+    assert params.max_seqlen_q == params.max_seqlen_kv == 4
+
+
+def test_context_parallel_pads_every_sequence_to_twice_cp():
+    layout = ParallelLayout(tensor_parallel=1, context_parallel=2)
+    batch = pack_sequences(_seqs(3, 5), implementation=TE, layout=layout)
+    assert batch.offsets == (0, 4)
+    assert batch.padded_tokens == 12
+    params = batch.packed_seq_params
+    assert params.cu_seqlens_q.tolist() == [0, 3, 8]
+    assert params.cu_seqlens_q_padded.tolist() == [0, 4, 12]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
+
+
+def test_context_parallel_with_the_local_spec_is_refused_with_the_remedy():
+    with pytest.raises(ValueError, match="ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"):
+        pack_sequences(_seqs(4), implementation=LOCAL, layout=ParallelLayout(context_parallel=2))
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 9), min_size=1, max_size=5),
+    tp=st.sampled_from([1, 2, 4]),
+    cp=st.sampled_from([1, 2]),
+    sp=st.booleans(),
+)
+def test_padded_length_matches_pack_and_unpack_round_trips(lengths, tp, cp, sp):
+    layout = ParallelLayout(
+        tensor_parallel=tp, context_parallel=cp, sequence_parallel=sp and tp > 1
+    )
+    batch = pack_sequences(_seqs(*lengths), implementation=TE, layout=layout)
+    assert batch.padded_tokens == packed_length_tokens(lengths, layout)
+    assert batch.padded_tokens % (tp if layout.sequence_parallel else 1) == 0
+    assert batch.padded_tokens % (2 * cp if cp > 1 else 1) == 0
+    pieces = unpack(batch.tokens[0], batch)
+    assert [p.tolist() for p in pieces] == [s.tolist() for s in _seqs(*lengths)]
+    values = [torch.randn(n, 3) for n in lengths]
+    packed = pack_values(values, batch, fill=0.0)
+    for got, want in zip(unpack(packed, batch), values):
+        assert torch.equal(got, want)
+
+
+def test_next_token_targets_never_cross_sequences():
+    layout = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
+    batch = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=layout)
+    assert next_token_targets(batch).tolist() == [
+        2, 3, IGNORE_INDEX, 102, IGNORE_INDEX, IGNORE_INDEX
+    ]
+
+
+@pytest.mark.parametrize(
+    "sequences, match",
+    [
+        ([], "at least one sequence"),
+        ([torch.zeros(0, dtype=torch.long)], "non-empty 1-D"),
+        ([torch.zeros(2, 3, dtype=torch.long)], "non-empty 1-D"),
+        ([torch.zeros(3)], "integer token ids"),
+    ],
+)
+def test_bad_sequences_are_refused(sequences, match):
+    with pytest.raises(ValueError, match=match):
+        pack_sequences(sequences, implementation=LOCAL, layout=ParallelLayout())
+
+
+def test_unpack_refuses_values_of_another_length():
+    batch = pack_sequences(_seqs(2, 2), implementation=LOCAL, layout=ParallelLayout())
+    with pytest.raises(ValueError, match="4 rows"):
+        unpack(torch.zeros(5), batch)
