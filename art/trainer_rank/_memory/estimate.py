@@ -1,0 +1,98 @@
+"""The estimate: a peak that is a sum of named terms in bytes, printable as a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from art.trainer_rank._memory.request import MicroBatchShape
+
+PHASES = ("resident", "forward", "backward", "reserve")
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Term:
+    name: str
+    bytes: int
+    phase: str  # "resident" | "forward" | "backward" | "reserve"
+    note: str = ""  # how it was computed
+
+    def __post_init__(self) -> None:
+        if self.phase not in PHASES:
+            raise ValueError(f"term {self.name!r}: phase {self.phase!r} is not one of {PHASES}")
+
+
+@dataclass(frozen=True)
+class Estimate:
+    terms: tuple[Term, ...]
+    resident_bytes: int
+    forward_peak_bytes: int
+    backward_peak_bytes: int
+    reserve_bytes: int
+    largest_allocation_bytes: int
+    recompute_summary: str
+    coefficients_source: str  # "defaults" or "probe:<cache key>"
+    batch: MicroBatchShape
+    # Which phase sets the dynamic peak, and where in it (e.g. "backward: head").
+    peak_at: str = ""
+
+    @property
+    def dynamic_bytes(self) -> int:
+        """What admission compares with the usable limit (limit minus what is live before)."""
+        return max(self.forward_peak_bytes, self.backward_peak_bytes) + self.reserve_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.resident_bytes + self.dynamic_bytes
+
+    def phase_terms(self, phase: str) -> tuple[Term, ...]:
+        return tuple(t for t in self.terms if t.phase == phase)
+
+    def table(self) -> str:
+        """Plain-text term table, one line per term, phase sums and the peak at the end."""
+        lines = [
+            f"{self.recompute_summary}; {len(self.batch.sequence_lengths_tokens)} sequence(s), "
+            f"{self.batch.packed_tokens} packed tokens, outputs {self.batch.outputs.key}, "
+            f"{'grad' if self.batch.grad_enabled else 'no grad'}; coefficients: "
+            f"{self.coefficients_source}",
+            f"{'phase':<9} {'term':<44} {'GiB':>10}  note",
+        ]
+        for term in self.terms:
+            lines.append(
+                f"{term.phase:<9} {term.name[:44]:<44} {term.bytes / GIB:>10.3f}  {term.note}"
+            )
+        lines += [
+            f"{'':<9} {'resident':<44} {self.resident_bytes / GIB:>10.3f}",
+            f"{'':<9} {'forward peak (dynamic)':<44} {self.forward_peak_bytes / GIB:>10.3f}",
+            f"{'':<9} {'backward peak (dynamic)':<44} {self.backward_peak_bytes / GIB:>10.3f}",
+            f"{'':<9} {'allocator reserve':<44} {self.reserve_bytes / GIB:>10.3f}",
+            f"{'':<9} {'dynamic = max(fwd, bwd) + reserve':<44} {self.dynamic_bytes / GIB:>10.3f}"
+            f"  peak at {self.peak_at or '-'}",
+            f"{'':<9} {'peak = resident + dynamic':<44} {self.peak_bytes / GIB:>10.3f}",
+        ]
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "peak_bytes": self.peak_bytes,
+            "dynamic_bytes": self.dynamic_bytes,
+            "resident_bytes": self.resident_bytes,
+            "forward_peak_bytes": self.forward_peak_bytes,
+            "backward_peak_bytes": self.backward_peak_bytes,
+            "reserve_bytes": self.reserve_bytes,
+            "largest_allocation_bytes": self.largest_allocation_bytes,
+            "recompute": self.recompute_summary,
+            "coefficients": self.coefficients_source,
+            "peak_at": self.peak_at,
+            "packed_tokens": self.batch.packed_tokens,
+            "logical_tokens": self.batch.logical_tokens,
+            "sequences": len(self.batch.sequence_lengths_tokens),
+            "outputs": self.batch.outputs.key,
+            "grad_enabled": self.batch.grad_enabled,
+            "terms": {t.name: t.bytes for t in self.terms},
+            "term_details": [
+                {"name": t.name, "bytes": t.bytes, "phase": t.phase, "note": t.note}
+                for t in self.terms
+            ],
+        }

@@ -1,0 +1,310 @@
+"""Per-layer pricing: what one transformer layer keeps and how high it peaks, by layer type.
+
+A layer is a list of blocks in execution order (norm, projections, core attention or the
+Gated DeltaNet core, MLP or experts). Each block states, for one micro-batch of `s` packed
+tokens on this rank, the bytes of the tensors it creates:
+- `internal`: storages it saves for its own backward (dropped when its module is recomputed);
+- `output`: its output, and whether a later block saves it (`output_saved`);
+- `temp`: transient working memory in its forward (freed before the next block);
+- `grad_temp`: transient working memory in its backward beyond the incoming/outgoing grads.
+Storages, not tensor sizes: V is a view of the fused QKV output, so whoever keeps V keeps the
+whole QKV buffer, and that is what is priced.
+
+From the blocks, `LayerCost` gives the numbers the chain composition in `model.py` needs:
+`kept` (held until backward, the layer's input included when it saves it, its output
+excluded), `forward` (peak above the state at the layer's start), `backward` (peak above the
+state right before its backward, the incoming gradient included), `output`.
+
+These are the default coefficients: formulas from the built implementation's tensors. The
+probe (`probe.py`) measures the same four numbers on the real layer and replaces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+
+FP32 = 4
+# fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
+# fp32 matrix per chunk and head and rebuilds the per-chunk recurrent states in backward.
+GDN_CHUNK_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    kept: int
+    forward: int
+    backward: int
+    output: int
+    saves_input: bool
+    largest_allocation: int
+
+
+@dataclass(frozen=True)
+class Block:
+    name: str
+    module: str | None  # selective recompute module that covers it
+    internal: float
+    output: float
+    output_saved: bool
+    temp: float = 0.0
+    grad_temp: float = 0.0
+
+
+def layer_kind(geometry: ModelGeometry, index: int) -> str:
+    base = "linear_attention" if geometry.layer_types[index] == LINEAR_ATTENTION else "attention"
+    return base + ("_moe" if geometry.moe_layers[index] else "")
+
+
+@dataclass(frozen=True)
+class Dims:
+    """Per-rank sizes for one micro-batch; `s` tokens of the packed row on this CP rank."""
+
+    geometry: ModelGeometry
+    layout: ParallelLayout
+    implementation: Implementation
+    dtype_bytes: int
+    lora_rank: int
+    lora_targets: frozenset[str]
+
+    @property
+    def tp(self) -> int:
+        return self.layout.tensor_parallel
+
+    def hidden_tokens(self, s: int) -> float:
+        """Tokens of the residual stream on this rank (sequence parallel splits it over TP)."""
+        return s / self.tp if self.layout.sequence_parallel else float(s)
+
+
+def _norm_block(d: Dims, s: int, name: str, fused_into_next: bool, saves_out: bool) -> Block:
+    g, b = d.geometry, d.dtype_bytes
+    rows = d.hidden_tokens(s)
+    if fused_into_next or d.implementation.norm == "fused":
+        # Fused kernels keep the fp32 inverse rms per token; the input is kept by the caller.
+        internal = rows * FP32
+    else:
+        # torch's composite rms_norm: fp32 upcast of the input (bf16/fp16 only), the squared
+        # mean and rsqrt per row, and the normalised fp32 rows the weight multiply keeps.
+        upcast = rows * g.hidden_size * FP32 if b < FP32 else 0.0
+        internal = upcast + rows * FP32 + rows * g.hidden_size * FP32
+    out = rows * g.hidden_size * b
+    return Block(name, "layernorm", internal, out, saves_out, temp=rows * g.hidden_size * FP32)
+
+
+def _lora_saved(d: Dims, s: int, target: str, column: bool, in_features_local: float) -> float:
+    """What a LoRA adapter on `target` keeps: its input when the frozen base would not, and
+    the rank-r intermediate. Column-parallel targets see the all-gathered (full) row."""
+    if not d.lora_rank or target not in d.lora_targets:
+        return 0.0
+    rows = float(s) if column else float(s)
+    return rows * d.lora_rank * d.dtype_bytes + 0.0 * in_features_local
+
+
+def _linear_input_saved(d: Dims, s: int, target: str, column: bool) -> bool:
+    """The frozen base linear keeps nothing (Megatron's frozen-weight path saves only the
+    weight); a LoRA adapter on it keeps the input."""
+    return bool(d.lora_rank) and target in d.lora_targets
+
+
+def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Block]:
+    """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP)."""
+    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    fc1_out = tokens * 2 * ffn * b / tp
+    act_out = tokens * ffn * b / tp
+    fc2_in_saved = _linear_input_saved(d, s, "linear_fc2", column=False)
+    if d.implementation.swiglu_fused:
+        act_internal = 0.0  # the fused kernel keeps its input (fc1's output, saved below)
+    else:
+        # silu(x1) * x2: x1, x2 are views of fc1's output (kept whole) plus silu(x1).
+        act_internal = act_out
+    return [
+        Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1", True, 0), fc1_out, True,
+              grad_temp=fc1_out),
+        Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
+              temp=act_out, grad_temp=fc1_out + act_out),
+        Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2", False, 0),
+              d.hidden_tokens(s) * g.hidden_size * b, False,
+              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+              grad_temp=act_out),
+    ]
+
+
+def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
+    g, b = d.geometry, d.dtype_bytes
+    ep = d.layout.expert_parallel
+    local_experts = max(1, g.num_experts // ep)
+    routed = float(s) * g.moe_router_topk  # token-expert pairs over all experts
+    # Balanced routing spreads the pairs evenly; the worst case sends every token to this
+    # rank's experts (capped at top-k per token, i.e. all tokens hit min(topk, local) experts).
+    if worst_case:
+        local_pairs = float(s) * min(g.moe_router_topk, local_experts) * ep / ep
+    else:
+        local_pairs = routed / ep
+    router = Block("router", None, float(s) * g.num_experts * FP32 * 2,
+                   float(s) * g.moe_router_topk * FP32, True)
+    dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
+                     temp=local_pairs * g.hidden_size * b)
+    blocks = [router, dispatch]
+    blocks += _mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ")
+    blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
+                        temp=local_pairs * g.hidden_size * b))
+    if g.shared_expert_ffn_hidden_size:
+        blocks += _mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s), "shared ")
+    return blocks
+
+
+def _attention_blocks(d: Dims, s: int) -> list[Block]:
+    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    impl = d.implementation
+    heads = g.num_attention_heads / tp
+    q_width = g.num_attention_heads * g.head_dim / tp
+    kv_width = g.num_query_groups * g.head_dim / tp
+    gate_width = q_width if g.gated_attention_output else 0.0
+    qkv = float(s) * (q_width + gate_width + 2 * kv_width) * b
+    te = impl.spec == "te"
+    blocks = [
+        _norm_block(d, s, "input norm", te, _linear_input_saved(d, s, "linear_qkv", True)),
+        Block("qkv", None, _lora_saved(d, s, "linear_qkv", True, 0), qkv, True,
+              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+              grad_temp=qkv),
+    ]
+    rope_q = float(s) * q_width * b
+    rope_k = float(s) * kv_width * b
+    qk_norm = 0.0
+    if g.qk_layernorm:
+        # Per-head norm: torch keeps fp32 rows (see the block norm), fused keeps rstd only.
+        per_row = g.head_dim * FP32 if impl.norm == "torch" else FP32
+        qk_norm = float(s) * (heads + g.num_query_groups / tp) * per_row
+    rope = Block("qk-norm + rope", None, qk_norm, rope_q + rope_k, True,
+                 temp=rope_q + rope_k)
+    if impl.attention == "flash":
+        # Flash attention keeps q, k, v (inputs) plus the output and fp32 softmax statistics.
+        core_internal = float(s) * heads * FP32
+        core_temp = 0.0
+        core_grad = rope_q + 2 * rope_k + float(s) * heads * FP32
+    else:
+        # Megatron's DotProductAttention: GQA repeats k and v to every head (new tensors),
+        # scores [heads, s, s] in the model dtype, softmax probabilities (fp32 upcast on CPU
+        # for low precision), all kept for the bmm backward. Masking does not shrink them.
+        repeated = float(s) * q_width * b * 2 if g.num_query_groups != g.num_attention_heads else 0
+        scores = heads * float(s) * float(s) * b
+        probs = heads * float(s) * float(s) * max(b, FP32 if b < FP32 else b)
+        core_internal = repeated + probs + (scores if b < FP32 else 0.0)
+        core_temp = scores
+        core_grad = 2 * heads * float(s) * float(s) * FP32
+    ctx = float(s) * q_width * b
+    blocks.append(rope)
+    blocks.append(Block("core attention", "core_attn", core_internal, ctx, True,
+                        temp=core_temp, grad_temp=core_grad))
+    if g.gated_attention_output:
+        blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True))
+    blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj", False, 0),
+                        d.hidden_tokens(s) * g.hidden_size * b, True, grad_temp=ctx))
+    return blocks
+
+
+def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
+    """Gated DeltaNet (Qwen3.5 / Qwen3-Next): its own projections, causal convolution, the
+    chunked gated delta rule, a gated output norm; no s^2 term and no attention scores."""
+    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    la = g.linear_attention
+    if la is None:
+        raise ValueError(f"{g.name}: linear-attention layer without linear_attention dims")
+    key = la.num_key_heads * la.key_head_dim / tp
+    value = la.num_value_heads * la.value_head_dim / tp
+    vheads = la.num_value_heads / tp
+    te = d.implementation.spec == "te"
+    in_proj = float(s) * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z, beta, a
+    conv = float(s) * (2 * key + value) * b
+    # fp32 gate g and beta per value head; fla's per-chunk [chunk x chunk] fp32 matrix.
+    gates = float(s) * vheads * FP32 * 2
+    chunk_matrix = float(s) * vheads * GDN_CHUNK_TOKENS * FP32
+    # Recurrent states per chunk [heads, dk, dv] fp32: built in forward and again in backward.
+    states = float(s) / GDN_CHUNK_TOKENS * vheads * la.key_head_dim * la.value_head_dim * FP32
+    out = float(s) * value * b
+    return [
+        _norm_block(d, s, "input norm", te, True),
+        Block("in_proj (qkvz, ba)", None, _lora_saved(d, s, "in_proj", True, 0), in_proj, True,
+              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+              grad_temp=in_proj),
+        Block("causal conv1d + silu", None, conv, conv, True, grad_temp=conv),
+        Block("q/k l2norm", None, float(s) * 2 * key * FP32 / max(1, b), float(s) * 2 * key * b,
+              True),
+        Block("gated delta rule", None, gates + chunk_matrix, out, True,
+              temp=states, grad_temp=states + conv + chunk_matrix),
+        Block("gated output norm", None, float(s) * vheads * FP32, out, True),
+        Block("out_proj", None, _lora_saved(d, s, "out_proj", False, 0),
+              d.hidden_tokens(s) * g.hidden_size * b, True, grad_temp=out),
+    ]
+
+
+def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False) -> list[Block]:
+    g, b = d.geometry, d.dtype_bytes
+    te = d.implementation.spec == "te"
+    mixer = _linear_attention_blocks(d, s) if kind.startswith("linear") else _attention_blocks(
+        d, s
+    )
+    # The residual add after the mixer makes a new hidden tensor; the pre-MLP norm keeps it.
+    residual = Block("residual add", None, 0.0, d.hidden_tokens(s) * g.hidden_size * b, True)
+    mlp_norm = _norm_block(d, s, "pre-MLP norm", te and not kind.endswith("_moe"),
+                           _linear_input_saved(d, s, "linear_fc1", True) or kind.endswith("_moe"))
+    if kind.endswith("_moe"):
+        mlp = _moe_blocks(d, s, worst_case_routing)
+    else:
+        mlp = _mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
+    return [*mixer, residual, mlp_norm, *mlp]
+
+
+def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bool,
+                worst_case_routing: bool = False) -> LayerCost:
+    """Default LayerCost of one layer running with the selective `modules` (empty: none)."""
+    g, b = d.geometry, d.dtype_bytes
+    blocks = layer_blocks(d, kind, s, worst_case_routing)
+    x = d.hidden_tokens(s) * g.hidden_size * b
+    largest = max(max(blk.output, blk.temp, blk.grad_temp) for blk in blocks)
+    if not grad:
+        # Nothing is saved: the peak is the input, the largest block's output plus its
+        # working set, and the previous output not yet freed.
+        peak = 0.0
+        prev = x
+        for blk in blocks:
+            peak = max(peak, prev + blk.output + blk.temp + blk.internal)
+            prev = blk.output
+        return LayerCost(0, int(peak), 0, int(x), False, int(largest))
+
+    kept_parts: list[float] = []
+    for blk in blocks:
+        recomputed = blk.module is not None and blk.module in modules
+        without_output = recomputed and blk.module == "layernorm"
+        part = 0.0 if recomputed else blk.internal
+        if blk.output_saved and not without_output:
+            part += blk.output
+        kept_parts.append(part)
+    # The final block's output is the layer output, excluded from kept.
+    kept_parts[-1] -= 0.0 if not blocks[-1].output_saved else blocks[-1].output
+    kept = x + sum(kept_parts)  # the input norm keeps the layer input
+
+    # Forward: kept so far + this block's full working set (recomputed blocks still run).
+    peak_f = 0.0
+    so_far = 0.0
+    for blk, part in zip(blocks, kept_parts):
+        live = so_far + blk.internal + blk.output + blk.temp
+        peak_f = max(peak_f, live)
+        so_far += part
+
+    # Backward, blocks in reverse: kept up to here + recomputed internals of this block +
+    # incoming grad, the residual-stream grad, the grad of its input, its grad temporaries.
+    peak_b = 0.0
+    remaining = kept - x
+    for blk, part in zip(reversed(blocks), reversed(kept_parts)):
+        recomputed = blk.module is not None and blk.module in modules
+        rebuilt = blk.internal + (blk.output if recomputed else 0.0) if recomputed else 0.0
+        grads = 2 * x + blk.output + blk.grad_temp
+        peak_b = max(peak_b, remaining + x + rebuilt + grads)
+        remaining -= part
+    backward = peak_b - kept
+    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), True,
+                     int(largest))

@@ -1,0 +1,533 @@
+"""MemoryModel: geometry + layout + recompute + implementation + LoRA -> an itemised Estimate.
+
+The chain composition (per pipeline stage, the busiest one):
+- before the decoder: the packed inputs, the attention mask (local spec: bool [S, S]), the
+  rotary table, the embedding output;
+- forward through the layers: layer i starts with what layers < i kept plus its input and
+  peaks at `forward` above that; a full-recompute unit keeps only its input and runs its
+  layers without grad;
+- the tail: final norm, the full hidden row (gathered under SP), the chunked vocab head
+  (P's `compute_heads`: one chunk of [chunk, vocab/TP] fp32 logits at a time), the requested
+  outputs, the caller loss;
+- backward from the top: the head's backward (one chunk rebuilt), then each layer at
+  `backward` above what it and the layers below keep; a full-recompute unit first rebuilds
+  its layers with grad (what they keep without recompute) and then runs their backward.
+Forward and backward peaks are each a sum of named terms; dynamic = max of the two + reserve.
+Without grad nothing is kept: the forward peak is the inputs plus one layer's working set.
+
+Per-layer numbers come from the probe when it measured that (layer kind, policy) and from the
+formulas in `layers.py` otherwise; `coefficients_source` says which.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from functools import lru_cache
+from typing import Any
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.recompute import EffectiveRecompute, LayerRecompute
+from art.trainer_rank._memory.budget import AllocatorReserve
+from art.trainer_rank._memory.estimate import Estimate, Term
+from art.trainer_rank._memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
+from art.trainer_rank._memory.request import LoraShape, MicroBatchShape, OutputRequest
+
+DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+HEAD_CHUNK_TOKENS_DEFAULT = 2048
+INT64 = 8
+# LoRA training state per trainable parameter: fp32 Adam moments (2 x 4 bytes).
+ADAM_STATE_BYTES = 8
+
+
+def default_head_chunk_tokens() -> int:
+    try:
+        from art.trainer_rank._heads import HEAD_CHUNK_TOKENS
+
+        return int(HEAD_CHUNK_TOKENS)
+    except ImportError:
+        return HEAD_CHUNK_TOKENS_DEFAULT
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3f} GiB"
+
+
+def mode_key(modules: frozenset[str], grad: bool) -> str:
+    if not grad:
+        return "nograd"
+    return "sel:" + "+".join(sorted(modules)) if modules else "none"
+
+
+@dataclass(frozen=True)
+class MemoryModel:
+    geometry: ModelGeometry
+    layout: ParallelLayout
+    recompute: EffectiveRecompute
+    implementation: Implementation
+    lora: LoraShape
+    dtype: str
+    coefficients: Any = None  # probe.ProbeCoefficients or None
+    alloc_conf: str | None = None
+    worst_case_routing: bool = False
+    head_chunk_tokens: int = 0  # 0: the compute path's HEAD_CHUNK_TOKENS
+
+    def __init__(self, geometry: ModelGeometry, *, layout: ParallelLayout,
+                 recompute: EffectiveRecompute, implementation: Implementation,
+                 lora: LoraShape, dtype: str, coefficients: Any = None,
+                 alloc_conf: str | None = None, worst_case_routing: bool = False,
+                 head_chunk_tokens: int = 0) -> None:
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if len(recompute.layers) != geometry.num_layers:
+            raise ValueError(
+                f"recompute policy covers {len(recompute.layers)} layers but {geometry.name} "
+                f"has {geometry.num_layers}; resolve it for this model"
+            )
+        for name, value in (("geometry", geometry), ("layout", layout),
+                            ("recompute", recompute), ("implementation", implementation),
+                            ("lora", lora), ("dtype", dtype), ("coefficients", coefficients),
+                            ("alloc_conf", alloc_conf),
+                            ("worst_case_routing", worst_case_routing),
+                            ("head_chunk_tokens",
+                             head_chunk_tokens or default_head_chunk_tokens())):
+            object.__setattr__(self, name, value)
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def for_provider(cls, provider: Any, *, coefficients: Any = None) -> MemoryModel:
+        import os
+
+        lora_cfg = getattr(provider, "lora_config", None)
+        lora = LoraShape()
+        if lora_cfg is not None:
+            targets = lora_cfg.target_modules
+            if isinstance(targets, str):
+                targets = (targets,)
+            lora = LoraShape(rank=int(lora_cfg.r), target_modules=_megatron_targets(targets))
+        return cls(
+            provider.geometry, layout=provider.layout, recompute=provider.effective_recompute,
+            implementation=provider.implementation, lora=lora, dtype=provider.dtype,
+            coefficients=coefficients, alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        )
+
+    def with_recompute(self, recompute: EffectiveRecompute) -> MemoryModel:
+        return replace(self, recompute=recompute)
+
+    def with_coefficients(self, coefficients: Any) -> MemoryModel:
+        return replace(self, coefficients=coefficients)
+
+    # ------------------------------------------------------------------ sizes
+    @property
+    def dtype_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def dims(self) -> Dims:
+        return Dims(self.geometry, self.layout, self.implementation, self.dtype_bytes,
+                    self.lora.rank, frozenset(self.lora.target_modules))
+
+    def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool
+                    ) -> tuple[LayerCost, bool]:
+        kind = layer_kind(self.geometry, index)
+        key = mode_key(modules, grad)
+        if self.coefficients is not None:
+            cost = self.coefficients.layer_cost(kind, key, s)
+            if cost is not None:
+                return cost, True
+        return _default_cost(self.dims, kind, modules, s, grad, self.worst_case_routing), False
+
+    def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
+        """The layers of the busiest pipeline stage (all of them without PP)."""
+        by_stage: dict[int, list[tuple[int, LayerRecompute]]] = {}
+        for i, lr in enumerate(self.recompute.layers):
+            by_stage.setdefault(lr.pipeline_stage, []).append((i, lr))
+        return max(by_stage.values(), key=len)
+
+    def resident_terms(self) -> list[Term]:
+        g, b, tp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel
+        pp = self.layout.pipeline_parallel
+        params = _params_per_rank(g, self.layout)
+        terms = [Term("weights", int(params * b), "resident",
+                      f"{params / 1e9:.3f}B params/rank x {b} B (TP{tp}"
+                      f"{f', PP{pp}' if pp > 1 else ''})")]
+        if self.lora.rank:
+            lora_params = _lora_params_per_rank(g, self.lora, self.layout)
+            terms.append(Term("LoRA params + grads", int(lora_params * 2 * b), "resident",
+                              f"{lora_params:,} params x (param + grad) x {b} B"))
+            terms.append(Term("optimizer state (LoRA, Adam)",
+                              int(lora_params * ADAM_STATE_BYTES), "resident",
+                              f"{lora_params:,} params x 2 fp32 moments"))
+        return terms
+
+    # ------------------------------------------------------------------ the estimate
+    def estimate(self, batch: MicroBatchShape) -> Estimate:
+        return _estimate_cached(self, batch)
+
+    def _estimate(self, batch: MicroBatchShape) -> Estimate:
+        g, b, tp, cp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel, \
+            self.layout.context_parallel
+        d = self.dims
+        S = batch.packed_tokens
+        # CP: the load-balanced split gives every rank the same share; the busiest rank
+        # holds ceil(S / CP) tokens of every activation and attends to the whole sequence.
+        s = math.ceil(S / cp)
+        grad = batch.grad_enabled
+        hidden_local = d.hidden_tokens(s) * g.hidden_size * b
+        terms: list[Term] = list(self.resident_terms())
+        resident = sum(t.bytes for t in terms)
+        probe_used = False
+
+        # ---- before the decoder (live through forward and backward)
+        pre: list[Term] = []
+        pre.append(Term("packed inputs", int(s * INT64 * 3), "forward",
+                        f"tokens, positions, targets: 3 x {s} x int64"))
+        unfused = self.implementation.attention == "unfused"
+        if unfused:
+            pre.append(Term("packed attention mask", int(s * S), "forward",
+                            f"bool [{s}, {S}] block-diagonal causal (local spec)"))
+            heads = g.num_attention_heads // tp
+            pre.append(Term("attention score buffer", int(heads * s * S * b), "forward",
+                            f"Megatron global memory buffer [{heads} x {s} x {S}] x {b} B; "
+                            "persists at the largest size seen, priced as new"))
+        if "attention" in g.layer_types:
+            rope_dim = g.head_dim
+            pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
+                            f"table + per-token index [{s}, {rope_dim}] fp32"))
+
+        layers = self._stage_layers()
+        # ---- forward through the layers
+        kept_total = 0.0
+        fwd_layers_peak = 0.0
+        fwd_peak_where = ""
+        x = hidden_local  # the embedding output, then each layer's output
+        units: list[dict[str, Any]] = []
+        i = 0
+        while i < len(layers):
+            index, lr = layers[i]
+            if grad and lr.full_checkpoint_unit is not None:
+                n = lr.full_unit_layers
+                members = layers[i:i + n]
+                nograd = [self._layer_cost(j, frozenset(), s, False) for j, _ in members]
+                full = [self._layer_cost(j, frozenset(), s, True) for j, _ in members]
+                probe_used |= any(u for _, u in nograd + full)
+                peak = kept_total + x + max(c.forward for c, _ in nograd)
+                if peak > fwd_layers_peak:
+                    fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1} (no-grad run)"
+                units.append(dict(kind="full", start=index, kept=x, costs=[c for c, _ in full]))
+                kept_total += x
+                i += n
+                continue
+            modules = lr.selective_modules if grad else frozenset()
+            cost, used = self._layer_cost(index, modules, s, grad)
+            probe_used |= used
+            peak = kept_total + x + cost.forward
+            if peak > fwd_layers_peak:
+                fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1}"
+            units.append(dict(kind="layer", start=index, kept=cost.kept, costs=[cost]))
+            kept_total += cost.kept
+            x = cost.output
+            i += 1
+
+        # ---- the tail: final norm, hidden row, head, outputs, caller loss
+        tail = _tail_terms(self, batch, s, S)
+        probe_tail = None
+        if self.coefficients is not None:
+            probe_tail = self.coefficients.tail_cost(batch.outputs, grad, S)
+        if probe_tail is not None:
+            probe_used = True
+            tail_kept, tail_fwd, tail_bwd = probe_tail
+            tail_note = "probe"
+        else:
+            tail_kept, tail_fwd, tail_bwd = tail["kept"], tail["forward"], tail["backward"]
+            tail_note = tail["note"]
+
+        layer_kept_note = _kept_note(units, s)
+        if grad:
+            fwd_terms = [
+                *pre,
+                Term("layer activations kept (all layers)", int(kept_total), "forward",
+                     layer_kept_note),
+                Term("decoder output", int(x), "forward", "last layer output"),
+                Term("head + outputs (forward working set)", int(tail_fwd), "forward",
+                     tail_note),
+            ]
+            fwd_tail_peak = kept_total + x + tail_fwd
+            layer_fwd_excess = fwd_layers_peak - fwd_tail_peak
+            forward_where = "head"
+            if layer_fwd_excess > 0:
+                fwd_terms.append(Term("layer forward excess over head", int(layer_fwd_excess),
+                                      "forward", fwd_peak_where))
+                forward_where = fwd_peak_where
+        else:
+            fwd_layer_work = fwd_layers_peak - 0.0
+            tail_peak = x + tail_fwd
+            fwd_terms = [*pre]
+            if fwd_layer_work >= tail_peak:
+                fwd_terms.append(Term("largest layer working set (no grad)",
+                                      int(fwd_layer_work), "forward", fwd_peak_where))
+                forward_where = fwd_peak_where
+            else:
+                fwd_terms.append(Term("decoder output", int(x), "forward", "last layer output"))
+                fwd_terms.append(Term("head + outputs (no grad)", int(tail_fwd), "forward",
+                                      tail_note))
+                forward_where = "head"
+        forward_peak = sum(t.bytes for t in fwd_terms)
+
+        bwd_terms: list[Term] = []
+        backward_peak = 0
+        backward_where = ""
+        if grad:
+            # LoRA gradients are priced as resident (they exist from the first step on).
+            # Backward through the tail, then the layers top-down.
+            best = kept_total + x + tail_bwd
+            where = "head backward"
+            best_parts = [("layer activations kept (all layers)", kept_total, layer_kept_note),
+                          ("decoder output", x, "last layer output"),
+                          ("head + outputs + caller loss (backward)", tail_bwd, tail_note)]
+            outputs_held = tail_kept
+            below = kept_total
+            for unit in reversed(units):
+                below -= unit["kept"]
+                if unit["kind"] == "layer":
+                    cost = unit["costs"][0]
+                    peak = below + cost.kept + cost.backward + outputs_held
+                    if peak > best:
+                        best, where = peak, f"layer {unit['start'] + 1} backward"
+                        best_parts = [
+                            ("activations kept by layers below", below, ""),
+                            ("this layer's kept activations", cost.kept, ""),
+                            ("layer backward working set", cost.backward,
+                             "incoming grad, grads, rebuilt checkpoints"),
+                            ("outputs held by the caller", outputs_held, ""),
+                        ]
+                    continue
+                # A full-recompute unit: rebuild its layers with grad, then their backward.
+                costs: list[LayerCost] = unit["costs"]
+                dy = unit["kept"]  # incoming gradient, the size of a hidden tensor
+                rebuilt = 0.0
+                unit_peak = 0.0
+                for k, cost in enumerate(costs):
+                    kept_k = cost.kept - (unit["kept"] if k == 0 and cost.saves_input else 0)
+                    unit_peak = max(unit_peak, rebuilt + cost.forward + dy)
+                    rebuilt += kept_k
+                for k in reversed(range(len(costs))):
+                    cost = costs[k]
+                    kept_k = cost.kept - (unit["kept"] if k == 0 and cost.saves_input else 0)
+                    rebuilt -= kept_k
+                    unit_peak = max(unit_peak, rebuilt + kept_k + cost.backward)
+                peak = below + unit["kept"] + unit_peak + outputs_held
+                if peak > best:
+                    first, last = unit["start"] + 1, unit["start"] + len(costs)
+                    span = f"layer {first}" if first == last else f"layers {first}-{last}"
+                    best, where = peak, f"{span} backward (full recompute unit)"
+                    best_parts = [
+                        ("activations kept by layers below", below, "checkpoint inputs"),
+                        ("checkpoint unit input", unit["kept"], ""),
+                        ("full unit recompute + backward", unit_peak,
+                         f"{len(costs)} layer(s) rebuilt with grad + incoming grad"),
+                        ("outputs held by the caller", outputs_held, ""),
+                    ]
+            bwd_terms = [replace(t, phase="backward") for t in pre]
+            bwd_terms += [Term(n, int(v), "backward", note) for n, v, note in best_parts]
+            backward_peak = sum(t.bytes for t in bwd_terms)
+            backward_where = where
+
+        dynamic_core = max(forward_peak, backward_peak)
+        largest = _largest_allocation(self, batch, s, S)
+        reserve = AllocatorReserve(self.implementation.device, self.alloc_conf)
+        reserve_bytes = reserve.reserve_bytes(dynamic_core, largest)
+        terms += fwd_terms + bwd_terms
+        terms.append(Term("allocator reserve", int(reserve_bytes), "reserve",
+                          reserve.describe(dynamic_core, largest)))
+        source = "defaults"
+        if probe_used and self.coefficients is not None:
+            source = f"probe:{self.coefficients.key}"
+            if self.coefficients.partial_for(self.geometry):
+                source += " (+defaults for unprobed layer kinds)"
+        peak_at = (f"forward: {forward_where}" if forward_peak >= backward_peak
+                   else f"backward: {backward_where}")
+        return Estimate(
+            terms=tuple(terms),
+            resident_bytes=int(resident),
+            forward_peak_bytes=int(forward_peak),
+            backward_peak_bytes=int(backward_peak),
+            reserve_bytes=int(reserve_bytes),
+            largest_allocation_bytes=int(largest),
+            recompute_summary=self.recompute.for_grad(grad).summary
+            if grad else "no grad (nothing retained)",
+            coefficients_source=source,
+            batch=batch,
+            peak_at=peak_at,
+        )
+
+    def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,
+                            grad_enabled: bool, sequences: int = 1) -> int:
+        """Largest packed token count whose dynamic peak fits `usable_bytes` (0 if none)."""
+        sequences = max(1, int(sequences))
+
+        def fits(tokens: int) -> bool:
+            per = max(1, tokens // sequences)
+            lengths = [per] * sequences
+            lengths[-1] += tokens - per * sequences
+            batch = MicroBatchShape(tuple(lengths), outputs=outputs,
+                                    grad_enabled=grad_enabled)
+            return self.estimate(batch).dynamic_bytes <= usable_bytes
+
+        if not fits(sequences):
+            return 0
+        lo, hi = sequences, sequences * 2
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 26:
+                return lo
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+@lru_cache(maxsize=4096)
+def _estimate_cached(model: MemoryModel, batch: MicroBatchShape) -> Estimate:
+    return model._estimate(batch)
+
+
+@lru_cache(maxsize=4096)
+def _default_cost(d: Dims, kind: str, modules: frozenset[str], s: int, grad: bool,
+                  worst_case_routing: bool) -> LayerCost:
+    return price_layer(d, kind, modules, s, grad=grad, worst_case_routing=worst_case_routing)
+
+
+def _kept_note(units: list[dict[str, Any]], s: int) -> str:
+    counts: dict[str, list[float]] = {}
+    for unit in units:
+        label = "full checkpoint inputs" if unit["kind"] == "full" else "layers"
+        counts.setdefault(label, []).append(unit["kept"])
+    parts = []
+    for label, values in counts.items():
+        per_tok = sum(values) / len(values) / max(1, s)
+        parts.append(f"{len(values)} {label} x {per_tok / 1024:.2f} KiB/tok avg")
+    return "; ".join(parts) + f" x {s} tok"
+
+
+def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> dict[str, Any]:
+    """Default pricing of final norm + head + outputs + caller loss, from P's head code."""
+    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
+    out = batch.outputs
+    grad = batch.grad_enabled
+    rows = s  # the decoder output is gathered to the full row on every TP rank
+    hidden_row = rows * g.hidden_size * b
+    norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
+                                   if model.implementation.norm == "torch" else 0)
+    uses_head = out.target_logprobs or out.top_k or out.logits
+    vocab_local = g.vocab_size / tp
+    chunk = min(model.head_chunk_tokens, rows)
+    # One chunk: logits in the model dtype, the fp32 copy (low precision only), the shifted
+    # logits and their exp (fp32), the top-k of the shard.
+    upcast = chunk * vocab_local * FP32 if b < FP32 else 0
+    chunk_fwd = chunk * vocab_local * b + upcast + 2 * chunk * vocab_local * FP32 if uses_head \
+        else 0
+    outputs = 0.0
+    if out.target_logprobs:
+        outputs += rows * FP32
+    if out.top_k:
+        outputs += rows * out.top_k * (FP32 + INT64)
+    if out.logits:
+        outputs += rows * g.vocab_size * FP32
+    kept = hidden_row + outputs
+    if grad:
+        kept += norm_internal
+    forward = kept + chunk_fwd
+    note = (f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}")
+    backward = 0.0
+    if grad:
+        # Head backward: one chunk rebuilt (its fp32 logits kept for softmax backward), the
+        # logits gradient, the chunk's input gradient, the accumulated hidden-row gradient.
+        chunk_bwd = (chunk * vocab_local * (b + upcast / max(1, chunk * vocab_local)
+                                            + 3 * FP32) + chunk * g.hidden_size * b
+                     if uses_head else 0.0)
+        caller = 0.0
+        if out.hidden_states:
+            caller = 2 * rows * g.hidden_size * FP32  # fp32 copy and its gradient
+        if out.logits:
+            caller += rows * g.vocab_size * FP32
+        backward = kept + chunk_bwd + hidden_row + caller + norm_internal
+        forward += caller / 2
+    return {"kept": kept, "forward": forward, "backward": backward, "note": note}
+
+
+def _largest_allocation(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> int:
+    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
+    sizes = [s * g.hidden_size * b]
+    out = batch.outputs
+    if out.target_logprobs or out.top_k or out.logits:
+        chunk = min(model.head_chunk_tokens, s)
+        sizes.append(chunk * g.vocab_size / tp * FP32)
+    if out.logits:
+        sizes.append(s * g.vocab_size * FP32)
+    if model.implementation.attention == "unfused":
+        sizes.append(g.num_attention_heads / tp * s * S * FP32)
+    sizes.append(s * 2 * g.ffn_hidden_size / tp * b)
+    return int(max(sizes))
+
+
+def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
+    tp, pp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel
+    h = g.hidden_size
+    total = 0.0
+    for i in range(g.num_layers):
+        if g.layer_types[i] == "linear_attention" and g.linear_attention is not None:
+            la = g.linear_attention
+            key = la.num_key_heads * la.key_head_dim
+            value = la.num_value_heads * la.value_head_dim
+            mixer = h * (2 * key + 2 * value + 2 * la.num_value_heads) + value * h
+            mixer += (2 * key + value) * la.conv_kernel_size
+        else:
+            q = g.num_attention_heads * g.head_dim
+            kv = g.num_query_groups * g.head_dim
+            gate = q if g.gated_attention_output else 0
+            mixer = h * (q + gate + 2 * kv) + q * h
+        if g.moe_layers[i]:
+            experts = g.num_experts / ep * 3 * h * g.moe_ffn_hidden_size
+            shared = 3 * h * g.shared_expert_ffn_hidden_size
+            mlp = experts + shared + h * g.num_experts * tp  # router replicated
+        else:
+            mlp = 3 * h * g.ffn_hidden_size
+        total += mixer + mlp + 2 * h * tp  # norms are replicated over TP
+    total /= tp
+    embed = g.vocab_size * h / tp
+    heads = embed if g.tied_embeddings else 2 * embed
+    return total / pp + (heads if pp == 1 else embed)
+
+
+def _megatron_targets(targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
+    names = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv",
+             "o_proj": "linear_proj", "gate_proj": "linear_fc1", "up_proj": "linear_fc1",
+             "down_proj": "linear_fc2", "in_proj_qkvz": "in_proj", "out_proj": "out_proj"}
+    if "all-linear" in targets:
+        return ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
+    return tuple(sorted({names.get(t, t) for t in targets}))
+
+
+def _lora_params_per_rank(g: ModelGeometry, lora: LoraShape, layout: ParallelLayout) -> int:
+    r, h, tp = lora.rank, g.hidden_size, layout.tensor_parallel
+    q = g.num_attention_heads * g.head_dim
+    kv = g.num_query_groups * g.head_dim
+    per_target = {
+        "linear_qkv": 3 * r * h + r * (q + 2 * kv) / tp,  # A replicated per projection
+        "linear_proj": r * q / tp + h * r,
+        "linear_fc1": 2 * r * h + r * 2 * g.ffn_hidden_size / tp,
+        "linear_fc2": r * g.ffn_hidden_size / tp + h * r,
+    }
+    total = 0.0
+    for i in range(g.num_layers):
+        for t in lora.target_modules:
+            if t in ("linear_qkv", "linear_proj") and g.layer_types[i] != "attention":
+                continue
+            total += per_target.get(t, 0.0)
+    return int(total)
