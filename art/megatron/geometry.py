@@ -114,7 +114,8 @@ def load_geometry(model: str | Path) -> ModelGeometry:
     path = _resolve_config_path(model)
     with path.open() as f:
         raw = json.load(f)
-    name = Path(model).stem if path.parent == MODEL_CONFIG_DIR else str(model)
+    # path.stem, not Path(model).stem: "Qwen3.5-27B" would lose its ".5-27B" as a suffix.
+    name = path.stem if path.parent == MODEL_CONFIG_DIR else str(model)
     return geometry_from_hf_dict(raw, name=name, source=str(path))
 
 
