@@ -161,7 +161,13 @@ class TrainerRank:
         tp = settings.tensor_model_parallel_size * 2
         other = type(self.provider)(
             self.provider.geometry,
-            settings=replace(settings, tensor_model_parallel_size=tp),
+            # Sequence parallel is the default once TP > 1; a user who turned it off keeps it off.
+            settings=replace(
+                settings,
+                tensor_model_parallel_size=tp,
+                sequence_parallel=settings.sequence_parallel
+                or settings.tensor_model_parallel_size == 1,
+            ),
             lora=self.provider.lora_config,
             dtype=self.provider.dtype,
             implementation=self.provider.implementation,

@@ -1,0 +1,174 @@
+"""TrainerRank on a real Megatron-Core model on CPU (tiny, fp32): packed micro-batches equal
+an unpacked one-sequence-at-a-time reference (outputs and gradients); splitting, escalation
+and run-time OOM retries do not change results, lose nothing and duplicate nothing."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _trainer_helpers import (
+    StandInModel,
+    grads,
+    loss_of,
+    make_inputs,
+    provider,
+    reference,
+    zero_grads,
+)
+
+from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+from art.trainer_rank._items import make_items
+
+ATOL = 2e-5
+
+
+@pytest.fixture(scope="module")
+def built(megatron_process):
+    p = provider("selective")
+    return p, p.build_model(seed=0)
+
+
+def _leaves(value):
+    return [value] if not isinstance(value, list) else [x for v in value for x in _leaves(v)]
+
+
+def _check_output(model, x, out, *, with_grad_outputs=True):
+    with torch.no_grad():
+        ref = reference(model, x)
+    torch.testing.assert_close(out.target_logprobs, ref["target_logprobs"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.top_k.logprobs, ref["top_k_logprobs"], atol=ATOL, rtol=0)
+    assert torch.equal(out.top_k.tokens, ref["top_k_tokens"])
+    torch.testing.assert_close(out.logits, ref["logits"], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out.hidden_states, ref["hidden_states"], atol=ATOL, rtol=0)
+
+
+def _reference_grads(model, leaves, weights):
+    zero_grads(model)
+    for x, w in zip(leaves, weights):
+        loss_of(type("O", (), {"target_logprobs": reference(model, x)["target_logprobs"]}), w
+                ).backward()
+    out = grads(model)
+    zero_grads(model)
+    return out
+
+
+def _run(trainer, inputs, weights, *, no_grad=None):
+    """Drive forward_micro_batches like a training loop; returns outputs by index."""
+    seen: dict[int, object] = {}
+    leaf_weight = iter(weights)
+    index_weights = {}
+    for i, value in enumerate(inputs):
+        index_weights[i] = [next(leaf_weight) for _ in _leaves(value)]
+    for mb in trainer.forward_micro_batches(inputs, no_grad=no_grad):
+        assert not set(mb.indices) & set(seen), "an item was yielded twice"
+        if no_grad is not True:
+            loss = sum(
+                loss_of(o, w)
+                for index, out in zip(mb.indices, mb.outputs)
+                for o, w in zip(_leaves(out), index_weights[index])
+            )
+            loss.backward()
+        seen.update(zip(mb.indices, mb.outputs))
+    return seen
+
+
+def test_packed_outputs_and_grads_equal_the_unpacked_reference(built):
+    p, model = built
+    trainer = TrainerRank(Runtime(model, p),
+                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    xs = make_inputs([5, 9, 7, 12, 6])
+    inputs = [xs[0], [xs[1], xs[2]], xs[3], [[xs[4]]]]
+    weights = [1.0, 0.5, 2.0, -1.0, 0.25]
+    zero_grads(model)
+    seen = _run(trainer, inputs, weights)
+    got = grads(model)
+    assert sorted(seen) == [0, 1, 2, 3]
+    assert isinstance(seen[1], list) and isinstance(seen[3][0], list)  # nesting mirrored
+    for x, out in zip(xs, [o for i in range(4) for o in _leaves(seen[i])]):
+        _check_output(model, x, out)
+    want = _reference_grads(model, xs, weights)
+    assert got.keys() == want.keys() and len(got) > 0
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    stats = trainer.stats_history
+    assert stats[0].decision == "cold-capped"
+    assert all(s.measured_peak_bytes and s.measured_peak_bytes > 0 for s in stats)
+    assert sum(s.logical_tokens for s in stats) == sum(x.num_tokens for x in xs)
+
+
+def test_no_grad_split_equals_the_whole_group(built):
+    p, model = built
+    xs = make_inputs([20, 24, 18, 22], seed=1, no_grad=True)
+    roomy = TrainerRank(Runtime(model, p),
+                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    group = make_items([xs])[0]
+    pricing, _, _ = roomy.admission.price(group.leaves, False)  # nothing learned yet
+    one, _, _ = roomy.admission.price(group.leaves[:1], False)
+    whole = roomy.dp_rank_forward([xs])[0]
+    limit = pricing.dynamic_bytes - 1
+    assert one.dynamic_bytes < limit
+    tight = TrainerRank(Runtime(model, p),
+                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    mbs = list(tight.forward_micro_batches([xs], no_grad=True))
+    assert len(mbs) == 1 and mbs[0].stats.decision == "split" and mbs[0].stats.sub_forwards > 1
+    split = mbs[0].outputs[0]
+    for a, b, x in zip(whole, split, xs):
+        torch.testing.assert_close(a.logits, b.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(a.target_logprobs, b.target_logprobs, atol=1e-5, rtol=0)
+        _check_output(model, x, b)
+
+
+def test_escalation_runs_full_recompute_and_changes_nothing(built):
+    p, model = built
+    # Stand-in prices: selective needs far more than the limit, full recompute fits. The
+    # decision is forced so the test can check what escalation does to a real model.
+    priced = StandInModel({"selective": 10**9, "full": 1, "no-grad": 1}, "selective")
+    trainer = TrainerRank(Runtime(model, p), memory_model=priced,
+                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    xs = make_inputs([11, 13], seed=2)
+    calls = []
+    hook = model.decoder.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
+    zero_grads(model)
+    try:
+        mbs = []
+        for mb in trainer.forward_micro_batches([[xs[0], xs[1]]]):
+            assert model.config.recompute_granularity == "full"
+            (loss_of(mb.outputs[0][0], 1.0) + loss_of(mb.outputs[0][1], 0.5)).backward()
+            mbs.append(mb)
+    finally:
+        hook.remove()
+    got = grads(model)
+    assert [mb.stats.decision for mb in mbs] == ["escalated"]
+    assert "full recompute" in mbs[0].stats.recompute_summary
+    assert len(calls) == 2  # forward, then the recompute inside backward
+    assert model.config.recompute_granularity == "selective"
+    assert model.decoder.layers[0].self_attention.checkpoint_core_attention is True
+    for x, out in zip(xs, mbs[0].outputs[0]):
+        _check_output(model, x, out)
+    want = _reference_grads(model, xs, [1.0, 0.5])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
+    p, model = built
+    # Stand-in under-predicts (1 byte per token), so admission packs everything and the
+    # virtual limit raises a real OutOfMemoryError inside the forward.
+    priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
+    xs = make_inputs([40, 36, 44, 38], seed=3, no_grad=True)
+    roomy = TrainerRank(Runtime(model, p), memory_model=priced,
+                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    peaks = {}
+    for n in (1, 4):
+        (mb,) = list(roomy.forward_micro_batches(xs[:n], no_grad=True))
+        peaks[n] = mb.stats.measured_peak_bytes
+    assert peaks[4] > peaks[1]
+    limit = (peaks[1] + peaks[4]) // 2
+    tight = TrainerRank(Runtime(model, p), memory_model=priced,
+                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    seen = _run(tight, xs, [1.0] * 4, no_grad=True)
+    assert sorted(seen) == [0, 1, 2, 3]
+    for x, i in zip(xs, range(4)):
+        _check_output(model, x, seen[i])
+    assert max(s.retries for s in tight.stats_history) >= 1
+    assert all(s.measured_peak_bytes <= limit for s in tight.stats_history)
