@@ -1,0 +1,605 @@
+"""`plan`: the question to ask before renting GPUs.
+
+Given a model, one micro-batch (the largest item a step will hand `forward_micro_batches`),
+the memory of one GPU and the number of GPUs, price that micro-batch under each recompute
+policy (none, selective default, selective + mlp, full uniform 1) crossed with each
+tensor/context-parallel layout the GPU count allows, and recommend the cheapest cell that
+fits: least recomputation first (recompute costs time on every step), then the fewest GPUs per
+model replica (the rest become data parallel, which costs nothing per item), then the most
+headroom. Every figure is per rank, from the memory model (this module presents; it does not
+price).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from art.megatron.geometry import ModelGeometry, load_geometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.provider import Provider
+from art.megatron.recompute import EffectiveRecompute
+from art.megatron.settings import load_settings
+from art.trainer_rank._memory.request import LoraShape, MicroBatchShape
+
+GIB = 1024**3
+
+# Total memory per device as the CUDA runtime reports it (torch.cuda.mem_get_info), in GiB;
+# marketing figures (141 GB, 80 GB) are decimal and include memory the driver keeps.
+GPU_MEMORY_GIB: dict[str, float] = {
+    "H200": 139.8,
+    "H100": 79.2,
+    "H100-NVL": 93.1,
+    "A100-80GB": 79.2,
+    "A100-40GB": 39.4,
+    "L40S": 44.4,
+}
+
+
+@dataclass(frozen=True)
+class Policy:
+    """A recompute policy the planner tries. cost_rank orders them by recompute time."""
+
+    name: str
+    granularity: str | None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] | None = None
+    cost_rank: int = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The ART_MEGATRON_* settings that select this policy."""
+        env = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": self.granularity or "none"}
+        if self.granularity == "full":
+            env["ART_MEGATRON_RECOMPUTE_METHOD"] = str(self.method)
+            env["ART_MEGATRON_RECOMPUTE_NUM_LAYERS"] = str(self.num_layers)
+        elif self.granularity == "selective" and self.modules is not None:
+            env["ART_MEGATRON_RECOMPUTE_MODULES"] = ",".join(self.modules)
+        return env
+
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("none", None, cost_rank=0),
+    Policy("selective", "selective", cost_rank=1),
+    Policy("selective+mlp", "selective", modules=("core_attn", "mlp"), cost_rank=2),
+    Policy("full", "full", method="uniform", num_layers=1, cost_rank=3),
+)
+
+
+def candidate_layouts(gpus: int) -> list[ParallelLayout]:
+    """Every TP x CP whose product divides the GPU count (the rest is data parallel),
+    fewest GPUs per replica first. Sequence parallel is on whenever TP > 1 (the default)."""
+    if gpus < 1:
+        raise ValueError(f"gpus must be >= 1, got {gpus}")
+    layouts = []
+    for tp in _divisors(gpus):
+        for cp in _divisors(gpus // tp):
+            layouts.append(
+                ParallelLayout(
+                    tensor_parallel=tp, context_parallel=cp, sequence_parallel=tp > 1,
+                    expert_tensor_parallel=tp, data_parallel=gpus // (tp * cp),
+                )
+            )
+    layouts.sort(key=lambda lo: (lo.tensor_parallel * lo.context_parallel,
+                                 lo.context_parallel))
+    return layouts
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def layout_env(layout: ParallelLayout) -> dict[str, str]:
+    return {
+        "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(layout.tensor_parallel),
+        "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": str(layout.context_parallel),
+    }
+
+
+def layout_name(layout: ParallelLayout) -> str:
+    name = f"TP{layout.tensor_parallel}"
+    if layout.context_parallel > 1:
+        name += f" CP{layout.context_parallel}"
+    return name + (f" DP{layout.data_parallel}" if layout.data_parallel > 1 else "")
+
+
+@dataclass(frozen=True)
+class PlanCell:
+    """One policy x layout: its estimate (per rank) or why it cannot be built."""
+
+    policy: Policy
+    layout: ParallelLayout
+    limit_bytes: int
+    estimate: Any | None = None  # the memory model's Estimate
+    max_tokens: int | None = None  # largest packed tokens that fit (same sequences, outputs)
+    unavailable: str = ""  # why this layout/policy cannot be built for this model
+
+    @property
+    def peak_bytes(self) -> int | None:
+        return None if self.estimate is None else int(self.estimate.peak_bytes)
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and int(self.estimate.peak_bytes) <= self.limit_bytes
+
+    @property
+    def headroom_bytes(self) -> int | None:
+        return None if self.estimate is None else self.limit_bytes - int(self.estimate.peak_bytes)
+
+    @property
+    def gpus_per_replica(self) -> int:
+        return self.layout.tensor_parallel * self.layout.context_parallel
+
+    @property
+    def env(self) -> dict[str, str]:
+        return {**layout_env(self.layout), **self.policy.env}
+
+    def verdict(self) -> str:
+        if self.unavailable:
+            return "n/a"
+        assert self.headroom_bytes is not None
+        pct = 100.0 * self.headroom_bytes / self.limit_bytes
+        if self.fits:
+            return f"fits, {self.headroom_bytes / GIB:.1f} GiB ({pct:.0f}%) free"
+        return f"DOES NOT FIT, {-self.headroom_bytes / GIB:.1f} GiB over"
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "policy": self.policy.name,
+            "layout": layout_name(self.layout),
+            "tensor_parallel": self.layout.tensor_parallel,
+            "context_parallel": self.layout.context_parallel,
+            "data_parallel": self.layout.data_parallel,
+            "limit_bytes": self.limit_bytes,
+            "fits": self.fits,
+            "peak_bytes": self.peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "max_tokens": self.max_tokens,
+            "env": self.env,
+            "unavailable": self.unavailable or None,
+        }
+        if self.estimate is not None:
+            out["recompute"] = self.estimate.recompute_summary
+            out["estimate"] = self.estimate.to_dict()
+        return out
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    model: str
+    geometry: ModelGeometry
+    batch: MicroBatchShape
+    gpus: int
+    gpu_memory_bytes: int
+    implementation: Implementation
+    lora_rank: int
+    dtype: str
+    alloc_conf: str | None
+    cells: tuple[PlanCell, ...]
+
+    @property
+    def recommended(self) -> PlanCell | None:
+        fitting = [c for c in self.cells if c.fits]
+        if not fitting:
+            return None
+        return min(
+            fitting,
+            key=lambda c: (c.policy.cost_rank, c.gpus_per_replica, c.layout.context_parallel,
+                           -(c.headroom_bytes or 0)),
+        )
+
+    def cell(self, policy: str, tensor_parallel: int, context_parallel: int = 1) -> PlanCell:
+        for c in self.cells:
+            if (c.policy.name, c.layout.tensor_parallel, c.layout.context_parallel) == (
+                policy, tensor_parallel, context_parallel
+            ):
+                return c
+        raise KeyError(f"no cell for policy {policy!r} at TP{tensor_parallel} CP{context_parallel}")
+
+    def layouts(self) -> list[ParallelLayout]:
+        seen: list[ParallelLayout] = []
+        for c in self.cells:
+            if c.layout not in seen:
+                seen.append(c.layout)
+        return seen
+
+    def layout_summaries(self) -> list[str]:
+        """Per layout, one sentence: which policies fit and which do not, with per-rank peaks."""
+        lines = []
+        for layout in self.layouts():
+            cells = [c for c in self.cells if c.layout == layout]
+            if all(c.unavailable for c in cells):
+                lines.append(f"{layout_name(layout)}: not buildable ({cells[0].unavailable})")
+                continue
+            parts = []
+            for c in cells:
+                if c.unavailable:
+                    parts.append(f"{c.policy.name} n/a")
+                    continue
+                word = "fits" if c.fits else "does not fit"
+                parts.append(f"{c.policy.name} {word} ({_gib(c.peak_bytes)} GiB/rank)")
+            lines.append(f"{layout_name(layout)}: " + "; ".join(parts))
+        return lines
+
+    def table(self) -> str:
+        header = ("layout", "policy", "peak GiB/rank", "limit GiB", "verdict",
+                  "max tokens that fit")
+        rows = [header]
+        rec = self.recommended
+        for c in self.cells:
+            mark = " <- recommended" if c is rec else ""
+            rows.append(
+                (
+                    layout_name(c.layout), c.policy.name,
+                    "-" if c.estimate is None else _gib(c.peak_bytes),
+                    _gib(c.limit_bytes), (c.verdict() if not c.unavailable else
+                                          f"n/a: {c.unavailable[:60]}") + mark,
+                    "-" if c.max_tokens is None else f"{c.max_tokens:,}",
+                )
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                 for row in rows]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines)
+
+    def report(self) -> str:
+        """What `plan` prints: the workload, the grid, per-layout summaries, the recommendation
+        and the term table of the recommended cell."""
+        b = self.batch
+        out = [
+            f"plan for {self.model} ({self.dtype}, LoRA rank {self.lora_rank}, "
+            f"{self.implementation.key}): one micro-batch of {len(b.sequence_lengths_tokens)} "
+            f"sequence(s), {b.logical_tokens:,} logical / {b.packed_tokens:,} packed tokens, "
+            f"outputs {b.outputs.key}, {'with' if b.grad_enabled else 'without'} grad",
+            f"on {self.gpus} GPU(s) of {_gib(self.gpu_memory_bytes)} GiB; every figure is per "
+            "rank (resident + dynamic peak + allocator reserve)",
+            "",
+            self.table(),
+            "",
+            *self.layout_summaries(),
+            "",
+        ]
+        rec = self.recommended
+        if rec is None:
+            out.append(
+                f"nothing fits on {self.gpus} GPU(s) of {_gib(self.gpu_memory_bytes)} GiB: "
+                "use more or larger GPUs, split the item into smaller items, or request fewer "
+                "outputs (hidden states and logits are the large ones)"
+            )
+            return "\n".join(out)
+        assert rec.estimate is not None
+        env = " ".join(f"{k}={v}" for k, v in rec.env.items())
+        out += [
+            f"recommended: {rec.policy.name} recompute on {layout_name(rec.layout)}: "
+            f"{_gib(rec.peak_bytes)} GiB of {_gib(rec.limit_bytes)} GiB per rank "
+            f"({_gib(rec.headroom_bytes)} GiB free)",
+            f"  {env} \\",
+            f"    torchrun --nproc_per_node={self.gpus} your_driver.py",
+            "",
+            rec.estimate.table(),
+        ]
+        return "\n".join(out)
+
+    def to_dict(self) -> dict[str, Any]:
+        rec = self.recommended
+        b = self.batch
+        return {
+            "model": self.model,
+            "dtype": self.dtype,
+            "lora_rank": self.lora_rank,
+            "implementation": self.implementation.key,
+            "gpus": self.gpus,
+            "gpu_memory_bytes": self.gpu_memory_bytes,
+            "batch": {
+                "sequence_lengths_tokens": list(b.sequence_lengths_tokens),
+                "logical_tokens": b.logical_tokens,
+                "packed_tokens": b.packed_tokens,
+                "outputs": b.outputs.key,
+                "grad_enabled": b.grad_enabled,
+            },
+            "policies": [p.name for p in POLICIES],
+            "layouts": [layout_name(lo) for lo in self.layouts()],
+            "cells": [c.to_dict() for c in self.cells],
+            "recommended": None if rec is None else {
+                "policy": rec.policy.name,
+                "layout": layout_name(rec.layout),
+                "peak_bytes": rec.peak_bytes,
+                "headroom_bytes": rec.headroom_bytes,
+                "env": rec.env,
+                "term_table": rec.estimate.table() if rec.estimate is not None else "",
+            },
+        }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / GIB:.1f}"
+
+
+# (geometry, layout, recompute, implementation, lora, dtype, alloc_conf) -> MemoryModel
+MemoryModelFactory = Callable[..., Any]
+
+
+def _default_factory(**kwargs: Any) -> Any:
+    from art.trainer_rank._memory.model import MemoryModel
+
+    geometry = kwargs.pop("geometry")
+    return MemoryModel(geometry, **kwargs)
+
+
+def resolve_model(model: str | Path | ModelGeometry) -> tuple[str, ModelGeometry]:
+    if isinstance(model, ModelGeometry):
+        return model.name, model
+    geometry = load_geometry(model)
+    return geometry.name, geometry
+
+
+def memory_model_for(
+    geometry: ModelGeometry,
+    layout: ParallelLayout,
+    policy: Policy,
+    *,
+    implementation: Implementation,
+    lora_rank: int,
+    dtype: str,
+    alloc_conf: str | None,
+    factory: MemoryModelFactory | None = None,
+) -> tuple[Any, EffectiveRecompute]:
+    """The memory model for one cell. The provider validates the layout and resolves the
+    policy exactly as a real launch with these ART_MEGATRON_* settings would (ValueError when
+    Megatron could not build it)."""
+    settings = load_settings({**layout_env(layout), **policy.env})
+    provider = Provider(geometry, settings=settings, dtype=dtype, implementation=implementation)
+    recompute = provider.effective_recompute
+    make = factory or _default_factory
+    memory_model = make(
+        geometry=geometry,
+        layout=replace(provider.layout, data_parallel=layout.data_parallel),
+        recompute=recompute,
+        implementation=implementation,
+        lora=LoraShape(rank=lora_rank),
+        dtype=dtype,
+        alloc_conf=alloc_conf,
+    )
+    return memory_model, recompute
+
+
+def plan(
+    model: str | Path | ModelGeometry,
+    *,
+    batch: MicroBatchShape,
+    gpus: int,
+    gpu_memory_bytes: int,
+    lora_rank: int = 1,
+    dtype: str | None = None,
+    implementation: Implementation | None = None,
+    alloc_conf: str | None = None,
+    policies: Sequence[Policy] = POLICIES,
+    layouts: Sequence[ParallelLayout] | None = None,
+    factory: MemoryModelFactory | None = None,
+) -> PlanResult:
+    """Price `batch` under every policy x layout; see the module docstring."""
+    if gpu_memory_bytes <= 0:
+        raise ValueError(f"gpu_memory_bytes must be > 0, got {gpu_memory_bytes}")
+    name, geometry = resolve_model(model)
+    implementation = implementation or Implementation.gpu_te()
+    dtype = dtype or geometry.dtype
+    cells: list[PlanCell] = []
+    for layout in layouts or candidate_layouts(gpus):
+        for policy in policies:
+            try:
+                memory_model, _ = memory_model_for(
+                    geometry, layout, policy, implementation=implementation,
+                    lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf, factory=factory,
+                )
+            except ValueError as exc:
+                cells.append(PlanCell(policy, layout, gpu_memory_bytes, unavailable=str(exc)))
+                continue
+            estimate = memory_model.estimate(batch)
+            usable = gpu_memory_bytes - int(estimate.resident_bytes)
+            max_packed = max_packed_tokens(memory_model, batch, usable)
+            cells.append(PlanCell(policy, layout, gpu_memory_bytes, estimate, max_packed))
+    return PlanResult(
+        model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
+        implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,
+        cells=tuple(cells),
+    )
+
+
+def scaled_batch(batch: MicroBatchShape, packed_tokens: int) -> MicroBatchShape:
+    """The same micro-batch (sequence count, proportions, packing ratio, outputs) scaled to
+    `packed_tokens` packed tokens."""
+    factor = packed_tokens / batch.packed_tokens
+    lengths = tuple(max(1, round(n * factor)) for n in batch.sequence_lengths_tokens)
+    padded = packed_tokens if batch.padded_tokens else 0
+    return replace(batch, sequence_lengths_tokens=lengths, padded_tokens=padded)
+
+
+def max_packed_tokens(memory_model: Any, batch: MicroBatchShape, usable_bytes: int) -> int:
+    """Largest packed-token count of this batch's shape whose dynamic peak fits `usable_bytes`
+    (bisection over the estimate; 0 when not even one token per sequence fits)."""
+    if usable_bytes <= 0:
+        return 0
+    sequences = len(batch.sequence_lengths_tokens)
+
+    def fits(packed: int) -> bool:
+        return int(memory_model.estimate(scaled_batch(batch, packed)).dynamic_bytes) <= usable_bytes
+
+    if not fits(sequences):
+        return 0
+    low, high = sequences, max(batch.packed_tokens, sequences) * 2
+    while fits(high):
+        low, high = high, high * 2
+        if high > 1 << 34:  # more tokens than any context: report the bound reached
+            return low
+    while high - low > max(1, low // 1000):
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+_PLOT_STYLES: tuple[dict[str, Any], ...] = (
+    {"linestyle": "-", "linewidth": 3.0, "alpha": 0.6},
+    {"linestyle": "--", "linewidth": 2.0},
+    {"linestyle": ":", "linewidth": 2.0},
+    {"linestyle": "-", "linewidth": 1.5},
+)
+
+
+def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
+              factory: MemoryModelFactory | None = None) -> Path:
+    """Predicted peak per rank against packed tokens, one line per policy, one panel per
+    layout, with the device limit as a horizontal line and the requested tokens as a vertical
+    one: where a line crosses the limit (dot) is where that policy stops fitting."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise RuntimeError(
+            "plan --plot needs matplotlib; install it with `pip install matplotlib` (it is in "
+            "this package's [test] extra)"
+        ) from exc
+    layouts = [lo for lo in result.layouts()
+               if any(not c.unavailable for c in result.cells if c.layout == lo)]
+    if not layouts:
+        raise ValueError("no layout could be priced, nothing to plot")
+    columns = min(3, len(layouts))
+    rows = math.ceil(len(layouts) / columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(5.2 * columns, 4.0 * rows), squeeze=False,
+                             sharey=True)
+    top_tokens = max(result.batch.packed_tokens * 2, 64)
+    grid = sorted({max(1, round(top_tokens * (i + 1) / points)) for i in range(points)})
+    limit_gib = result.gpu_memory_bytes / GIB
+    for ax, layout in zip(axes.flat, layouts):
+        for cell in (c for c in result.cells if c.layout == layout and not c.unavailable):
+            memory_model, _ = memory_model_for(
+                result.geometry, layout, cell.policy, implementation=result.implementation,
+                lora_rank=result.lora_rank, dtype=result.dtype,
+                alloc_conf=result.alloc_conf, factory=factory,
+            )
+            peaks = [memory_model.estimate(scaled_batch(result.batch, n)).peak_bytes / GIB
+                     for n in grid]
+            # Policies often coincide (e.g. selective = none where no layer has core
+            # attention to recompute): distinct dash patterns keep every line visible.
+            style = _PLOT_STYLES[cell.policy.cost_rank % len(_PLOT_STYLES)]
+            line = ax.plot(grid, peaks, label=cell.policy.name, **style)[0]
+            if cell.max_tokens and cell.max_tokens <= grid[-1]:
+                ax.plot([cell.max_tokens], [limit_gib], marker="o", color=line.get_color(),
+                        markersize=5)
+        ax.axhline(limit_gib, color="black", linestyle="-.", linewidth=1, label="GPU memory")
+        ax.axvline(result.batch.packed_tokens, color="grey", linestyle=":", linewidth=1,
+                   label="this micro-batch")
+        ax.set_title(layout_name(layout))
+        ax.set_xlabel("packed tokens")
+        ax.set_ylim(0, limit_gib * 1.6)
+        ax.grid(alpha=0.3)
+    for ax in axes.flat[len(layouts):]:
+        ax.axis("off")
+    axes[0][0].set_ylabel("predicted peak per rank (GiB)")
+    axes[0][0].legend(fontsize=8, loc="best")
+    fig.suptitle(f"{result.model}: {result.batch.outputs.key}, "
+                 f"{'grad' if result.batch.grad_enabled else 'no grad'}, "
+                 f"{result.gpus} x {limit_gib:.0f} GiB")
+    fig.tight_layout()
+    out = Path(path)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+def add_plan_arguments(parser: Any) -> None:
+    """The `plan` subcommand's arguments: the workload (as for `estimate`) plus the GPUs."""
+    parser.add_argument("model", help="shipped model name (e.g. Qwen3.5-27B), a config.json or "
+                        "a checkpoint folder")
+    parser.add_argument("--sequence-lengths", default=None,
+                        help="tokens of each sequence in the micro-batch, comma separated "
+                        "(e.g. 19222,19221)")
+    parser.add_argument("--tokens", type=int, default=None,
+                        help="total tokens, split evenly over --sequences (instead of "
+                        "--sequence-lengths)")
+    parser.add_argument("--sequences", type=int, default=1)
+    parser.add_argument("--packed-tokens", type=int, default=0,
+                        help="tokens in the packed row when it differs from the sum (shared "
+                        "prefixes, padding); default: the sum")
+    parser.add_argument("--outputs", default="logprobs",
+                        help="requested outputs: logprobs, top_k=K, logits, hidden_states, none "
+                        "(comma separated; default logprobs)")
+    parser.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
+    parser.add_argument("--lora-rank", type=int, default=1)
+    parser.add_argument("--dtype", default=None, help="default: the model's")
+    parser.add_argument("--gpus", type=int, required=True, help="GPUs available (all layouts "
+                        "whose TP x CP divides this are priced; the rest is data parallel)")
+    memory = parser.add_mutually_exclusive_group(required=True)
+    memory.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
+                        help="GPU model (memory: " + ", ".join(
+                            f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()) + ")")
+    memory.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB")
+    parser.add_argument("--alloc-conf", default=None,
+                        help="PYTORCH_CUDA_ALLOC_CONF to price with (default: the environment's)")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="also draw predicted peak against tokens per policy and layout")
+
+
+def batch_from_args(args: Any) -> MicroBatchShape:
+    from art.trainer_rank._memory.request import OutputRequest
+
+    if (args.sequence_lengths is None) == (args.tokens is None):
+        raise ValueError("give the micro-batch as --sequence-lengths A,B,... or as --tokens N "
+                         "(with --sequences K), not both and not neither")
+    if args.sequence_lengths is not None:
+        try:
+            lengths = tuple(int(x) for x in args.sequence_lengths.split(",") if x.strip())
+        except ValueError:
+            raise ValueError(f"--sequence-lengths must be integers separated by commas, got "
+                             f"{args.sequence_lengths!r}") from None
+    else:
+        if args.sequences < 1 or args.tokens < args.sequences:
+            raise ValueError(f"--tokens {args.tokens} over --sequences {args.sequences}: need "
+                             "at least one token per sequence")
+        base, extra = divmod(args.tokens, args.sequences)
+        lengths = tuple(base + (1 if i < extra else 0) for i in range(args.sequences))
+    if args.packed_tokens < 0:
+        raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
+    return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
+                           grad_enabled=not args.no_grad, padded_tokens=args.packed_tokens)
+
+
+def run_plan(args: Any) -> int:
+    """Run `plan` for parsed arguments; prints the report (or JSON) and returns 0, or 3 when
+    nothing fits (so scripts can branch on it; argparse uses 2)."""
+    import json
+    import os
+
+    batch = batch_from_args(args)
+    memory_gib = GPU_MEMORY_GIB[args.gpu] if args.gpu else args.gpu_memory_gib
+    if memory_gib is None or memory_gib <= 0:
+        raise ValueError(f"GPU memory must be > 0 GiB, got {memory_gib}")
+    alloc_conf = args.alloc_conf if args.alloc_conf is not None else os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF")
+    result = plan(
+        args.model, batch=batch, gpus=args.gpus, gpu_memory_bytes=int(memory_gib * GIB),
+        lora_rank=args.lora_rank, dtype=args.dtype, alloc_conf=alloc_conf,
+    )
+    plot_path = plot_plan(result, args.plot) if args.plot else None
+    if args.json:
+        out = result.to_dict()
+        out["plot"] = None if plot_path is None else str(plot_path)
+        print(json.dumps(out, indent=2))
+    else:
+        print(result.report())
+        if plot_path is not None:
+            print(f"\nplot written to {plot_path}")
+    return 0 if result.recommended is not None else 3
