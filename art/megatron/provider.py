@@ -69,8 +69,10 @@ class Provider:
         env: Mapping[str, str] | None = None,
         lora: LoraConfig | None = None,
         dtype: str | None = None,
+        implementation: Implementation | None = None,
     ) -> Provider:
-        return cls(model, settings=load_settings(env), lora=lora, dtype=dtype)
+        return cls(model, settings=load_settings(env), lora=lora, dtype=dtype,
+                   implementation=implementation)
 
     # ------------------------------------------------------------------ what Megatron will do
     @property
@@ -137,8 +139,20 @@ class Provider:
         self.settings.layout(state.world_size)  # raises when the world does not divide
         return state
 
+    def _check_buildable(self) -> None:
+        if self.geometry.is_hybrid:
+            raise ValueError(
+                f"{self.geometry.name} mixes Gated DeltaNet and attention layers. Megatron-Core "
+                "0.16.1 builds that hybrid block only through its Transformer Engine spec "
+                "(experimental_attention_variant='gated_delta_net'), and its GatedDeltaNet "
+                "needs the `fla` package; this provider does not build it (implementation "
+                f"here: {self.implementation.key}). It is priced from the geometry and "
+                "effective_recompute, which need no model"
+            )
+
     def transformer_config(self):
         """Megatron's TransformerConfig; its recompute fields are checked against ours."""
+        self._check_buildable()
         config = model_builder.build_transformer_config(
             self.geometry,
             layout=self.settings.layout(),
@@ -245,13 +259,6 @@ class Provider:
             raise ValueError(
                 f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size} needs "
                 "NCCL (CUDA): on CPU the gloo backend cannot run the MoE all-to-all; use 1"
-            )
-        if self.geometry.is_hybrid and impl.spec == "local":
-            raise ValueError(
-                f"{self.geometry.name} mixes Gated DeltaNet and attention layers; Megatron-Core "
-                "0.16.1 builds that hybrid block only with the Transformer Engine spec "
-                f"(implementation here: {impl.key}). It can be priced "
-                "(geometry, recompute_as) but not built here"
             )
 
     def _check_parallel_state_matches(self, parallel_state: Any) -> None:
