@@ -181,6 +181,12 @@ class PlanResult:
     dtype: str
     alloc_conf: str | None
     cells: tuple[PlanCell, ...]
+    # (policy name, TP, CP) that the ART_MEGATRON_* environment selects, when it is in the grid
+    current: tuple[str, int, int] | None = None
+
+    def is_current(self, cell: PlanCell) -> bool:
+        return self.current == (cell.policy.name, cell.layout.tensor_parallel,
+                                cell.layout.context_parallel)
 
     @property
     def recommended(self) -> PlanCell | None:
@@ -228,24 +234,26 @@ class PlanResult:
 
     def table(self) -> str:
         header = ("layout", "policy", "peak GiB/rank", "limit GiB", "verdict",
-                  "max tokens that fit")
+                  "max tokens that fit", "")
         rows = [header]
         rec = self.recommended
         for c in self.cells:
-            mark = " <- recommended" if c is rec else ""
+            marks = (["<- recommended"] if c is rec else []) + (
+                ["<- your ART_MEGATRON_* settings"] if self.is_current(c) else [])
             rows.append(
                 (
                     layout_name(c.layout), c.policy.name,
                     "-" if c.estimate is None else _gib(c.peak_bytes),
-                    _gib(c.limit_bytes), (c.verdict() if not c.unavailable else
-                                          f"n/a: {c.unavailable[:60]}") + mark,
+                    _gib(c.limit_bytes),
+                    c.verdict() if not c.unavailable else f"n/a: {c.unavailable[:60]}",
                     "-" if c.max_tokens is None else f"{c.max_tokens:,}",
+                    " ".join(marks),
                 )
             )
         widths = [max(len(r[i]) for r in rows) for i in range(len(header))]
         lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                  for row in rows]
-        lines.insert(1, "  ".join("-" * w for w in widths))
+        lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
         return "\n".join(lines)
 
     def report(self) -> str:
@@ -306,6 +314,10 @@ class PlanResult:
             "policies": [p.name for p in POLICIES],
             "layouts": [layout_name(lo) for lo in self.layouts()],
             "cells": [c.to_dict() for c in self.cells],
+            "current": None if self.current is None else {
+                "policy": self.current[0], "tensor_parallel": self.current[1],
+                "context_parallel": self.current[2],
+            },
             "recommended": None if rec is None else {
                 "policy": rec.policy.name,
                 "layout": layout_name(rec.layout),
@@ -382,8 +394,10 @@ def plan(
     policies: Sequence[Policy] = POLICIES,
     layouts: Sequence[ParallelLayout] | None = None,
     factory: MemoryModelFactory | None = None,
+    current: tuple[str, int, int] | None = None,
 ) -> PlanResult:
-    """Price `batch` under every policy x layout; see the module docstring."""
+    """Price `batch` under every policy x layout; see the module docstring. `current` marks
+    the cell a launch with the caller's settings would use (see `current_cell`)."""
     if gpu_memory_bytes <= 0:
         raise ValueError(f"gpu_memory_bytes must be > 0, got {gpu_memory_bytes}")
     name, geometry = resolve_model(model)
@@ -407,8 +421,27 @@ def plan(
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,
-        cells=tuple(cells),
+        cells=tuple(cells), current=current,
     )
+
+
+def current_cell(env: Any = None) -> tuple[str, int, int] | None:
+    """(policy name, TP, CP) of the ART_MEGATRON_* settings in `env` (default os.environ),
+    None when their recompute policy is not one of POLICIES (e.g. full block 2)."""
+    settings = load_settings(env)
+    modules = settings.recompute_modules
+    for policy in POLICIES:
+        if policy.granularity != settings.recompute_granularity:
+            continue
+        if policy.granularity == "full" and (policy.method, policy.num_layers) != (
+            settings.recompute_method, settings.recompute_num_layers
+        ):
+            continue
+        if policy.granularity == "selective" and sorted(policy.modules or ("core_attn",)) != \
+                sorted(modules if modules is not None else ("core_attn",)):
+            continue
+        return (policy.name, settings.tensor_model_parallel_size, settings.context_parallel_size)
+    return None
 
 
 def scaled_batch(batch: MicroBatchShape, packed_tokens: int) -> MicroBatchShape:
@@ -518,81 +551,83 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
 
 
 # ---------------------------------------------------------------------------------- the CLI
+# Registered by art.trainer_rank._cli (B's dispatcher): add_arguments(parser), run(args).
 
-def add_plan_arguments(parser: Any) -> None:
-    """The `plan` subcommand's arguments: the workload (as for `estimate`) plus the GPUs."""
-    parser.add_argument("model", help="shipped model name (e.g. Qwen3.5-27B), a config.json or "
-                        "a checkpoint folder")
-    parser.add_argument("--sequence-lengths", default=None,
-                        help="tokens of each sequence in the micro-batch, comma separated "
-                        "(e.g. 19222,19221)")
-    parser.add_argument("--tokens", type=int, default=None,
-                        help="total tokens, split evenly over --sequences (instead of "
-                        "--sequence-lengths)")
-    parser.add_argument("--sequences", type=int, default=1)
+def add_arguments(parser: Any) -> None:
+    """The workload as `estimate` takes it, plus the GPUs; the layout and recompute are what
+    `plan` varies, so it takes no --tp/--cp/--recompute."""
+    from art.trainer_rank._cli import _lengths, parse_size_bytes
+
+    parser.add_argument("--model", required=True, help="shipped model name (e.g. Qwen3.5-27B) "
+                        "or a config.json / checkpoint path")
+    batch = parser.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--sequences", type=_lengths,
+                       help="sequence lengths in tokens of the micro-batch, comma separated "
+                       "(the largest item a step hands forward_micro_batches)")
+    batch.add_argument("--tokens", type=int, help="one sequence of this many tokens")
     parser.add_argument("--packed-tokens", type=int, default=0,
-                        help="tokens in the packed row when it differs from the sum (shared "
-                        "prefixes, padding); default: the sum")
+                        help="tokens in the packed row when it differs from the sum (prefix "
+                        "sharing)")
     parser.add_argument("--outputs", default="logprobs",
-                        help="requested outputs: logprobs, top_k=K, logits, hidden_states, none "
-                        "(comma separated; default logprobs)")
+                        help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
+                        "(default logprobs)")
     parser.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
-    parser.add_argument("--lora-rank", type=int, default=1)
-    parser.add_argument("--dtype", default=None, help="default: the model's")
-    parser.add_argument("--gpus", type=int, required=True, help="GPUs available (all layouts "
-                        "whose TP x CP divides this are priced; the rest is data parallel)")
+    parser.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
+    parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                        help="flash: Transformer Engine spec (GPU); unfused: local spec with "
+                        "s^2 scores (no context parallel)")
+    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    parser.add_argument("--gpus", type=int, required=True,
+                        help="GPUs available: every TP x CP that divides this is priced, the "
+                        "rest of the GPUs being data parallel")
     memory = parser.add_mutually_exclusive_group(required=True)
     memory.add_argument("--gpu", choices=sorted(GPU_MEMORY_GIB),
-                        help="GPU model (memory: " + ", ".join(
-                            f"{k} {v} GiB" for k, v in GPU_MEMORY_GIB.items()) + ")")
-    memory.add_argument("--gpu-memory-gib", type=float, help="memory per GPU in GiB")
-    parser.add_argument("--alloc-conf", default=None,
-                        help="PYTORCH_CUDA_ALLOC_CONF to price with (default: the environment's)")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="also draw predicted peak against tokens per policy and layout")
+                        help="GPU model, for its memory (" + ", ".join(
+                            f"{k}: {v} GiB" for k, v in GPU_MEMORY_GIB.items()) + ")")
+    memory.add_argument("--gpu-memory", type=parse_size_bytes,
+                        help="memory per GPU (e.g. 141GB, 139.8GiB; a bare number is GiB)")
+    parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="also draw predicted peak per rank against tokens, one line per "
+                        "policy, one panel per layout, with the GPU memory as a line")
 
 
 def batch_from_args(args: Any) -> MicroBatchShape:
     from art.trainer_rank._memory.request import OutputRequest
 
-    if (args.sequence_lengths is None) == (args.tokens is None):
-        raise ValueError("give the micro-batch as --sequence-lengths A,B,... or as --tokens N "
-                         "(with --sequences K), not both and not neither")
-    if args.sequence_lengths is not None:
-        try:
-            lengths = tuple(int(x) for x in args.sequence_lengths.split(",") if x.strip())
-        except ValueError:
-            raise ValueError(f"--sequence-lengths must be integers separated by commas, got "
-                             f"{args.sequence_lengths!r}") from None
-    else:
-        if args.sequences < 1 or args.tokens < args.sequences:
-            raise ValueError(f"--tokens {args.tokens} over --sequences {args.sequences}: need "
-                             "at least one token per sequence")
-        base, extra = divmod(args.tokens, args.sequences)
-        lengths = tuple(base + (1 if i < extra else 0) for i in range(args.sequences))
+    lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
     if args.packed_tokens < 0:
         raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
     return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
                            grad_enabled=not args.no_grad, padded_tokens=args.packed_tokens)
 
 
-def run_plan(args: Any) -> int:
-    """Run `plan` for parsed arguments; prints the report (or JSON) and returns 0, or 3 when
-    nothing fits (so scripts can branch on it; argparse uses 2)."""
+def implementation_from_args(args: Any) -> Implementation:
+    if args.attention == "flash":
+        return Implementation.gpu_te()
+    return Implementation(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
+                          device="cuda")
+
+
+def run(args: Any) -> int:
+    """Print the plan (or JSON); 0 when something fits, 3 when nothing does (argparse's
+    usage errors are 2), 2 for an invalid request."""
     import json
     import os
+    import sys
 
-    batch = batch_from_args(args)
-    memory_gib = GPU_MEMORY_GIB[args.gpu] if args.gpu else args.gpu_memory_gib
-    if memory_gib is None or memory_gib <= 0:
-        raise ValueError(f"GPU memory must be > 0 GiB, got {memory_gib}")
-    alloc_conf = args.alloc_conf if args.alloc_conf is not None else os.environ.get(
-        "PYTORCH_CUDA_ALLOC_CONF")
-    result = plan(
-        args.model, batch=batch, gpus=args.gpus, gpu_memory_bytes=int(memory_gib * GIB),
-        lora_rank=args.lora_rank, dtype=args.dtype, alloc_conf=alloc_conf,
-    )
+    try:
+        batch = batch_from_args(args)
+        memory_bytes = int(GPU_MEMORY_GIB[args.gpu] * GIB) if args.gpu else args.gpu_memory
+        result = plan(
+            args.model, batch=batch, gpus=args.gpus, gpu_memory_bytes=memory_bytes,
+            lora_rank=args.lora_rank, dtype=args.dtype,
+            implementation=implementation_from_args(args),
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), current=current_cell(),
+        )
+    except ValueError as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
     plot_path = plot_plan(result, args.plot) if args.plot else None
     if args.json:
         out = result.to_dict()
