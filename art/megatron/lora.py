@@ -237,9 +237,16 @@ class LoraLinear(nn.Module):
             pa.copy_(a)
             pb.copy_(b)
 
-    def gather_full(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unsharded (A, B) of one adapter; a collective over the TP group."""
-        a, b = self.lora_A[name].detach(), self.lora_B[name].detach()
+    def gather_full(self, name: str, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unsharded (A, B) of one adapter, or of their gradients; a collective over the
+        TP group."""
+        pa, pb = self.lora_A[name], self.lora_B[name]
+        if grad:
+            if pa.grad is None or pb.grad is None:
+                raise ValueError(f"layer {self.layer_index} {self.hf_path}.{name} has no grad")
+            a, b = pa.grad.detach(), pb.grad.detach()
+        else:
+            a, b = pa.detach(), pb.detach()
         if self.tp_size == 1:
             return a.clone(), b.clone()
         if self.kind == "column":
