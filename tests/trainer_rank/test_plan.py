@@ -1,0 +1,206 @@
+"""`plan`: the seed's case decided as the seed observed it, the grid, the recommendation order,
+the JSON keys, the exit codes and the plot. All offline: pricing only, no model is built."""
+
+from __future__ import annotations
+
+import io
+import json
+from contextlib import redirect_stdout
+
+import pytest
+
+from art.trainer_rank._cli import main as cli_main
+from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+from art.trainer_rank._plan import (
+    GIB,
+    GPU_MEMORY_GIB,
+    POLICIES,
+    candidate_layouts,
+    current_cell,
+    max_packed_tokens,
+    memory_model_for,
+    plan,
+    plot_plan,
+    scaled_batch,
+)
+
+from _tiny import tiny_dense
+
+# The seed: one group of two ~16-20k-token sequences, 38,443 logical / 32,710 packed tokens,
+# hidden states requested, rank-1 LoRA, Qwen3.5-27B on H200s.
+SEED_BATCH = MicroBatchShape(
+    (19222, 19221), outputs=OutputRequest(hidden_states=True), grad_enabled=True,
+    padded_tokens=32710,
+)
+H200 = int(GPU_MEMORY_GIB["H200"] * GIB)
+SEED_ARGS = ["plan", "--model", "Qwen3.5-27B", "--sequences", "19222,19221",
+             "--packed-tokens", "32710", "--outputs", "hidden_states", "--lora-rank", "1",
+             "--gpu", "H200"]
+
+
+def run_cli(argv: list[str]) -> tuple[int, str]:
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = cli_main(argv)
+    return rc, out.getvalue()
+
+
+@pytest.mark.parametrize("gpus, tp", [(2, 2), (4, 4), (4, 2)])
+def test_seed_case_selective_does_not_fit_and_full_does(gpus: int, tp: int) -> None:
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=gpus, gpu_memory_bytes=H200,
+                  lora_rank=1)
+    selective = result.cell("selective", tp)
+    full = result.cell("full", tp)
+    assert not selective.fits and full.fits
+    # Per-rank figures: selective is many times what full needs, and is over the device.
+    assert selective.peak_bytes > H200 > full.peak_bytes
+    assert selective.peak_bytes > 3 * full.peak_bytes
+    rec = result.recommended
+    assert rec is not None and rec.policy.name == "full"
+    summary = next(line for line in result.layout_summaries()
+                   if line.startswith(f"TP{tp}" + (":" if gpus == tp else " DP")))
+    assert "selective does not fit" in summary and "full fits" in summary
+    assert "GiB/rank" in summary
+
+
+def test_seed_case_tp4_per_rank_below_tp2() -> None:
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=4, gpu_memory_bytes=H200, lora_rank=1)
+    assert result.cell("full", 4).peak_bytes < result.cell("full", 2).peak_bytes
+    assert result.cell("selective", 4).peak_bytes < result.cell("selective", 2).peak_bytes
+
+
+def test_seed_case_cli_text_names_the_decision() -> None:
+    rc, text = run_cli([*SEED_ARGS, "--gpus", "2"])
+    assert rc == 0
+    assert "TP2: " in text and "selective does not fit" in text and "full fits" in text
+    assert "recommended: full recompute" in text
+    assert "ART_MEGATRON_RECOMPUTE_GRANULARITY=full" in text
+    assert "peak = resident + dynamic" in text  # the term table of the choice
+
+
+def test_json_has_the_documented_keys() -> None:
+    rc, text = run_cli([*SEED_ARGS, "--gpus", "4", "--json"])
+    assert rc == 0
+    data = json.loads(text)
+    for key in ("model", "dtype", "lora_rank", "implementation", "gpus", "gpu_memory_bytes",
+                "batch", "policies", "layouts", "cells", "current", "recommended", "plot"):
+        assert key in data, key
+    assert data["policies"] == ["none", "selective", "selective+mlp", "full"]
+    assert data["batch"]["packed_tokens"] == 32710
+    assert data["batch"]["logical_tokens"] == 38443
+    assert len(data["cells"]) == len(data["layouts"]) * 4
+    for cell in data["cells"]:
+        for key in ("policy", "layout", "tensor_parallel", "context_parallel", "data_parallel",
+                    "limit_bytes", "fits", "peak_bytes", "headroom_bytes", "max_tokens", "env",
+                    "unavailable"):
+            assert key in cell, key
+        if cell["unavailable"] is None:
+            assert cell["estimate"]["peak_bytes"] == cell["peak_bytes"]
+            assert cell["headroom_bytes"] == cell["limit_bytes"] - cell["peak_bytes"]
+    rec = data["recommended"]
+    assert rec["policy"] == "full" and rec["env"]["ART_MEGATRON_RECOMPUTE_GRANULARITY"] == "full"
+    assert "peak = resident + dynamic" in rec["term_table"]
+
+
+def test_candidate_layouts_cover_every_tp_cp_dividing_the_gpus() -> None:
+    names = [(lo.tensor_parallel, lo.context_parallel, lo.data_parallel)
+             for lo in candidate_layouts(4)]
+    assert sorted(names) == sorted([(1, 1, 4), (2, 1, 2), (1, 2, 2), (4, 1, 1), (2, 2, 1),
+                                    (1, 4, 1)])
+    assert all(lo.sequence_parallel == (lo.tensor_parallel > 1) for lo in candidate_layouts(8))
+    with pytest.raises(ValueError, match="gpus must be >= 1"):
+        candidate_layouts(0)
+
+
+def test_layouts_megatron_cannot_build_are_marked_not_priced() -> None:
+    # Qwen3.5-27B has 4 KV groups: TP 8 cannot shard them.
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=8, gpu_memory_bytes=H200)
+    tp8 = result.cell("full", 8)
+    assert tp8.unavailable and "num_key_value_heads=4" in tp8.unavailable
+    assert tp8.estimate is None and not tp8.fits
+    assert "n/a" in result.table()
+    # The local spec (unfused attention) has no context parallel.
+    rc, text = run_cli(["plan", "--model", "tiny-qwen3", "--tokens", "512", "--gpus", "2",
+                        "--gpu-memory", "1GiB", "--attention", "unfused", "--json"])
+    data = json.loads(text)
+    cp2 = [c for c in data["cells"] if c["context_parallel"] == 2]
+    assert cp2 and all("CONTEXT_PARALLEL" in c["unavailable"] for c in cp2)
+
+
+def test_recommendation_prefers_least_recompute_then_fewest_gpus() -> None:
+    batch = MicroBatchShape((2048,), outputs=OutputRequest(target_logprobs=True))
+    geometry = tiny_dense(num_layers=4, hidden=256, vocab=1024)
+    roomy = plan(geometry, batch=batch, gpus=4, gpu_memory_bytes=64 * GIB)
+    rec = roomy.recommended
+    assert rec is not None and (rec.policy.name, rec.gpus_per_replica) == ("none", 1)
+
+    # A limit between full's and none's peak at TP1: something with recompute wins, and
+    # nothing with less recomputation fits at any layout that the order ranks first.
+    cells = {(c.policy.name, c.layout): c for c in roomy.cells}
+    tp1 = candidate_layouts(4)[0]
+    limit = (cells[("full", tp1)].peak_bytes + cells[("none", tp1)].peak_bytes) // 2
+    tight = plan(geometry, batch=batch, gpus=4, gpu_memory_bytes=limit)
+    rec = tight.recommended
+    assert rec is not None and rec.fits
+    for c in tight.cells:
+        if c.fits:
+            assert (c.policy.cost_rank, c.gpus_per_replica) >= (rec.policy.cost_rank,
+                                                                 rec.gpus_per_replica)
+
+
+def test_nothing_fits_exit_code_and_message() -> None:
+    rc, text = run_cli(["plan", "--model", "Qwen3.5-27B", "--tokens", "32768", "--gpus", "1",
+                        "--gpu-memory", "10GiB"])
+    assert rc == 3
+    assert "nothing fits on 1 GPU(s)" in text
+
+
+def test_invalid_request_is_exit_code_2_with_the_reason(capsys) -> None:
+    rc = cli_main(["plan", "--model", "Qwen3.5-27B", "--tokens", "100", "--gpus", "2",
+                   "--gpu", "H200", "--outputs", "logprobs,bogus"])
+    assert rc == 2
+    assert "unknown output 'bogus'" in capsys.readouterr().err
+
+
+def test_max_packed_tokens_is_the_boundary() -> None:
+    geometry = tiny_dense(num_layers=4, hidden=256, vocab=1024)
+    layout = candidate_layouts(1)[0]
+    batch = MicroBatchShape((1000, 500), outputs=OutputRequest(target_logprobs=True),
+                            padded_tokens=1400)
+    model, _ = memory_model_for(geometry, layout, POLICIES[1], implementation=_te(),
+                                lora_rank=1, dtype="bfloat16", alloc_conf=None)
+    usable = 256 * 2**20
+    n = max_packed_tokens(model, batch, usable)
+    assert n > 0
+    assert model.estimate(scaled_batch(batch, n)).dynamic_bytes <= usable
+    assert model.estimate(scaled_batch(batch, int(n * 1.01) + 2)).dynamic_bytes > usable
+    scaled = scaled_batch(batch, 2800)
+    assert scaled.packed_tokens == 2800 and len(scaled.sequence_lengths_tokens) == 2
+    assert max_packed_tokens(model, batch, 0) == 0
+
+
+def test_current_cell_follows_the_environment() -> None:
+    env = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2",
+           "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
+           "ART_MEGATRON_RECOMPUTE_METHOD": "none", "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "none"}
+    assert current_cell(env) == ("selective", 2, 1)
+    assert current_cell({}) == ("full", 1, 1)  # the settings' default: full uniform 1
+    assert current_cell({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
+                         "ART_MEGATRON_RECOMPUTE_MODULES": "mlp,core_attn"}) == (
+        "selective+mlp", 1, 1)
+    assert current_cell({"ART_MEGATRON_RECOMPUTE_METHOD": "block",
+                         "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "2"}) is None
+
+
+def test_plot_draws_a_png(tmp_path) -> None:
+    pytest.importorskip("matplotlib")
+    batch = MicroBatchShape((1024,), outputs=OutputRequest(target_logprobs=True))
+    result = plan(tiny_dense(), batch=batch, gpus=2, gpu_memory_bytes=GIB // 4)
+    path = plot_plan(result, tmp_path / "plan.png", points=6)
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _te():
+    from art.megatron.implementation import Implementation
+
+    return Implementation.gpu_te()
