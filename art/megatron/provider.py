@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from peft import LoraConfig
 
 
+_RECOMPUTE_VARIABLES: dict[str, str] = {
+    "recompute_granularity": "ART_MEGATRON_RECOMPUTE_GRANULARITY",
+    "recompute_method": "ART_MEGATRON_RECOMPUTE_METHOD",
+    "recompute_num_layers": "ART_MEGATRON_RECOMPUTE_NUM_LAYERS",
+    "recompute_modules": "ART_MEGATRON_RECOMPUTE_MODULES",
+}
+
+
 class Provider:
     """Settings + geometry -> TransformerConfig, GPTModel (+ LoRA) and `effective_recompute`."""
 
@@ -56,10 +64,19 @@ class Provider:
 
             validate_lora_config(lora, self.geometry)
         s = self.settings
-        self.effective_recompute: EffectiveRecompute = self.recompute_as(
-            s.recompute_granularity, s.recompute_method, s.recompute_num_layers,
-            s.recompute_modules,
-        )
+        try:
+            self.effective_recompute: EffectiveRecompute = self.recompute_as(
+                s.recompute_granularity, s.recompute_method, s.recompute_num_layers,
+                s.recompute_modules,
+            )
+        except ValueError as exc:
+            # The rule that failed depends on the model (layer count, MoE): name the settings
+            # it came from so the user knows which variable to change.
+            named = ", ".join(
+                s.source_of(f) if s.source_of(f) != "default" else f"{_RECOMPUTE_VARIABLES[f]} "
+                f"(default {getattr(s, f)})" for f in _RECOMPUTE_VARIABLES
+            )
+            raise ValueError(f"{named}: {exc} (model {self.geometry.name})") from None
 
     @classmethod
     def from_env(
