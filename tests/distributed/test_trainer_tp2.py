@@ -1,0 +1,56 @@
+"""TrainerRank under torchrun (gloo, CPU): TP=2 outputs and gradients equal TP=1 on every rank,
+the replica agrees on the smallest usable limit; DP=2 deals whole items without overlap and a
+mismatched call raises on every rank instead of hanging."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from _torchrun import run_torchrun
+
+WORKER = Path(__file__).with_name("trainer_worker.py")
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("trainer_tp2")
+    run_torchrun(WORKER, str(out), nproc=2, timeout_s=150)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.torchrun
+def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process):
+    import trainer_worker
+
+    tp1 = trainer_worker.run("tp")  # in this process: TP=1, same seed, same inputs
+    tp2 = [row["tp"] for row in two_ranks]
+    for row in tp2:
+        assert row["tp"] == 2
+        assert row["usable"] and set(row["usable"]) == {240 * 2**20}  # min over the replica
+        assert row["decisions"] == tp2[0]["decisions"]
+        assert sorted(row["seen"]) == sorted(tp1["seen"]) == ["0", "1", "2", "3", "4"]
+        for index, leaves in tp1["seen"].items():
+            for want, got in zip(leaves, row["seen"][index]):
+                assert got["logprobs"] == pytest.approx(want["logprobs"], abs=2e-5)
+                assert got["top_tokens"] == want["top_tokens"]
+                flat = [v for row_ in got["top_logprobs"] for v in row_]
+                assert flat == pytest.approx([v for r in want["top_logprobs"] for v in r], abs=2e-5)
+                assert got["logits_shape"] == want["logits_shape"]  # gathered over TP
+                assert got["logits_sum"] == pytest.approx(want["logits_sum"], rel=1e-4, abs=1e-3)
+                assert got["hidden_sum"] == pytest.approx(want["hidden_sum"], rel=1e-4, abs=1e-3)
+        assert row["final_norm_grad"] == pytest.approx(tp1["final_norm_grad"], rel=1e-4,
+                                                       abs=1e-6)
+
+
+@pytest.mark.torchrun
+def test_dp2_deals_whole_items_and_rejects_mismatched_calls(two_ranks):
+    rows = [row["dp"] for row in two_ranks]
+    for row in rows:
+        assert "ranks passed different inputs" in row["mismatch_error"]
+    assert {row["dp_rank"] for row in rows} == {0, 1}
+    dealt = [set(row["seen"]) for row in rows]
+    assert not dealt[0] & dealt[1] and dealt[0] | dealt[1] == {"0", "1", "2", "3", "4"}
+    assert rows[0]["usable"][0] == 256 * 2**20 and rows[1]["usable"][0] == 240 * 2**20

@@ -1,0 +1,106 @@
+"""torchrun worker for TrainerRank: first forward_micro_batches at TP = WORLD_SIZE (outputs
+and gradients), then, in the same processes, TP=1 / DP = WORLD_SIZE (dealing and the
+mismatched-call error). `run("tp")` is also called in-process by the test for the TP=1
+reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from megatron.core import parallel_state
+
+from art.megatron.distributed import shutdown_distributed
+from art.megatron.implementation import Implementation
+from art.megatron.provider import Provider
+from art.megatron.settings import load_settings
+from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
+
+from _tiny import tiny_dense
+
+
+def inputs(extra: bool = False) -> list:
+    g = torch.Generator().manual_seed(11)
+
+    def x(n: int) -> ForwardInput:
+        return ForwardInput(torch.randint(0, 256, (n,), generator=g),
+                            target_tokens=torch.randint(0, 256, (n,), generator=g), top_k=4,
+                            logits=True, hidden_states=True)
+
+    items = [x(9), [x(7), x(12)], x(5), [[x(10)]], x(8)]
+    return items + [x(3)] if extra else items
+
+
+def leaves(value) -> list:
+    return [value] if not isinstance(value, list) else [y for v in value for y in leaves(v)]
+
+
+def run(mode: str) -> dict:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    tp = world if mode == "tp" else 1
+    provider = Provider(
+        tiny_dense(num_layers=2),
+        settings=load_settings({
+            "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(tp),
+            "ART_MEGATRON_SEQUENCE_PARALLEL": "false",
+            "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
+        }),
+        dtype="float32",
+        implementation=Implementation.cpu_local(),
+    )
+    # Ranks see different limits; the replica must agree on the smallest.
+    limit = (256 - 16 * rank) * 2**20
+    trainer = TrainerRank(provider, options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    result: dict = {"rank": rank, "tp": tp, "world": world}
+    if mode == "dp":
+        try:
+            list(trainer.forward_micro_batches(inputs(extra=rank == 1)))
+        except ValueError as exc:
+            result["mismatch_error"] = str(exc)
+    seen: dict[int, list[dict]] = {}
+    for mb in trainer.forward_micro_batches(inputs()):
+        loss = 0.0
+        for index, out in zip(mb.indices, mb.outputs):
+            rows = []
+            for o in leaves(out):
+                loss = loss - o.target_logprobs.sum()
+                rows.append({
+                    "logprobs": o.target_logprobs.tolist(),
+                    "top_tokens": o.top_k.tokens.tolist(),
+                    "top_logprobs": o.top_k.logprobs.tolist(),
+                    "logits_shape": list(o.logits.shape),
+                    "logits_sum": float(o.logits.double().sum()),
+                    "hidden_sum": float(o.hidden_states.double().sum()),
+                })
+            seen[index] = rows
+        loss.backward()
+    # The final norm's weight is replicated over TP: its gradient compares directly with TP=1.
+    final_norm = trainer.model.decoder.final_layernorm.weight
+    result.update(
+        seen={str(k): v for k, v in seen.items()},
+        usable=[s.usable_limit_bytes for s in trainer.stats_history],
+        decisions=[s.decision for s in trainer.stats_history],
+        measured=[s.measured_peak_bytes for s in trainer.stats_history],
+        final_norm_grad=final_norm.grad.tolist(),
+        dp_rank=parallel_state.get_data_parallel_rank(),
+    )
+    return result
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    rank = int(os.environ.get("RANK", "0"))
+    result = {"tp": run("tp")}
+    # Same process group, new Megatron layout: TP=1, DP = WORLD_SIZE.
+    parallel_state.destroy_model_parallel()
+    result["dp"] = run("dp")
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
