@@ -100,3 +100,28 @@ def test_stats_table_renders_rows():
         MicroBatchStats(decision="maybe", packed_tokens=1, logical_tokens=1,
                         predicted_peak_bytes=1, predicted_dynamic_bytes=1, usable_limit_bytes=1,
                         recompute_summary="", grad_enabled=False)
+
+
+def test_options_from_env_validate_and_suggest():
+    from art.trainer_rank import TrainerRankOptions
+
+    opts = TrainerRankOptions.from_env({
+        "ART_TRAINER_RANK_PROFILE_PATH": "/tmp/p.json",
+        "ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES": "1048576",
+        "ART_TRAINER_RANK_ESCALATE_TO_FULL_RECOMPUTE": "false",
+        "ART_TRAINER_RANK_TRUST_WINDOW": "3",
+        "OTHER": "x",
+    }, cold_start_fraction=0.5)
+    assert (opts.profile_path, opts.test_memory_limit_bytes) == ("/tmp/p.json", 1 << 20)
+    assert opts.escalate_to_full_recompute is False and opts.trust_window == 3.0
+    assert opts.cold_start_fraction == 0.5
+    with pytest.raises(ValueError, match="did you mean ART_TRAINER_RANK_PROFILE_PATH"):
+        TrainerRankOptions.from_env({"ART_TRAINER_RANK_PROFILE_PATHS": "x"})
+    with pytest.raises(ValueError, match="not a boolean"):
+        TrainerRankOptions.from_env({"ART_TRAINER_RANK_ESCALATE_TO_FULL_RECOMPUTE": "maybe"})
+    with pytest.raises(ValueError, match="positive byte count"):
+        TrainerRankOptions.from_env({"ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES": "-5"})
+    with pytest.raises(ValueError, match="cold_start_fraction"):
+        TrainerRankOptions(cold_start_fraction=0.0)
+    with pytest.raises(ValueError, match="trust_window"):
+        TrainerRankOptions(trust_window=0.5)

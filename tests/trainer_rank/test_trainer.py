@@ -172,3 +172,69 @@ def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
         _check_output(model, x, seen[i])
     assert max(s.retries for s in tight.stats_history) >= 1
     assert all(s.measured_peak_bytes <= limit for s in tight.stats_history)
+
+
+def test_caller_backward_oom_restores_grads_and_retries(built):
+    p, model = built
+    # Stand-in under-predicts so the forward is admitted whole; the virtual limit sits between
+    # the forward's peak and the caller-backward's peak, so the OOM happens in the caller.
+    priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
+    xs = make_inputs([30, 34], seed=4, logits=False, hidden_states=False, top_k=None)
+    roomy = TrainerRank(Runtime(model, p), memory_model=priced,
+                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    roomy.dp_rank_forward([xs])  # grad: the measured peak is the forward's alone
+    forward_peak = roomy.stats_history[-1].measured_peak_bytes
+    zero_grads(model)
+    _run(roomy, [xs], [1.0, 1.0])
+    full_peak = roomy.stats_history[-1].measured_peak_bytes
+    assert full_peak > forward_peak
+    limit = (forward_peak + full_peak) // 2
+    tight = TrainerRank(Runtime(model, p), memory_model=priced,
+                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    zero_grads(model)
+    yielded = []
+    for mb in tight.forward_micro_batches([xs]):
+        yielded.append(mb.stats.decision)
+        try:
+            sum(loss_of(o, 1.0) for o in mb.outputs[0]).backward()
+        except torch.OutOfMemoryError:
+            yielded.append("caller-oom")
+            continue
+    got = grads(model)
+    assert yielded[:2] == ["cold-capped", "caller-oom"] and yielded[-1] == "escalated"
+    want = _reference_grads(model, xs, [1.0, 1.0])
+    for name in want:  # the partial gradients of the failed backward were undone
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_profiles_persist_and_a_second_run_starts_warm(built, tmp_path):
+    p, model = built
+    path = tmp_path / "profiles.json"
+    options = TrainerRankOptions(test_memory_limit_bytes=256 * 2**20, profile_path=str(path))
+    xs = make_inputs([8, 10, 9], seed=5, logits=False, hidden_states=False, top_k=None,
+                     no_grad=True)
+    first = TrainerRank(Runtime(model, p), options=options)
+    list(first.forward_micro_batches(xs))
+    assert first.stats_history[0].decision == "cold-capped" and path.exists()
+    second = TrainerRank(Runtime(model, p), options=options)
+    outs = second.dp_rank_forward(xs)
+    assert [s.decision for s in second.stats_history] == ["admitted"]
+    assert len(outs) == 3 and all(o.target_logprobs is not None for o in outs)
+    assert outs[0].logits is None and outs[0].hidden_states is None  # only what was asked
+
+
+def test_dp_rank_forward_with_grad_keeps_caller_order_and_backprops(built):
+    p, model = built
+    trainer = TrainerRank(Runtime(model, p),
+                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    xs = make_inputs([6, 4, 7], seed=6)
+    zero_grads(model)
+    outs = trainer.dp_rank_forward([xs[0], [xs[1], xs[2]]])
+    assert isinstance(outs[1], list) and len(outs[1]) == 2
+    (loss_of(outs[0], 1.0) + loss_of(outs[1][0], 1.0) + loss_of(outs[1][1], 1.0)).backward()
+    got = grads(model)
+    want = _reference_grads(model, xs, [1.0, 1.0, 1.0])
+    for name in want:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
+    for x, out in zip(xs, [outs[0], *outs[1]]):
+        _check_output(model, x, out)
