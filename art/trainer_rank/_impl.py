@@ -27,7 +27,7 @@ from art.trainer_rank._execute import run_sub_forward
 from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
-from art.trainer_rank._packing import packed_length_tokens
+from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
 from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._types import (
     DECLINED,
@@ -116,10 +116,23 @@ class TrainerRank:
                 f"pipeline parallel size {layout.pipeline_parallel}: TrainerRank runs the whole "
                 "model on each rank; set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
             )
+        if layout.context_parallel > 1:
+            raise TrainerRankRuntimeSupportError(
+                f"context parallel size {layout.context_parallel}: the compute path returns "
+                "every output for the full sequence on every rank and does not split a packed "
+                "row over CP ranks; set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor "
+                "parallel"
+            )
+        try:
+            check_layout_supported(provider.implementation, layout)
+        except ValueError as exc:
+            raise TrainerRankRuntimeSupportError(str(exc)) from exc
         if memory_model is None:
             from art.trainer_rank._memory.model import MemoryModel
 
-            memory_model = MemoryModel.for_provider(provider)
+            # Priced with the head chunk this trainer runs, not the compute path's default.
+            memory_model = replace(MemoryModel.for_provider(provider),
+                                   head_chunk_tokens=self.options.head_chunk_tokens)
         self.memory_model = memory_model
         self.layout = layout
         self.implementation = provider.implementation
@@ -172,7 +185,8 @@ class TrainerRank:
             dtype=self.provider.dtype,
             implementation=self.provider.implementation,
         )
-        return tp, MemoryModel.for_provider(other)
+        return tp, replace(MemoryModel.for_provider(other),
+                           head_chunk_tokens=self.options.head_chunk_tokens)
 
     def usable_limit_bytes(self) -> int:
         """What the next micro-batch may use, the minimum over this replica's TP/CP ranks."""

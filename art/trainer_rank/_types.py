@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
@@ -136,7 +136,6 @@ class MicroBatch:
     outputs: list[Any]
     indices: list[int]
     stats: MicroBatchStats
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class TrainerRankMemoryError(RuntimeError):
@@ -196,10 +195,6 @@ def _rebuild_memory_error(
 
 class TrainerRankRuntimeSupportError(RuntimeError):
     """The requested run needs something this runtime does not support (e.g. pipeline stages)."""
-
-
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.3f}"
 
 
 def format_stats_table(stats_list: list[MicroBatchStats], *, unit: str = "MiB") -> str:
