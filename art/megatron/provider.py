@@ -129,12 +129,19 @@ class Provider:
     def describe(self) -> str:
         """Human-readable account: model, layout, implementation, recompute per layer."""
         er = self.effective_recompute
+        counts: dict[str, int] = {}
+        for lr in er.layers:
+            label = {"full": "in a full checkpoint", "none": "keep everything"}.get(
+                lr.mode, "selective " + "+".join(sorted(lr.selective_modules)))
+            label += " (Gated DeltaNet)" if lr.layer_type == "linear_attention" else ""
+            counts[label] = counts.get(label, 0) + 1
         return "\n".join(
             [
                 f"model {self.geometry.name}: {self.geometry.num_layers} layers, hidden "
                 f"{self.geometry.hidden_size}, dtype {self.dtype}",
                 f"layout {self.layout.summary}; implementation {self.implementation.key}",
                 f"recompute: {er.summary} [{er.key}]",
+                "  " + "; ".join(f"{n} layer(s) {label}" for label, n in counts.items()),
                 f"  {er.describe_layers()}",
             ]
         )
@@ -304,3 +311,32 @@ class Provider:
             f"lora={'r=' + str(self.lora_config.r) if self.lora_config else None})"
         )
 
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m art.megatron.provider MODEL`: the parsed settings and what Megatron will do
+    (layout, implementation, recompute per layer) for the current ART_MEGATRON_* environment."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="python -m art.megatron.provider", description=main.__doc__
+    )
+    parser.add_argument("model", help="shipped model name or path to a config.json / folder")
+    parser.add_argument("--implementation", choices=("detect", "te", "local"), default="detect",
+                        help="price for this kernel set (default: what this machine builds)")
+    parser.add_argument("--dtype", default=None)
+    args = parser.parse_args(argv)
+    impl = {"detect": None, "te": Implementation.gpu_te(),
+            "local": Implementation.cpu_local()}[args.implementation]
+    try:
+        provider = Provider.from_env(args.model, dtype=args.dtype, implementation=impl)
+    except ValueError as error:
+        print(f"error: {error}")
+        return 2
+    print(provider.settings)
+    print(provider.describe())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

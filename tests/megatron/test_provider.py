@@ -204,3 +204,17 @@ def test_build_refuses_a_process_initialised_for_another_layout(megatron_process
          "ART_MEGATRON_SEQUENCE_PARALLEL": "false"}), dtype="float32")
     with pytest.raises(RuntimeError, match="TENSOR_MODEL_PARALLEL_SIZE=1 but the settings say 2"):
         p.build_model()
+
+
+def test_cli_prints_settings_and_policy(monkeypatch, capsys):
+    from art.megatron.provider import main
+
+    for name, value in SEED_ENV.items():
+        monkeypatch.setenv(name, value)
+    assert main(["Qwen3.5-27B", "--implementation", "te"]) == 0
+    out = capsys.readouterr().out
+    assert "ART_MEGATRON_RECOMPUTE_METHOD=none" in out
+    assert "48 layer(s) keep everything (Gated DeltaNet); 16 layer(s) selective core_attn" in out
+    monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_NUM_LAYERS", "3")
+    assert main(["Qwen3.5-27B", "--implementation", "te"]) == 2
+    assert "selective recompute does not take" in capsys.readouterr().out
