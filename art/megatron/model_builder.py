@@ -39,7 +39,10 @@ def build_transformer_config(
     recompute: RecomputeConfig,
     dtype: str | None = None,
     implementation: Implementation | None = None,
+    expert_tensor_parallel: int | None = None,
 ):
+    """`expert_tensor_parallel`: None keeps Megatron's default (= tensor parallel), which is
+    what `initialize_distributed` sets up when not told otherwise."""
     from megatron.core.transformer import TransformerConfig
 
     impl = implementation or Implementation.detect()
@@ -78,7 +81,6 @@ def build_transformer_config(
         pipeline_model_parallel_size=layout.pipeline_parallel,
         context_parallel_size=layout.context_parallel,
         expert_model_parallel_size=layout.expert_parallel,
-        expert_tensor_parallel_size=layout.expert_tensor_parallel,
         virtual_pipeline_model_parallel_size=(
             layout.virtual_pipeline_parallel if layout.virtual_pipeline_parallel > 1 else None
         ),
@@ -96,6 +98,8 @@ def build_transformer_config(
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,
     )
+    if expert_tensor_parallel is not None:
+        kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel
     if recompute.granularity == "selective" and recompute.modules is not None:
         kwargs["recompute_modules"] = list(recompute.modules)
     if geometry.is_moe:

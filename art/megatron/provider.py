@@ -183,6 +183,7 @@ class Provider:
             recompute=self.settings.recompute_config(),
             dtype=self.dtype,
             implementation=self.implementation,
+            expert_tensor_parallel=self.settings.layout().expert_tensor_parallel,
         )
         expected = self.effective_recompute
         if config.recompute_granularity != expected.granularity or (
