@@ -264,8 +264,21 @@ class TrainerRank:
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:
                 assert plan.error is not None
-                logger.warning("%s", plan.error)
-                declined.append(plan.error)
+                error = plan.error
+                attempts = max((retries.get(i, 0) for i in plan.indices), default=0)
+                if attempts:
+                    error = TrainerRankMemoryError(
+                        f"item(s) {plan.indices} ran out of memory at run time ({attempts} "
+                        "attempt(s)); re-priced with that miss, their smallest form cannot run: "
+                        + str(error),
+                        predicted_peak_bytes=error.predicted_peak_bytes,
+                        usable_limit_bytes=error.usable_limit_bytes,
+                        recompute_summary=error.recompute_summary,
+                        suggestion=error.suggestion,
+                        indices_not_run=error.indices_not_run,
+                    )
+                logger.warning("%s", error)
+                declined.append(error)
                 continue
             if plan.escalate:
                 logger.warning("escalating to full recompute: %s", plan.note)
@@ -416,7 +429,11 @@ class TrainerRank:
     ) -> MicroBatchStats:
         return MicroBatchStats(
             decision=plan.decision,
-            packed_tokens=plan.shape.packed_tokens,
+            # A split reports every sub-forward's packed tokens; its prices are its largest's.
+            packed_tokens=sum(
+                self.admission.packed_length([plan.leaves[i].num_tokens for i in sub])
+                for sub in plan.sub_forwards
+            ),
             logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
             predicted_peak_bytes=plan.pricing.peak_bytes,
             predicted_dynamic_bytes=plan.pricing.dynamic_bytes,

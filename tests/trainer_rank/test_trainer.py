@@ -16,7 +16,7 @@ from _trainer_helpers import (
     zero_grads,
 )
 
-from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+from art.trainer_rank import Runtime, TrainerRank, TrainerRankMemoryError, TrainerRankOptions
 from art.trainer_rank._items import make_items
 
 ATOL = 2e-5
@@ -238,3 +238,18 @@ def test_dp_rank_forward_with_grad_keeps_caller_order_and_backprops(built):
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-4, msg=name)
     for x, out in zip(xs, [outs[0], *outs[1]]):
         _check_output(model, x, out)
+
+
+def test_when_the_smallest_form_ooms_the_error_is_chained_to_the_oom(built):
+    p, model = built
+    # Stand-in under-predicts; the virtual limit is below any forward of this model.
+    priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
+    trainer = TrainerRank(Runtime(model, p), memory_model=priced,
+                          options=TrainerRankOptions(test_memory_limit_bytes=4096))
+    xs = make_inputs([16], seed=7, no_grad=True)
+    with pytest.raises(TrainerRankMemoryError) as info:
+        list(trainer.forward_micro_batches(xs))
+    err = info.value
+    assert isinstance(err.__cause__, torch.OutOfMemoryError)
+    assert "ran out of memory at run time" in str(err) and err.indices_not_run == (0,)
+    assert trainer.stats_history == []
