@@ -97,6 +97,21 @@ def test_block_and_uniform_examples_per_chunk():
     assert all(lr.full_unit_layers == 4 for lr in er.layers)
 
 
+def test_virtual_pipeline_chunks_follow_megatrons_round_robin():
+    env = {"ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE": "2",
+           "ART_MEGATRON_VIRTUAL_PIPELINE_MODEL_PARALLEL_SIZE": "2",
+           "ART_MEGATRON_RECOMPUTE_METHOD": "block", "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "2"}
+    er = Provider("Qwen3-8B", settings=load_settings(env), implementation=GPU).effective_recompute
+    # 36 layers in 4 chunks of 9: chunk v of stage p is block v * 2 + p.
+    assert [lr.layer_number for lr in er.layers if lr.mode == "full"] == [
+        1, 2, 10, 11, 19, 20, 28, 29]
+    assert [lr.pipeline_stage for lr in er.layers if lr.mode == "full"] == [0, 0, 1, 1, 0, 0, 1, 1]
+    assert er.chunk_layers(1, 1)[0].layer_number == 28
+    env["ART_MEGATRON_RECOMPUTE_METHOD"] = "uniform"
+    with pytest.raises(ValueError, match="num_layers=2 does not divide the 9 layers"):
+        Provider("Qwen3-8B", settings=load_settings(env), implementation=GPU)
+
+
 def test_recompute_as_is_a_validated_what_if():
     p = Provider("tiny-qwen3", settings=load_settings(SEED_ENV | {
         "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "1"}), implementation=CPU)
