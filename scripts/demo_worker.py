@@ -62,7 +62,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rollouts", type=int, default=4, help="rollouts per prompt")
     p.add_argument("--min-tokens", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=1500)
-    p.add_argument("--median-completion", type=int, default=160)
+    p.add_argument("--median-completion", type=int, default=110,
+                   help="median completion length in tokens (log-normal, long-tailed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-mib", type=float, default=None,
                    help="virtual memory limit per rank (default: 1.7x what the largest RL group "
