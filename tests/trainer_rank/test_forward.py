@@ -16,7 +16,7 @@ from art.trainer_rank._forward import decoder_hidden_states, unwrap_model
 from art.trainer_rank._heads import compute_heads
 from art.trainer_rank._packing import next_token_targets, pack_sequences, unpack
 
-from _tiny import tiny_dense
+from _tiny import tiny_dense, tiny_moe
 
 LOCAL = Implementation.cpu_local()
 TOP_K = 5
@@ -137,3 +137,21 @@ def test_a_batch_without_isolation_is_refused(megatron_process):
     unsafe = type(batch)(**{**batch.__dict__, "attention_mask": None})
     with pytest.raises(ValueError, match="pack_sequences"):
         decoder_hidden_states(model, unsafe)
+
+
+def test_moe_layers_pack_like_dense_ones(megatron_process):
+    """Token routing is per token and nothing is dropped, so packing (padding included)
+    leaves every routed output unchanged."""
+    geometry = tiny_moe(num_layers=2)
+    config = build_transformer_config(
+        geometry, layout=ParallelLayout(), recompute=RecomputeConfig("selective"), dtype="float32"
+    )
+    model = build_gpt_model(geometry, config, seed=0)
+    generator = torch.Generator().manual_seed(9)
+    sequences = [torch.randint(0, geometry.vocab_size, (n,), generator=generator) for n in (6, 9)]
+    with torch.no_grad():
+        packed, _ = _run(model, sequences)
+        for sequence, packed_outputs in zip(sequences, packed):
+            (alone_outputs,), _ = _run(model, [sequence])
+            torch.testing.assert_close(packed_outputs[0], alone_outputs[0], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(packed_outputs[1], alone_outputs[1], rtol=1e-5, atol=1e-5)

@@ -143,3 +143,29 @@ def test_bad_arguments_are_refused_with_the_value_seen(model):
         compute_heads(model, hidden, target_tokens=None, chunk_tokens=0)
     with pytest.raises(ValueError, match="one per packed token"):
         compute_heads(model, hidden, target_tokens=targets[:-1])
+
+
+def test_bfloat16_model_projects_in_bf16_and_returns_fp32(megatron_process):
+    geometry = tiny_dense(num_layers=1, vocab=512)
+    config = build_transformer_config(
+        geometry, layout=ParallelLayout(), recompute=RecomputeConfig("selective"),
+        dtype="bfloat16",
+    )
+    model = build_gpt_model(geometry, config, seed=0)
+    weight = output_weight(model)
+    assert weight.dtype == torch.bfloat16
+    generator = torch.Generator().manual_seed(2)
+    hidden = torch.randn(24, geometry.hidden_size, generator=generator).to(torch.bfloat16)
+    targets = torch.randint(0, 512, (24,), generator=generator)
+    hidden_ref = hidden.clone().requires_grad_(True)
+    logprobs_ref = torch.log_softmax((hidden_ref @ weight.t()).float(), dim=-1)
+    picked_ref = logprobs_ref.gather(1, targets.unsqueeze(1)).squeeze(1)
+    (grad_ref,) = torch.autograd.grad(picked_ref.sum(), [hidden_ref])
+
+    hidden.requires_grad_(True)
+    out = compute_heads(model, hidden, target_tokens=targets, top_k=2, chunk_tokens=5)
+    assert out.target_logprobs.dtype == out.top_k_logprobs.dtype == torch.float32
+    torch.testing.assert_close(out.target_logprobs, picked_ref, rtol=1e-3, atol=1e-3)
+    (grad,) = torch.autograd.grad(out.target_logprobs.sum(), [hidden])
+    assert grad.dtype == torch.bfloat16
+    torch.testing.assert_close(grad.float(), grad_ref.float(), rtol=2e-2, atol=2e-3)
