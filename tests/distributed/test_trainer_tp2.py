@@ -1,4 +1,5 @@
-"""TrainerRank under torchrun (gloo, CPU): TP=2 outputs and gradients equal TP=1 on every rank,
+"""TrainerRank under torchrun (gloo, CPU): TP=2 outputs and gradients, with and without
+sequence parallel, equal TP=1 on every rank,
 the replica agrees on the smallest usable limit; DP=2 deals whole items without overlap and a
 mismatched call raises on every rank instead of hanging."""
 
@@ -22,11 +23,12 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.torchrun
-def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process):
+@pytest.mark.parametrize("mode", ["tp", "tp_sp"])
+def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process, mode):
     import trainer_worker
 
     tp1 = trainer_worker.run("tp")  # in this process: TP=1, same seed, same inputs
-    tp2 = [row["tp"] for row in two_ranks]
+    tp2 = [row[mode] for row in two_ranks]
     for row in tp2:
         assert row["tp"] == 2
         assert row["usable"] and set(row["usable"]) == {240 * 2**20}  # min over the replica
@@ -41,8 +43,14 @@ def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process):
                 assert got["logits_shape"] == want["logits_shape"]  # gathered over TP
                 assert got["logits_sum"] == pytest.approx(want["logits_sum"], rel=1e-4, abs=1e-3)
                 assert got["hidden_sum"] == pytest.approx(want["hidden_sum"], rel=1e-4, abs=1e-3)
-        assert row["final_norm_grad"] == pytest.approx(tp1["final_norm_grad"], rel=1e-4,
-                                                       abs=1e-6)
+        if mode == "tp":
+            assert row["final_norm_grad"] == pytest.approx(tp1["final_norm_grad"], rel=1e-4,
+                                                           abs=1e-6)
+    if mode == "tp_sp":
+        # Under sequence parallel each rank's norm sees its token shard; Megatron all-reduces
+        # these grads over TP when it finalizes gradients, so the ranks' sum is the TP=1 grad.
+        summed = [a + b for a, b in zip(tp2[0]["final_norm_grad"], tp2[1]["final_norm_grad"])]
+        assert summed == pytest.approx(tp1["final_norm_grad"], rel=1e-4, abs=1e-6)
 
 
 @pytest.mark.torchrun

@@ -1,7 +1,7 @@
 """torchrun worker for TrainerRank: first forward_micro_batches at TP = WORLD_SIZE (outputs
-and gradients), then, in the same processes, TP=1 / DP = WORLD_SIZE (dealing and the
-mismatched-call error). `run("tp")` is also called in-process by the test for the TP=1
-reference."""
+and gradients), without and with sequence parallel, then, in the same processes, TP=1 /
+DP = WORLD_SIZE (dealing and the mismatched-call error). `run("tp")` is also called
+in-process by the test for the TP=1 reference."""
 
 from __future__ import annotations
 
@@ -40,12 +40,12 @@ def leaves(value) -> list:
 def run(mode: str) -> dict:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    tp = world if mode == "tp" else 1
+    tp = 1 if mode == "dp" else world
     provider = Provider(
         tiny_dense(num_layers=2),
         settings=load_settings({
             "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(tp),
-            "ART_MEGATRON_SEQUENCE_PARALLEL": "false",
+            "ART_MEGATRON_SEQUENCE_PARALLEL": "true" if mode == "tp_sp" else "false",
             "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
         }),
         dtype="float32",
@@ -93,7 +93,7 @@ def run(mode: str) -> dict:
 def main() -> None:
     out_dir = sys.argv[1]
     rank = int(os.environ.get("RANK", "0"))
-    result = {"tp": run("tp")}
+    result = {"tp": run("tp"), "tp_sp": run("tp_sp")}
     # Same process group, new Megatron layout: TP=1, DP = WORLD_SIZE.
     parallel_state.destroy_model_parallel()
     result["dp"] = run("dp")

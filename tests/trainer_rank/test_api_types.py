@@ -125,3 +125,13 @@ def test_options_from_env_validate_and_suggest():
         TrainerRankOptions(cold_start_fraction=0.0)
     with pytest.raises(ValueError, match="trust_window"):
         TrainerRankOptions(trust_window=0.5)
+
+
+def test_pipeline_parallel_is_refused_up_front():
+    from _trainer_helpers import provider
+
+    from art.trainer_rank import Runtime, TrainerRank, TrainerRankRuntimeSupportError
+
+    p = provider("full", ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE="2")
+    with pytest.raises(TrainerRankRuntimeSupportError, match="PIPELINE_MODEL_PARALLEL_SIZE=1"):
+        TrainerRank(Runtime(model=None, provider=p))
