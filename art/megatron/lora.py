@@ -189,14 +189,19 @@ class LoraLinear(nn.Module):
         self.layer_index = layer_index  # 0-based global layer index (HF numbering)
         self.query_groups_local = query_groups_local
         self.is_expert = bool(getattr(base, "is_expert", False))
-        self.tp_group = base.tp_group
+        self.tp_group = _tp_group_of(base)
         self.tp_size = dist.get_world_size(self.tp_group) if dist.is_initialized() else 1
         self.tp_rank = dist.get_rank(self.tp_group) if dist.is_initialized() else 0
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and (
             not self.is_expert
         )
         weight = base.weight
-        full_in = int(base.input_size)
+        # Shapes, not attribute names, so Megatron's local linears and its Transformer Engine
+        # wrappers read the same: column weight [out/TP, in], row weight [out, in/TP].
+        full_in = int(weight.shape[1]) * (self.tp_size if kind == "row" else 1)
+        # TE's LayerNormColumnParallelLinear normalises its input inside the base; the LoRA
+        # path must see the same normalised input, so it applies that norm itself.
+        self.fused_norm = getattr(base, "layer_norm_weight", None) is not None
         self.lora_A = nn.ParameterDict()
         self.lora_B = nn.ParameterDict()
         for part in parts:
@@ -258,6 +263,21 @@ class LoraLinear(nn.Module):
         output, bias = self.base(x, *args, **kwargs)
         return output + self.delta(x).to(output.dtype), bias
 
+    def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.fused_norm:
+            return x
+        base = self.base
+        weight = base.layer_norm_weight.detach()
+        if getattr(base, "zero_centered_gamma", False):
+            weight = weight + 1
+        eps = float(getattr(base, "eps", None) or base.config.layernorm_epsilon)
+        normalization = getattr(base, "normalization", "RMSNorm")
+        if normalization != "RMSNorm":
+            raise ValueError(
+                f"LoRA on a fused {normalization}-linear is not supported (RMSNorm only)"
+            )
+        return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
+
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         """The LoRA term, in the layout and sharding of the base's output."""
         from megatron.core.tensor_parallel import mappings
@@ -267,6 +287,7 @@ class LoraLinear(nn.Module):
             self.lora_A[names[0]]
         )
         distributed = self.tp_size > 1
+        x = self._lora_input(x)
         if self.kind == "column":
             if distributed and (self.is_expert or self.sequence_parallel):
                 a = _GradAllReduce.apply(a, self.tp_group)
@@ -319,6 +340,19 @@ class LoraLinear(nn.Module):
     def extra_repr(self) -> str:
         names = ",".join(p.name for p in self.parts if p.present)
         return f"{self.kind}, {self.hf_path}[{names}], r={self.r}, scaling={self.scaling:g}"
+
+
+def _tp_group_of(base: nn.Module) -> Any:
+    """Megatron's local linears keep `tp_group`, its TE wrappers `_tp_group`."""
+    group = getattr(base, "tp_group", None)
+    return group if group is not None else getattr(base, "_tp_group", None)
+
+
+def _full_columns(base: nn.Module) -> int:
+    """Output features of an unsharded column-parallel linear (its weight is [out/TP, in])."""
+    group = _tp_group_of(base)
+    tp = dist.get_world_size(group) if (dist.is_initialized() and group is not None) else 1
+    return int(base.weight.shape[0]) * tp
 
 
 def _init_full(r: int, full_in: int, full_out: int, *, seed: int, key: str):
@@ -376,7 +410,8 @@ def apply_lora(model: nn.Module, config: LoraConfig, *, seed: int = 0) -> list[s
                 )
             )
             if any(p.present for p in qkv_parts):
-                tp = attention.linear_qkv.tp_group.size() if dist.is_initialized() else 1
+                tp = (dist.get_world_size(_tp_group_of(attention.linear_qkv))
+                      if dist.is_initialized() else 1)
                 wrapped.append(_wrap(
                     attention, "linear_qkv", "column", qkv_parts, r, scaling, "self_attn",
                     index, seed, module_names, query_groups_local=groups // tp,
@@ -426,18 +461,18 @@ def _wrap_mlp(owner, hf_path, wanted, r, scaling, index, seed, module_names) -> 
     fc1 = owner.linear_fc1
     gated = bool(owner.config.gated_linear_unit)
     if gated:
-        half = int(fc1.output_size) // 2
+        half = _full_columns(fc1) // 2
         parts = tuple(_Part(n, half, present=n in wanted) for n in ("gate_proj", "up_proj"))
         if not any(p.present for p in parts):
             parts = ()
     else:
-        parts = (_Part("up_proj", int(fc1.output_size)),) if "up_proj" in wanted else ()
+        parts = (_Part("up_proj", _full_columns(fc1)),) if "up_proj" in wanted else ()
     if parts:
         out.append(_wrap(owner, "linear_fc1", "column", parts, r, scaling, hf_path, index, seed,
                          module_names))
     if "down_proj" in wanted:
         out.append(_wrap(owner, "linear_fc2", "row",
-                         (_Part("down_proj", int(owner.linear_fc2.output_size)),), r, scaling,
+                         (_Part("down_proj", int(owner.linear_fc2.weight.shape[0])),), r, scaling,
                          hf_path, index, seed, module_names))
     return out
 

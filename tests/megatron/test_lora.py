@@ -189,3 +189,45 @@ def test_load_rejects_mismatched_adapters(megatron_process, tmp_path):
     fewer = _provider(r=2, target=["q_proj"]).build_model(seed=0)
     with pytest.raises(ValueError, match="match no LoRA module"):
         load_adapter(fewer, tmp_path)
+
+
+class _NormThenColumnLinear(torch.nn.Module):
+    """Stand-in for Transformer Engine's LayerNormColumnParallelLinear (TE cannot be installed
+    on this CPU machine): RMSNorm fused in front of a real Megatron column-parallel linear,
+    exposing `layer_norm_weight`, `weight`, `tp_group` and `config` like the TE wrapper."""
+
+    def __init__(self, linear, norm):
+        super().__init__()
+        self.linear, self.norm = linear, norm
+        self.layer_norm_weight = norm.weight
+        self.weight, self.tp_group, self.config = linear.weight, linear.tp_group, linear.config
+
+    def forward(self, x):
+        return self.linear(self.norm(x))
+
+
+def test_lora_on_a_fused_norm_linear_sees_the_normalised_input(megatron_process):
+    from art.megatron.lora import LoraLinear, _Part
+
+    p = _provider()
+    model = build_gpt_model(p.geometry, p.transformer_config(), implementation=p.implementation,
+                            seed=0)
+    layer = model.decoder.layers[1]
+    with torch.no_grad():
+        layer.input_layernorm.weight.uniform_(0.5, 1.5)
+    g = p.geometry
+    parts = (_Part("q_proj", g.num_attention_heads * g.head_dim),
+             _Part("k_proj", g.num_query_groups * g.head_dim),
+             _Part("v_proj", g.num_query_groups * g.head_dim))
+    kwargs = dict(kind="column", parts=parts, r=4, scaling=2.0, hf_path="self_attn",
+                  layer_index=1, query_groups_local=g.num_query_groups, seed=0)
+    fused = LoraLinear(_NormThenColumnLinear(layer.self_attention.linear_qkv,
+                                             layer.input_layernorm), **kwargs)
+    plain = LoraLinear(layer.self_attention.linear_qkv, **kwargs)
+    assert fused.fused_norm and not plain.fused_norm
+    _randomise_b(torch.nn.ModuleList([fused]), seed=1)
+    _randomise_b(torch.nn.ModuleList([plain]), seed=1)
+    x = torch.randn(6, 1, g.hidden_size) * 3
+    out_fused, _ = fused(x)
+    out_plain, _ = plain(layer.input_layernorm(x))
+    torch.testing.assert_close(out_fused, out_plain)
