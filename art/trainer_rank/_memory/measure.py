@@ -3,7 +3,8 @@
 CPU has no allocator statistics, so `StorageMeter` is a TorchDispatchMode that sees every
 tensor an op creates (forward, autograd backward and checkpoint recompute all run their CPU
 kernels on the calling thread), records its *storage* once (a view shares its base's storage,
-so it is never counted twice), and drops it when the storage dies (weakref callback). The live
+so it is never counted twice; outputs that alias an input by the op's schema are not
+allocations at all), and drops it when the storage dies (weakref callback). The live
 sum right after each op is the exact live-bytes curve; its maximum is the peak.
 
 Why not `torch.distributed._tools.mem_tracker.MemTracker` directly: it registers a gradient
@@ -71,9 +72,17 @@ class StorageMeter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        for leaf in tree_leaves(out):
-            if isinstance(leaf, torch.Tensor):
-                self._record(leaf)
+        returns = func._schema.returns
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for i, value in enumerate(outputs):
+            # Outputs that alias an input (views, in-place and out= results) allocate
+            # nothing: recording them would count a pre-existing storage (a weight, a
+            # persistent buffer) as new.
+            if i < len(returns) and returns[i].alias_info is not None:
+                continue
+            for leaf in tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    self._record(leaf)
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
         return out

@@ -55,9 +55,11 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.3f} GiB"
 
 
-def mode_key(modules: frozenset[str], grad: bool) -> str:
+def mode_key(modules: frozenset[str], grad: bool, full_layers: int = 0) -> str:
     if not grad:
         return "nograd"
+    if full_layers:
+        return f"full:{full_layers}"
     return "sel:" + "+".join(sorted(modules)) if modules else "none"
 
 
@@ -139,6 +141,14 @@ class MemoryModel:
                 return cost, True
         return _default_cost(self.dims, kind, modules, s, grad, self.worst_case_routing), False
 
+    def _probed_unit(self, index: int, n: int, s: int) -> LayerCost | None:
+        if self.coefficients is None:
+            return None
+        kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
+        if len(kinds) != 1:
+            return None
+        return self.coefficients.layer_cost(kinds.pop(), mode_key(frozenset(), True, n), s)
+
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
         by_stage: dict[int, list[tuple[int, LayerRecompute]]] = {}
@@ -197,6 +207,11 @@ class MemoryModel:
             pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
                             f"table + per-token index [{s}, {rope_dim}] fp32"))
 
+        # The compute path keeps the embedding output referenced for the whole decoder call,
+        # so it is live throughout; the first layer's saved input is that same storage.
+        pre.append(Term("embedding output", int(hidden_local), "forward",
+                        "decoder input, referenced until the decoder returns"))
+
         layers = self._stage_layers()
         # ---- forward through the layers
         kept_total = 0.0
@@ -207,27 +222,47 @@ class MemoryModel:
         i = 0
         while i < len(layers):
             index, lr = layers[i]
+            first = i == 0
+            x_in = 0.0 if first else x  # the first input is the embedding output (pre term)
             if grad and lr.full_checkpoint_unit is not None:
                 n = lr.full_unit_layers
                 members = layers[i:i + n]
+                probed_unit = self._probed_unit(index, n, s)
+                if probed_unit is not None:
+                    # The probe measured this very checkpoint unit: use it as one "layer".
+                    probe_used = True
+                    peak = kept_total + x_in + probed_unit.forward
+                    if peak > fwd_layers_peak:
+                        fwd_layers_peak = peak
+                        fwd_peak_where = f"layers {index + 1}-{index + n} (no-grad run)"
+                    kept = probed_unit.kept - (x if first and probed_unit.saves_input else 0)
+                    units.append(dict(kind="layer", start=index, kept=kept, input=x,
+                                      costs=[replace(probed_unit, kept=int(kept))]))
+                    kept_total += kept
+                    x = probed_unit.output
+                    i += n
+                    continue
                 nograd = [self._layer_cost(j, frozenset(), s, False) for j, _ in members]
                 full = [self._layer_cost(j, frozenset(), s, True) for j, _ in members]
                 probe_used |= any(u for _, u in nograd + full)
-                peak = kept_total + x + max(c.forward for c, _ in nograd)
+                peak = kept_total + x_in + max(c.forward for c, _ in nograd)
                 if peak > fwd_layers_peak:
                     fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1} (no-grad run)"
-                units.append(dict(kind="full", start=index, kept=x, costs=[c for c, _ in full]))
-                kept_total += x
+                units.append(dict(kind="full", start=index, kept=x_in, input=x,
+                                  costs=[c for c, _ in full]))
+                kept_total += x_in
                 i += n
                 continue
             modules = lr.selective_modules if grad else frozenset()
             cost, used = self._layer_cost(index, modules, s, grad)
             probe_used |= used
-            peak = kept_total + x + cost.forward
+            peak = kept_total + x_in + cost.forward
             if peak > fwd_layers_peak:
                 fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1}"
-            units.append(dict(kind="layer", start=index, kept=cost.kept, costs=[cost]))
-            kept_total += cost.kept
+            kept = cost.kept - (x if first and cost.saves_input else 0)
+            units.append(dict(kind="layer", start=index, kept=kept, input=x,
+                              costs=[replace(cost, kept=int(kept))]))
+            kept_total += kept
             x = cost.output
             i += 1
 
@@ -306,18 +341,21 @@ class MemoryModel:
                     continue
                 # A full-recompute unit: rebuild its layers with grad, then their backward.
                 costs: list[LayerCost] = unit["costs"]
-                dy = unit["kept"]  # incoming gradient, the size of a hidden tensor
+                dy = unit["input"]  # incoming gradient, the size of a hidden tensor
                 rebuilt = 0.0
                 unit_peak = 0.0
                 for k, cost in enumerate(costs):
-                    kept_k = cost.kept - (unit["kept"] if k == 0 and cost.saves_input else 0)
+                    kept_k = cost.kept - (unit["input"] if k == 0 and cost.saves_input else 0)
                     unit_peak = max(unit_peak, rebuilt + cost.forward + dy)
                     rebuilt += kept_k
+                # Megatron's checkpoint backward holds the rebuilt unit output while it runs
+                # the backward of every layer of the unit.
+                held = costs[-1].output
                 for k in reversed(range(len(costs))):
                     cost = costs[k]
-                    kept_k = cost.kept - (unit["kept"] if k == 0 and cost.saves_input else 0)
+                    kept_k = cost.kept - (unit["input"] if k == 0 and cost.saves_input else 0)
                     rebuilt -= kept_k
-                    unit_peak = max(unit_peak, rebuilt + kept_k + cost.backward)
+                    unit_peak = max(unit_peak, rebuilt + kept_k + cost.backward + held)
                 peak = below + unit["kept"] + unit_peak + outputs_held
                 if peak > best:
                     first, last = unit["start"] + 1, unit["start"] + len(costs)

@@ -1,0 +1,293 @@
+"""Calibration harness: real Megatron-Core models, real micro-batches, measured vs predicted.
+
+One cell = one (geometry, recompute policy, LoRA rank, layout) model and one micro-batch
+(packed lengths, outputs, grad). It runs exactly the trainer's compute path: P's
+`pack_sequences` -> `decoder_hidden_states` -> `compute_heads` -> the caller loss
+(`probe.caller_loss`) -> backward, inside the meter (`measure.py`), starting from the state
+before the micro-batch (weights, LoRA grads and optimizer state already live; Megatron's
+attention score buffer cleared, so the micro-batch pays for it as a first call would).
+
+The comparison is on the dynamic part: measured = peak of bytes allocated inside the
+micro-batch; predicted = max(forward peak, backward peak) of the estimate, i.e. the dynamic
+figure without the allocator reserve (the reserve is a margin for fragmentation on GPU, not a
+prediction of allocated bytes; it is reported alongside).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._memory.measure import meter_for
+from art.trainer_rank._memory.model import MemoryModel
+from art.trainer_rank._memory.probe import (
+    _clear_score_buffer,
+    caller_loss,
+    modes_for,
+    probe,
+)
+from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class Policy:
+    name: str
+    granularity: str | None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] | None = None
+
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("none", None),
+    Policy("selective default", "selective"),
+    Policy("selective core_attn+mlp", "selective", modules=("core_attn", "mlp")),
+    Policy("selective mlp", "selective", modules=("mlp",)),
+    Policy("selective layernorm", "selective", modules=("layernorm",)),
+    Policy("full uniform 1", "full", "uniform", 1),
+    Policy("full uniform 2", "full", "uniform", 2),
+    Policy("full block 2", "full", "block", 2),
+)
+POLICY_BY_NAME = {p.name: p for p in POLICIES}
+
+
+def calibration_geometries() -> dict[str, ModelGeometry]:
+    """Two small GQA geometries (qk-norm, SwiGLU, RoPE), sized for 2 shared CPU cores."""
+    def make(name: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int):
+        return geometry_from_hf_dict(dict(
+            model_type="qwen3", num_hidden_layers=4, hidden_size=hidden, intermediate_size=ffn,
+            num_attention_heads=heads, num_key_value_heads=groups, head_dim=hidden // heads,
+            vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
+        ), name=name)
+
+    return {
+        "gqa-128": make("gqa-128", 128, 8, 4, 384, 1024),
+        "gqa-256": make("gqa-256", 256, 8, 2, 704, 2048),
+    }
+
+
+@dataclass(frozen=True)
+class Cell:
+    geometry: str
+    policy: str
+    lora_rank: int
+    tensor_parallel: int
+    lengths: tuple[int, ...]
+    outputs: str
+    grad: bool
+    dtype: str = "float32"
+
+
+@dataclass
+class CellResult:
+    cell: Cell
+    measured_bytes: int
+    measured_forward_bytes: int
+    predicted_bytes: int  # max(forward, backward) of the estimate with probe coefficients
+    predicted_default_bytes: int  # the same with default (formula) coefficients
+    reserve_bytes: int
+    peak_at: str
+    seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return self.predicted_bytes / max(1, self.measured_bytes)
+
+    @property
+    def default_ratio(self) -> float:
+        return self.predicted_default_bytes / max(1, self.measured_bytes)
+
+    def row(self) -> dict[str, Any]:
+        c = asdict(self.cell)
+        c["lengths"] = "+".join(str(n) for n in self.cell.lengths)
+        c["packed_tokens"] = sum(self.cell.lengths)
+        return c | {
+            "measured_bytes": self.measured_bytes,
+            "measured_forward_bytes": self.measured_forward_bytes,
+            "predicted_bytes": self.predicted_bytes,
+            "predicted_default_bytes": self.predicted_default_bytes,
+            "ratio": round(self.ratio, 4),
+            "default_ratio": round(self.default_ratio, 4),
+            "reserve_bytes": self.reserve_bytes,
+            "peak_at": self.peak_at,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+class CalibrationModel:
+    """One built model (provider path, LoRA applied) and its memory model with probe."""
+
+    def __init__(self, geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
+                 tensor_parallel: int, dtype: str = "float32",
+                 implementation: Implementation | None = None,
+                 cells: Sequence[Cell] = ()) -> None:
+        from peft import LoraConfig
+
+        from art.megatron.provider import Provider
+        from art.megatron.settings import Settings
+
+        self.geometry = geometry
+        self.policy = policy
+        self.implementation = implementation or Implementation.detect()
+        settings = Settings(
+            tensor_model_parallel_size=tensor_parallel,
+            sequence_parallel=False,
+            recompute_granularity=policy.granularity,
+            recompute_method=policy.method,
+            recompute_num_layers=policy.num_layers,
+            recompute_modules=policy.modules,
+        )
+        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(LORA_TARGETS),
+                          lora_dropout=0.0) if lora_rank else None
+        self.provider = Provider(geometry, settings=settings, lora=lora, dtype=dtype,
+                                 implementation=self.implementation)
+        self.provider.initialize_distributed()
+        self.model = self.provider.build_model(seed=0)
+        self.device = next(self.model.parameters()).device
+        self.layout: ParallelLayout = self.provider.layout
+        self.memory_default = MemoryModel.for_provider(self.provider)
+        self._warm_grads()
+        outputs = {(OutputRequest.parse(c.outputs), c.grad) for c in cells}
+        grads = {g for _, g in outputs} or {True}
+        modes = {m for g in grads for m in modes_for(geometry, self.provider.effective_recompute,
+                                                     g)}
+        self.coefficients = probe(
+            self.model, geometry=geometry, layout=self.layout,
+            implementation=self.implementation, dtype=dtype, lora_rank=lora_rank,
+            modes=modes, outputs=outputs,
+        )
+        self.memory = self.memory_default.with_coefficients(self.coefficients)
+
+    def _warm_grads(self) -> None:
+        """One small step so LoRA grads exist before any measured micro-batch (resident)."""
+        cell_outputs = OutputRequest(target_logprobs=True)
+        run_micro_batch(self.model, [16], cell_outputs, True, self.layout, self.implementation,
+                        self.device)
+
+    def measure(self, cell: Cell, seed: int = 0) -> CellResult:
+        outputs = OutputRequest.parse(cell.outputs)
+        start = time.perf_counter()
+        torch.manual_seed(seed)
+        measured, measured_forward = run_micro_batch(
+            self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
+            self.device)
+        batch = micro_batch_shape(cell.lengths, outputs, cell.grad, self.layout,
+                                  self.implementation)
+        est = self.memory.estimate(batch)
+        default = self.memory_default.estimate(batch)
+        return CellResult(
+            cell=cell, measured_bytes=measured, measured_forward_bytes=measured_forward,
+            predicted_bytes=max(est.forward_peak_bytes, est.backward_peak_bytes),
+            predicted_default_bytes=max(default.forward_peak_bytes, default.backward_peak_bytes),
+            reserve_bytes=est.reserve_bytes, peak_at=est.peak_at,
+            seconds=time.perf_counter() - start,
+        )
+
+
+def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool,
+                      layout: ParallelLayout, implementation: Implementation) -> MicroBatchShape:
+    from art.trainer_rank._packing import row_multiple_tokens
+
+    total = sum(lengths)
+    multiple = row_multiple_tokens(layout)
+    padded = -(-total // multiple) * multiple
+    return MicroBatchShape(tuple(lengths), outputs=outputs, grad_enabled=grad,
+                           padded_tokens=padded if padded != total else 0)
+
+
+def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, grad: bool,
+                    layout: ParallelLayout, implementation: Implementation,
+                    device: torch.device) -> tuple[int, int]:
+    """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path."""
+    from art.trainer_rank._forward import decoder_hidden_states, unwrap_model
+    from art.trainer_rank._heads import compute_heads
+
+    inner = unwrap_model(model)
+    sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
+    _clear_score_buffer()
+    meter = meter_for(device)
+    with meter:
+        from art.trainer_rank._packing import pack_sequences
+
+        batch = pack_sequences(sequences, implementation=implementation, layout=layout,
+                               device=device)
+        targets = batch.tokens[0].roll(-1)
+        with torch.set_grad_enabled(grad):
+            hidden = decoder_hidden_states(model, batch)
+            heads = compute_heads(model, hidden,
+                                  target_tokens=targets if outputs.target_logprobs else None,
+                                  top_k=outputs.top_k, logits=outputs.logits)
+            if grad:
+                loss = caller_loss(outputs, heads, hidden)
+        if device.type == "cuda":
+            meter._update()
+        forward_peak = meter.peak_bytes
+        if grad:
+            loss.backward()
+            del loss
+        if device.type == "cuda":
+            meter._update()
+        del heads, hidden, batch
+    return int(meter.peak_bytes), int(forward_peak)
+
+
+def default_matrix(quick: bool = False) -> list[Cell]:
+    """The calibration matrix (TP=1 here; the torchrun worker adds TP=2 cells)."""
+    geometries = ("gqa-128",) if quick else ("gqa-128", "gqa-256")
+    lengths_sets: tuple[tuple[int, ...], ...] = (
+        ((384,), (256, 512)) if quick else ((128,), (2048,), (256, 768), (512, 512, 512, 512))
+    )
+    grad_outputs = ("logprobs", "top_k=20", "logits", "hidden_states")
+    nograd_outputs = ("logprobs", "logits") if not quick else ("logprobs",)
+    cells: list[Cell] = []
+    for geo in geometries:
+        for policy in POLICIES:
+            ranks = (1, 8, 64) if policy.name in ("selective default", "full uniform 1") \
+                and geo == "gqa-128" else (8,)
+            if quick:
+                ranks = (8,)
+            for rank in ranks:
+                for lengths in lengths_sets:
+                    outs = grad_outputs if rank == 8 else ("logprobs",)
+                    for out in outs:
+                        cells.append(Cell(geo, policy.name, rank, 1, lengths, out, True))
+                    if rank == 8:
+                        for out in nograd_outputs:
+                            cells.append(Cell(geo, policy.name, rank, 1, lengths, out, False))
+    if quick:
+        keep = {"none", "selective default", "full uniform 1"}
+        cells = [c for c in cells if c.policy in keep]
+    return cells
+
+
+def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
+              progress: Callable[[str], None] | None = None) -> list[CellResult]:
+    """Group cells by model, build each model once, probe it, measure its cells."""
+    cells = list(cells)
+    geometries = calibration_geometries()
+    groups: dict[tuple[str, str, int, str], list[Cell]] = {}
+    for c in cells:
+        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype), []).append(c)
+    results: list[CellResult] = []
+    for (geo, policy, rank, dtype), group in groups.items():
+        model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
+                                 tensor_parallel=tensor_parallel, dtype=dtype, cells=group)
+        for cell in group:
+            result = model.measure(cell)
+            results.append(result)
+            if progress:
+                progress(f"{geo} {policy} r{rank} {cell.lengths} {cell.outputs} "
+                         f"{'grad' if cell.grad else 'nograd'}: measured "
+                         f"{result.measured_bytes / 2**20:.2f} MiB, ratio {result.ratio:.4f} "
+                         f"(defaults {result.default_ratio:.3f})")
+        del model
+    return results

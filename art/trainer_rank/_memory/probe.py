@@ -1,0 +1,493 @@
+"""Layer probe: measure one real layer of the built model, fit per-token and per-token^2 terms.
+
+Formulas drift from kernels, so the probe runs a real transformer layer of the built model
+(same spec, dtype, LoRA adapters, device) under each recompute mode the policy uses, at three
+small token counts, and measures with the storage meter (CPU) or allocator stats (GPU):
+- kept: what the layer holds for backward (its input when it saves it, not its output);
+- forward: the peak above the state at the layer's start (input live);
+- backward: the peak above the state right before its backward, incoming gradient included
+  (materialised inside the measurement by a scalar-multiply node, as in the real chain).
+Each quantity is fitted exactly by c0 + c1 s + c2 s^2 over the three token counts. The tail
+(final norm + chunked head + requested outputs + caller loss + backward) is probed the same
+way per output request. The selective modes are switched on the built layer through the
+attributes Megatron sets from the config at construction (`recompute_mlp`,
+`recompute_input_layernorm`, `recompute_pre_mlp_layernorm`, `checkpoint_core_attention`), and
+restored afterwards. MoE-level modules (moe, moe_act, shared_experts) are not probed: those
+modes use the default formulas, and the estimate says so.
+
+Megatron's attention score buffer (global memory buffer, persists at the largest size seen) is
+allocated before each measurement, so it is not part of a layer; the memory model prices it
+once as its own term.
+
+Results are cached per (geometry, implementation, dtype, layout, LoRA, policy modes, device)
+in memory and, when a directory is given, as JSON files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from art.megatron.geometry import ModelGeometry
+from art.trainer_rank._memory.layers import LayerCost, layer_kind
+from art.trainer_rank._memory.measure import meter_for
+from art.trainer_rank._memory.model import mode_key
+from art.trainer_rank._memory.request import OutputRequest
+
+# Two windows of three token counts. Which op sets a layer's peak changes with the token
+# count (at small counts a linear-in-s tensor wins, at large counts the s^2 scores do), so one
+# quadratic fitted at small counts under-predicts large ones. Each window is fitted exactly and
+# the estimate takes the larger of the two fits: the peak is a maximum of polynomials.
+PROBE_TOKENS: tuple[int, ...] = (128, 256, 384, 512, 768, 1024)
+PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 2048, 3072, 4096, 6144, 8192)
+WINDOW = 3
+PROBED_MODULES = frozenset({"core_attn", "mlp", "layernorm"})
+
+
+@dataclass(frozen=True)
+class Poly:
+    c0: float = 0.0
+    c1: float = 0.0
+    c2: float = 0.0
+
+    def at(self, s: float) -> int:
+        return int(round(self.c0 + self.c1 * s + self.c2 * s * s))
+
+    @classmethod
+    def fit(cls, tokens: Iterable[int], values: Iterable[float]) -> Poly:
+        """Exact quadratic through three points (least squares through more)."""
+        xs = [float(t) for t in tokens]
+        ys = [float(v) for v in values]
+        a = torch.tensor([[1.0, x, x * x] for x in xs], dtype=torch.float64)
+        b = torch.tensor(ys, dtype=torch.float64).unsqueeze(1)
+        sol = torch.linalg.lstsq(a, b).solution.squeeze(1).tolist()
+        return cls(*sol)
+
+
+@dataclass(frozen=True)
+class Fit:
+    """The larger of one exact quadratic per window of three probe points."""
+
+    polys: tuple[Poly, ...]
+
+    def at(self, s: float) -> int:
+        return max(p.at(s) for p in self.polys)
+
+    @classmethod
+    def fit(cls, tokens: Iterable[int], values: Iterable[float]) -> Fit:
+        ts, vs = list(tokens), list(values)
+        polys = tuple(Poly.fit(ts[i:i + WINDOW], vs[i:i + WINDOW])
+                      for i in range(0, max(1, len(ts) - WINDOW + 1), WINDOW))
+        return cls(polys)
+
+
+@dataclass(frozen=True)
+class ProbedLayer:
+    kept: Fit
+    forward: Fit
+    backward: Fit
+    output: Fit
+    saves_input: bool
+    largest: Fit
+
+    def cost(self, s: int) -> LayerCost:
+        return LayerCost(
+            kept=max(0, self.kept.at(s)), forward=max(0, self.forward.at(s)),
+            backward=max(0, self.backward.at(s)), output=max(0, self.output.at(s)),
+            saves_input=self.saves_input, largest_allocation=max(0, self.largest.at(s)),
+        )
+
+
+@dataclass(frozen=True)
+class ProbedTail:
+    kept: Fit
+    forward: Fit
+    backward: Fit
+
+
+@dataclass(frozen=True)
+class ProbeCoefficients:
+    key: str
+    tokens: tuple[int, ...]
+    layers: tuple[tuple[str, str, ProbedLayer], ...]  # (layer kind, mode key, fit)
+    tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
+
+    def layer_cost(self, kind: str, mode: str, s: int) -> LayerCost | None:
+        for k, m, fit in self.layers:
+            if k == kind and m == mode:
+                return fit.cost(s)
+        return None
+
+    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
+                  ) -> tuple[int, int, int] | None:
+        for key, g, fit in self.tails:
+            if key == outputs.key and g == grad:
+                return (max(0, fit.kept.at(s)), max(0, fit.forward.at(s)),
+                        max(0, fit.backward.at(s)))
+        return None
+
+    def partial_for(self, geometry: ModelGeometry) -> bool:
+        kinds = {layer_kind(geometry, i) for i in range(geometry.num_layers)}
+        return not kinds <= {k for k, _, _ in self.layers}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> ProbeCoefficients:
+        raw = json.loads(text)
+
+        def poly(d: dict[str, Any]) -> Fit:
+            return Fit(tuple(Poly(p["c0"], p["c1"], p["c2"]) for p in d["polys"]))
+
+        layers = tuple(
+            (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
+                               poly(f["output"]), bool(f["saves_input"]), poly(f["largest"])))
+            for k, m, f in raw["layers"]
+        )
+        tails = tuple((k, bool(g), ProbedTail(poly(f["kept"]), poly(f["forward"]),
+                                               poly(f["backward"])))
+                      for k, g, f in raw["tails"])
+        return cls(raw["key"], tuple(raw["tokens"]), layers, tails)
+
+
+_CACHE: dict[str, ProbeCoefficients] = {}
+
+
+def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
+              lora_rank: int, modes: Iterable[tuple[str, str]], outputs: Iterable[str],
+              tokens: tuple[int, ...], device: str) -> str:
+    payload = json.dumps({
+        "geometry": geometry.to_dict() | {"source": ""},
+        "implementation": implementation.key, "dtype": dtype, "layout": layout.summary,
+        "lora": lora_rank, "modes": sorted(set(modes)), "outputs": sorted(set(outputs)),
+        "tokens": list(tokens), "device": device,
+    }, sort_keys=True, default=str)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def _inner(model: Any) -> Any:
+    from art.trainer_rank._forward import unwrap_model
+
+    return unwrap_model(model)
+
+
+def _clear_score_buffer() -> None:
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffer is not None:
+        buffer.buffer.clear()
+
+
+def _set_modes(layer: Any, modules: frozenset[str]) -> dict[str, Any]:
+    """Switch the selective recompute flags Megatron derived from the config; return the old."""
+    attention = getattr(layer, "self_attention", None)
+    old = {
+        "recompute_input_layernorm": layer.recompute_input_layernorm,
+        "recompute_pre_mlp_layernorm": layer.recompute_pre_mlp_layernorm,
+        "recompute_mlp": layer.recompute_mlp,
+    }
+    layer.recompute_input_layernorm = "layernorm" in modules
+    layer.recompute_pre_mlp_layernorm = "layernorm" in modules
+    layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
+    if attention is not None and hasattr(attention, "checkpoint_core_attention"):
+        old["checkpoint_core_attention"] = attention.checkpoint_core_attention
+        attention.checkpoint_core_attention = "core_attn" in modules
+    return old
+
+
+def _restore_modes(layer: Any, old: dict[str, Any]) -> None:
+    for name, value in old.items():
+        if name == "checkpoint_core_attention":
+            layer.self_attention.checkpoint_core_attention = value
+        else:
+            setattr(layer, name, value)
+
+
+def _storage_nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class _Inputs:
+    batch: Any  # PackedBatch
+    rotary: torch.Tensor | None
+    rows: int
+
+
+def _probe_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
+                  device: torch.device) -> _Inputs:
+    from art.trainer_rank._forward import _rotary
+    from art.trainer_rank._packing import pack_sequences
+
+    inner = _inner(model)
+    seq = torch.randint(0, inner.vocab_size, (tokens,), device=device)
+    batch = pack_sequences([seq], implementation=implementation, layout=layout, device=device)
+    rows = batch.padded_tokens
+    if layout.sequence_parallel:
+        rows //= layout.tensor_parallel
+    dummy = torch.zeros(rows, 1, inner.config.hidden_size, device=device,
+                        dtype=inner.config.params_dtype)
+    return _Inputs(batch, _rotary(inner, batch, dummy), rows)
+
+
+def _unit(layer: Any, inputs: _Inputs, full_layers: int) -> Callable[[torch.Tensor], Any]:
+    """The layer, or a full-recompute checkpoint unit of `full_layers` runs of it, called the
+    way TransformerBlock calls them (Megatron's reentrant tensor_parallel.checkpoint)."""
+    batch = inputs.batch
+
+    def run_layers(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        context = None
+        for _ in range(max(1, full_layers)):
+            h, context = layer(hidden_states=h, attention_mask=batch.attention_mask,
+                               rotary_pos_emb=inputs.rotary,
+                               packed_seq_params=batch.packed_seq_params)
+        return h, context
+
+    if not full_layers:
+        return run_layers
+
+    def checkpointed(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        from megatron.core import tensor_parallel
+
+        if not torch.is_grad_enabled():
+            return run_layers(h)
+        return tensor_parallel.checkpoint(run_layers, False, h)
+
+    return checkpointed
+
+
+def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
+                   device: torch.device, grad: bool, full_layers: int = 0) -> dict[str, float]:
+    run = _unit(layer, inputs, full_layers)
+    x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
+    # Warm-up outside the meter: allocates the score buffer at this size and the LoRA grads,
+    # which the memory model prices elsewhere (buffer term, resident grads).
+    with torch.set_grad_enabled(grad):
+        y, _ = run(x0 * 1.0)
+        if grad:
+            (y * 1.0).sum().backward()
+    del y
+    x0.grad = None
+    meter = meter_for(device)
+    with meter, torch.set_grad_enabled(grad):
+        x = x0 * 1.0
+        x_bytes = _storage_nbytes(x)
+        x_ref = weakref.ref(x.untyped_storage())
+        start = meter.live_bytes
+        meter.reset_peak()
+        y, _ = run(x)
+        del x
+        _sync(device, meter)
+        saves_input = x_ref() is not None
+        forward = meter.peak_bytes - start
+        y_bytes = _storage_nbytes(y)
+        kept = meter.live_bytes - start + x_bytes - y_bytes
+        backward = 0.0
+        if grad:
+            z = (y * 1.0).sum()
+            before = meter.live_bytes
+            meter.reset_peak()
+            z.backward()
+            _sync(device, meter)
+            backward = meter.peak_bytes - before
+            del z
+        largest = meter.largest_allocation_bytes
+    del y
+    x0.grad = None
+    return {"kept": kept if grad else 0.0, "forward": forward, "backward": backward,
+            "output": y_bytes, "saves_input": saves_input, "largest": largest}
+
+
+def _sync(device: torch.device, meter: Any) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        meter._update()
+
+
+def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The caller's loss used by the probe and the calibration harness: every requested,
+    differentiable output contributes (a policy-gradient style sum over log-probs; a
+    mean-square on hidden states in fp32)."""
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    if heads.target_logprobs is not None:
+        loss = loss - heads.target_logprobs.sum()
+    if heads.top_k_logprobs is not None:
+        loss = loss - heads.top_k_logprobs.sum()
+    if heads.logits is not None:
+        loss = loss + heads.logits.mean()
+    if outputs.hidden_states:
+        loss = loss + hidden.float().square().mean()
+    return loss
+
+
+def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
+             targets: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes."""
+    from megatron.core import tensor_parallel
+
+    from art.trainer_rank._heads import compute_heads
+
+    inner = _inner(model)
+    hidden = inner.decoder.final_layernorm(x)
+    if inner.config.sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False)
+    hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
+    if outputs.target_logprobs or outputs.top_k or outputs.logits:
+        heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
+                              else None, top_k=outputs.top_k, logits=outputs.logits)
+    else:
+        from art.trainer_rank._heads import HeadOutputs
+
+        heads = HeadOutputs(None, None, None, None)
+    return heads, hidden
+
+
+def _measure_tail(model: Any, inputs: _Inputs, outputs: OutputRequest, dtype: torch.dtype,
+                  device: torch.device, grad: bool) -> dict[str, float]:
+    inner = _inner(model)
+    batch = inputs.batch
+    x0 = torch.randn(inputs.rows, 1, inner.config.hidden_size, dtype=dtype, device=device,
+                     requires_grad=grad)
+    targets = torch.randint(0, inner.vocab_size, (batch.padded_tokens,), device=device)
+    meter = meter_for(device)
+    with meter, torch.set_grad_enabled(grad):
+        x = x0 * 1.0
+        start = meter.live_bytes
+        meter.reset_peak()
+        heads, hidden = run_tail(model, x, batch, outputs, targets)
+        del x
+        held = sum(_storage_nbytes(t) for t in (heads.target_logprobs, heads.top_k_logprobs,
+                                                 heads.top_k_tokens, heads.logits))
+        # The caller's frame holds the hidden row until backward returns (the trainer's
+        # path keeps it as a local, and returns it when hidden states were requested).
+        held += _storage_nbytes(hidden)
+        backward = 0.0
+        if grad:
+            loss = caller_loss(outputs, heads, hidden)
+            _sync(device, meter)
+            forward = meter.peak_bytes - start
+            loss.backward()
+            _sync(device, meter)
+            backward = meter.peak_bytes - start
+            del loss
+        else:
+            _sync(device, meter)
+            forward = meter.peak_bytes - start
+        del heads, hidden
+    return {"kept": held, "forward": forward, "backward": backward}
+
+
+def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
+          dtype: str, lora_rank: int,
+          modes: Iterable[tuple[str, frozenset[str], bool, int]],
+          outputs: Iterable[tuple[OutputRequest, bool]] = (),
+          tokens: tuple[int, ...] | None = None, cache_dir: str | Path | None = None,
+          progress: Callable[[str], None] | None = None) -> ProbeCoefficients:
+    """Probe (layer kind, selective modules, grad, full-unit layers) modes and (outputs, grad)
+    tails.
+
+    Modes whose modules include ones the probe cannot switch (MoE-level) are skipped: the
+    memory model falls back to its formulas for them.
+    """
+    inner = _inner(model)
+    device = next(inner.parameters()).device
+    if tokens is None:
+        tokens = PROBE_TOKENS_CUDA if device.type == "cuda" else PROBE_TOKENS
+    torch_dtype = inner.config.params_dtype
+    wanted = sorted({m for m in modes if m[1] <= PROBED_MODULES},
+                    key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+    tails = sorted({(o.key, o, g) for o, g in outputs}, key=lambda t: (t[0], t[2]))
+    key = cache_key(geometry=geometry, implementation=implementation, dtype=dtype,
+                    layout=layout, lora_rank=lora_rank,
+                    modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
+                    outputs=[f"{k}:{g}" for k, _, g in tails], tokens=tokens,
+                    device=device.type)
+    if key in _CACHE:
+        return _CACHE[key]
+    path = Path(cache_dir) / f"probe-{key}.json" if cache_dir else None
+    if path is not None and path.is_file():
+        coefficients = ProbeCoefficients.from_json(path.read_text())
+        _CACHE[key] = coefficients
+        return coefficients
+
+    layer_by_kind: dict[str, Any] = {}
+    for layer in inner.decoder.layers:
+        layer_by_kind.setdefault(layer_kind(geometry, layer.layer_number - 1), layer)
+    was_training = inner.training
+    inner.train()
+    fitted_layers: list[tuple[str, str, ProbedLayer]] = []
+    fitted_tails: list[tuple[str, bool, ProbedTail]] = []
+    try:
+        per_tokens = {t: _probe_inputs(model, t, layout, implementation, device)
+                      for t in tokens}
+        for kind, mods, grad, full_layers in wanted:
+            layer = layer_by_kind.get(kind)
+            if layer is None:
+                continue
+            old = _set_modes(layer, mods)
+            try:
+                rows = []
+                for t in tokens:
+                    _clear_score_buffer()
+                    rows.append(_measure_layer(layer, per_tokens[t], inner.config.hidden_size,
+                                               torch_dtype, device, grad, full_layers))
+            finally:
+                _restore_modes(layer, old)
+            fit = ProbedLayer(
+                kept=Fit.fit(tokens, [r["kept"] for r in rows]),
+                forward=Fit.fit(tokens, [r["forward"] for r in rows]),
+                backward=Fit.fit(tokens, [r["backward"] for r in rows]),
+                output=Fit.fit(tokens, [r["output"] for r in rows]),
+                saves_input=all(r["saves_input"] for r in rows),
+                largest=Fit.fit(tokens, [r["largest"] for r in rows]),
+            )
+            fitted_layers.append((kind, mode_key(mods, grad, full_layers), fit))
+            if progress:
+                progress(f"probed {kind} {mode_key(mods, grad, full_layers)}")
+        for okey, request, grad in tails:
+            rows = [_measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)
+                    for t in tokens]
+            fitted_tails.append((okey, grad, ProbedTail(
+                kept=Fit.fit(tokens, [r["kept"] for r in rows]),
+                forward=Fit.fit(tokens, [r["forward"] for r in rows]),
+                backward=Fit.fit(tokens, [r["backward"] for r in rows]))))
+    finally:
+        _clear_score_buffer()
+        inner.train(was_training)
+    coefficients = ProbeCoefficients(key, tuple(tokens), tuple(fitted_layers),
+                                     tuple(fitted_tails))
+    _CACHE[key] = coefficients
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(coefficients.to_json())
+        tmp.replace(path)
+    return coefficients
+
+
+def modes_for(geometry: ModelGeometry, recompute: Any, grad: bool
+              ) -> list[tuple[str, frozenset[str], bool, int]]:
+    """The (layer kind, modules, grad, full-unit layers) modes an estimate under `recompute`
+    will ask for (a full unit is probed whole, and its layers without recompute too)."""
+    modes: set[tuple[str, frozenset[str], bool, int]] = set()
+    for i, lr in enumerate(recompute.layers):
+        kind = layer_kind(geometry, i)
+        modes.add((kind, frozenset(), False, 0))
+        if not grad:
+            continue
+        if lr.full_checkpoint_unit is not None:
+            modes.add((kind, frozenset(), True, 0))
+            modes.add((kind, frozenset(), True, lr.full_unit_layers))
+        else:
+            modes.add((kind, frozenset(lr.selective_modules), True, 0))
+    return sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
