@@ -40,7 +40,12 @@ class MemoryModelLike(Protocol):
 
 
 def gib(n: int) -> str:
-    return f"{n / 2**30:.3f} GiB"
+    """Bytes for messages: GiB at real scale, MiB/KiB for the small models tests run."""
+    if abs(n) >= 2**30:
+        return f"{n / 2**30:.3f} GiB"
+    if abs(n) >= 2**20:
+        return f"{n / 2**20:.2f} MiB"
+    return f"{n / 2**10:.1f} KiB"
 
 
 @dataclass(frozen=True)
