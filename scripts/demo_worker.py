@@ -394,6 +394,8 @@ def _print_table(micro_batches: list[MicroBatch], declined: TrainerRankMemoryErr
 
 def _short(recompute_summary: str) -> str:
     """'full recompute (uniform, 1 layer(s) per checkpoint)' -> 'full (uniform, 1)'."""
+    if recompute_summary == "no recompute":
+        return "none"
     return recompute_summary.replace(" recompute", "").replace(" layer(s) per checkpoint", "")
 
 
