@@ -85,27 +85,34 @@ def _remove_resize_hook() -> None:
     _resize_below_hook = None
 
 
-_FRESH_OUTPUTS: dict[Any, bool] = {}
+_FRESH, _MUTATING, _VIEW = 0, 1, 2
+_OP_KINDS: dict[Any, int] = {}
 _LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
 
 
-def _returns_fresh_storage(func: Any) -> bool:
-    """True when the op's schema says its outputs are new tensors, not aliases of inputs."""
-    fresh = _FRESH_OUTPUTS.get(func)
-    if fresh is None:
+def _op_kind(func: Any) -> int:
+    """_FRESH: the schema says the outputs are new tensors. _MUTATING: they alias an input the
+    op wrote to (in-place, out=, resize_; such an op may have resized that storage). _VIEW:
+    they alias an input and nothing was written, so no storage changed size (skipped)."""
+    kind = _OP_KINDS.get(func)
+    if kind is None:
         schema = getattr(func, "_schema", None)
         if func in _LIFTS:
             # torch.tensor(...) builds its storage outside the dispatcher and then "lifts" it:
             # the alias annotation hides a storage that is new.
-            fresh = True
+            kind = _FRESH
         elif schema is None or getattr(func, "namespace", "") == "c10d":
             # c10d collectives write into the buffers they are given but carry no alias
             # annotations; their functional variants (_c10d_functional) do allocate.
-            fresh = False
+            kind = _MUTATING
+        elif any(r.alias_info is None for r in schema.returns):
+            kind = _FRESH
+        elif schema.is_mutable:
+            kind = _MUTATING
         else:
-            fresh = any(r.alias_info is None for r in schema.returns)
-        _FRESH_OUTPUTS[func] = fresh
-    return fresh
+            kind = _VIEW
+        _OP_KINDS[func] = kind
+    return kind
 
 
 class _StorageCounter(TorchDispatchMode):
@@ -115,8 +122,14 @@ class _StorageCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         result = func(*args, **(kwargs or {}))
-        fresh = _returns_fresh_storage(func)
+        kind = _op_kind(func)
+        if kind == _VIEW:
+            return result
+        fresh = kind == _FRESH
         meter = self.meter
+        if type(result) is torch.Tensor:  # the common case, without flattening
+            meter._observe(result, fresh, func)
+            return result
         for leaf in tree_leaves(result):
             if isinstance(leaf, torch.Tensor):
                 meter._observe(leaf, fresh, func)
