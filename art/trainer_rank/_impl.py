@@ -216,6 +216,7 @@ class TrainerRank:
         loss and run backward before asking for the next one: that is measured too."""
         items = make_items(inputs)
         grad = grad_mode(items, no_grad)
+        self._check_training_mode(grad)
         _agree.check_same_call("forward_micro_batches", (*fingerprint(items), int(grad)))
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         local = deal_to_ranks(items, dp_size)[dp_rank]
@@ -229,6 +230,7 @@ class TrainerRank:
         caller's backward, so the whole call is admitted (or escalated, or declined) as one."""
         items = make_items(inputs)
         grad = grad_mode(items, no_grad)
+        self._check_training_mode(grad)
         if grad:
             group = Item(index=0, value=list(inputs), leaves=tuple(
                 leaf for item in items for leaf in item.leaves))
@@ -242,6 +244,16 @@ class TrainerRank:
         if grad:
             return results[0]
         return [results[item.index] for item in items]
+
+    def _check_training_mode(self, grad: bool) -> None:
+        # Megatron applies recompute (selective and full, hence escalation) only in training
+        # mode; in eval mode a grad forward keeps every activation, which is not what was priced.
+        if grad and not self.model.training:
+            raise TrainerRankRuntimeSupportError(
+                "a grad-enabled forward on a model in eval mode: Megatron recomputes nothing in "
+                f"eval mode, so the memory priced for {self.provider.effective_recompute.summary} "
+                "does not hold; call model.train() first, or pass no_grad=True for scoring"
+            )
 
     # -- the loop -----------------------------------------------------------------------------
 

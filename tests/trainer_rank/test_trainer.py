@@ -253,3 +253,18 @@ def test_when_the_smallest_form_ooms_the_error_is_chained_to_the_oom(built):
     assert isinstance(err.__cause__, torch.OutOfMemoryError)
     assert "ran out of memory at run time" in str(err) and err.indices_not_run == (0,)
     assert trainer.stats_history == []
+
+
+def test_grad_forward_on_an_eval_mode_model_is_refused(built):
+    from art.trainer_rank import TrainerRankRuntimeSupportError
+
+    p, model = built
+    trainer = TrainerRank(Runtime(model, p),
+                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+    model.eval()
+    try:
+        with pytest.raises(TrainerRankRuntimeSupportError, match="model.train"):
+            list(trainer.forward_micro_batches(make_inputs([4])))
+        assert len(list(trainer.forward_micro_batches(make_inputs([4]), no_grad=True))) == 1
+    finally:
+        model.train()
