@@ -1,0 +1,88 @@
+"""Profiles under concurrency: processes saving the same profile file at the same time never
+leave it corrupt (each save is a write to a private temp file, then an atomic os.replace),
+and a reader never sees half a file; a half-written file or a stray temp file is ignored."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+from _reliability import write_counts
+
+from art.trainer_rank._profiles import PROFILE_FILE_VERSION, ProfileStore
+
+SAVES_PER_WRITER = 80
+
+
+def _writer(path: str, writer: int, start: float) -> None:
+    while time.time() < start:  # start together so the saves really overlap
+        pass
+    store = ProfileStore(path)
+    for i in range(SAVES_PER_WRITER):
+        # Distinct signatures per writer; a few shared ones both write to.
+        store.observe(f"writer{writer}|sig{i % 25}", 64 + i, 1000 * (i + 1))
+        store.observe("shared|sig", 32 * (writer + 1), 500 + i)
+        store.save()
+
+
+def test_concurrent_writers_never_corrupt_the_file(tmp_path):
+    path = tmp_path / "profiles.json"
+    start = time.time() + 0.5
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_writer, args=(str(path), w, start)) for w in range(2)]
+    for p in writers:
+        p.start()
+    reads = parsed = 0
+    while any(p.is_alive() for p in writers):
+        if not path.exists():
+            continue
+        reads += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a warning here would mean a torn or invalid file
+            store = ProfileStore(path)
+        data = json.loads(path.read_text())
+        assert data["version"] == PROFILE_FILE_VERSION
+        parsed += bool(store.profiles)
+    for p in writers:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    final = ProfileStore(path)
+    assert final.profiles, "nothing was saved"
+    leftovers = [f.name for f in tmp_path.iterdir() if f.name != "profiles.json"]
+    assert leftovers == [], f"temp files left behind: {leftovers}"
+    # Merge-on-save is read-modify-write without a lock: a save can overwrite the other
+    # writer's newest entries (lost update, never corruption). Each writer's last save holds
+    # all of its own signatures, so the file holds all of the last finisher's at least.
+    kept = {w: sum(s.startswith(f"writer{w}|") for s in final.profiles) for w in range(2)}
+    assert max(kept.values()) == 25
+    write_counts("profile_concurrency", {"saves": 2 * SAVES_PER_WRITER, "reads": reads,
+                                          "reads_with_profiles": parsed,
+                                          "signatures_kept_writer0": kept[0],
+                                          "signatures_kept_writer1": kept[1]})
+    assert reads > 10  # the reader really raced the writers
+
+
+def test_half_written_file_and_stray_temp_files_are_ignored(tmp_path):
+    path = tmp_path / "profiles.json"
+    good = ProfileStore(path)
+    good.observe("sig", 128, 4096)
+    good.save()
+    text = path.read_text()
+    # A crashed writer's temp file next to the real one: never read.
+    (tmp_path / "profiles.json.abc123.tmp").write_text(text[: len(text) // 2])
+    assert ProfileStore(path).profiles["sig"].observations == [(128, 4096)]
+    # A file cut in half (a writer that did not use the atomic path): ignored, with a warning
+    # naming the file, and replaced by the next save.
+    path.write_text(text[: len(text) // 2])
+    with pytest.warns(RuntimeWarning, match="ignoring memory profile file"):
+        torn = ProfileStore(path)
+    assert torn.profiles == {}
+    torn.observe("sig2", 64, 100)
+    torn.save()
+    assert set(ProfileStore(path).profiles) == {"sig2"}
+    assert os.path.getsize(path) > 0 and Path(str(path)).read_text().startswith("{")
