@@ -19,7 +19,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -66,9 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="median completion length in tokens (log-normal, long-tailed)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--limit-mib", type=float, default=None,
-                   help="virtual memory limit per rank (default: 1.7x what the largest RL group "
-                   "needs under the configured recompute, so that small groups share "
-                   "micro-batches)")
+                   help="virtual memory limit per rank (default: ART_TRAINER_RANK_TEST_MEMORY_"
+                   "LIMIT_BYTES when set, else 1.7x what the largest RL group needs under the "
+                   "configured recompute, so that small groups share micro-batches)")
     p.add_argument("--lora-rank", type=int, default=8)
     return p.parse_args(argv)
 
@@ -106,7 +106,11 @@ def main(argv: list[str] | None = None) -> int:
     groups = rl_groups(spec)
     items: list = forward_inputs(groups, target_logprobs=True)
 
-    memory_model = MemoryModel.for_provider(provider)
+    options = TrainerRankOptions.from_env()
+    # Priced as TrainerRank prices when it builds its own model (its head chunk), so that the
+    # limit and the oversized groups below are sized with the very model admission uses.
+    memory_model = replace(MemoryModel.for_provider(provider),
+                           head_chunk_tokens=options.head_chunk_tokens)
     layout = provider.layout
     logprobs = OutputRequest(target_logprobs=True)
 
@@ -116,8 +120,12 @@ def main(argv: list[str] | None = None) -> int:
         return int(model.estimate(shape).dynamic_bytes)
 
     largest = max(groups, key=lambda g: g.num_tokens)
-    limit = int(args.limit_mib * MIB) if args.limit_mib else int(
-        1.7 * dynamic_bytes(largest.sequence_lengths_tokens))
+    if args.limit_mib:
+        limit = int(args.limit_mib * MIB)
+    elif options.test_memory_limit_bytes is not None:  # ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES
+        limit = options.test_memory_limit_bytes
+    else:
+        limit = int(1.7 * dynamic_bytes(largest.sequence_lengths_tokens))
     full = memory_model.with_recompute(provider.recompute_as("full", "uniform", 1))
     oversized = _oversized_groups(spec, limit, dynamic_bytes, full, provider)
     for o in oversized:
@@ -126,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
 
     trainer = TrainerRank(
         provider, memory_model=memory_model,
-        options=TrainerRankOptions.from_env(test_memory_limit_bytes=limit),
+        options=replace(options, test_memory_limit_bytes=limit),
     )
     if rank0:
         _print_intro(provider, spec, items, oversized, limit)
