@@ -212,8 +212,16 @@ class TrainerRank:
     def forward_micro_batches(
         self, inputs: Sequence[Any], *, no_grad: bool | None = None
     ) -> Iterator[MicroBatch]:
-        """Yield micro-batches of whole top-level items (this DP rank's share). Compute the
-        loss and run backward before asking for the next one: that is measured too."""
+        """Yield micro-batches of whole top-level items (this DP rank's share).
+
+        Compute the loss and run backward before asking for the next micro-batch: that peak is
+        measured and learned too. If your backward raises torch.OutOfMemoryError, catch it,
+        drop the loss (`del loss`) and keep iterating: the gradients it partly accumulated are
+        restored (when the trainable parameters are small enough to snapshot, i.e. adapters)
+        and the same items come again, smaller or escalated. Items that cannot run in any form
+        are declined before running; after every other item was yielded, one
+        TrainerRankMemoryError lists them (`indices_not_run`).
+        """
         items = make_items(inputs)
         grad = grad_mode(items, no_grad)
         self._check_training_mode(grad)
@@ -369,18 +377,22 @@ class TrainerRank:
                 outputs.append(rebuild(item.value, leaf_outputs[cursor:cursor + n]))
                 cursor += n
             del leaf_outputs
-            yield MicroBatch(
+            micro_batch = MicroBatch(
                 inputs=[item.value for item in plan.items],
                 outputs=outputs,
                 indices=plan.indices,
                 stats=stats,
             )
+            yield micro_batch
             del outputs
             over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
             caller_oom = over or _cuda_oom_count(self.device) > ooms_before
             caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
             measured = _agree.max_over_replica(meter.peak_bytes)
         if caller_oom:
+            # These outputs are void (the items come again); drop their graphs now. The caller
+            # must also drop its own references (e.g. `del loss`) before iterating on.
+            micro_batch.outputs.clear()
             exc = torch.OutOfMemoryError(
                 f"the caller's loss/backward ran out of memory at {measured} bytes (usable "
                 f"{usable}) for items {plan.indices}"
