@@ -245,7 +245,7 @@ class PlanResult:
                     layout_name(c.layout), c.policy.name,
                     "-" if c.estimate is None else _gib(c.peak_bytes),
                     _gib(c.limit_bytes),
-                    c.verdict() if not c.unavailable else f"n/a: {c.unavailable[:60]}",
+                    c.verdict() if not c.unavailable else "n/a (see below)",
                     "-" if c.max_tokens is None else f"{c.max_tokens:,}",
                     " ".join(marks),
                 )
@@ -273,6 +273,12 @@ class PlanResult:
             *self.layout_summaries(),
             "",
         ]
+        if not b.grad_enabled:
+            out[-1:-1] = ["without grad nothing is kept for backward, so every recompute policy "
+                          "prices the same; only the layout matters"]
+        if self.geometry.is_moe:
+            out[-1:-1] = ["MoE: priced with expert parallel 1 (plan varies TP and CP; try EP "
+                          "with `estimate --ep`)"]
         rec = self.recommended
         if rec is None:
             out.append(
@@ -284,7 +290,7 @@ class PlanResult:
         assert rec.estimate is not None
         env = " ".join(f"{k}={v}" for k, v in rec.env.items())
         out += [
-            f"recommended: {rec.policy.name} recompute on {layout_name(rec.layout)}: "
+            f"recommended: {_policy_words(rec.policy)} on {layout_name(rec.layout)}: "
             f"{_gib(rec.peak_bytes)} GiB of {_gib(rec.limit_bytes)} GiB per rank "
             f"({_gib(rec.headroom_bytes)} GiB free)",
             f"  {env} \\",
@@ -327,6 +333,10 @@ class PlanResult:
                 "term_table": rec.estimate.table() if rec.estimate is not None else "",
             },
         }
+
+
+def _policy_words(policy: Policy) -> str:
+    return "no recompute" if policy.granularity is None else f"{policy.name} recompute"
 
 
 def _gib(n: int | None) -> str:
