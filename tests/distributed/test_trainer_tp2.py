@@ -33,6 +33,7 @@ def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process, mode):
         assert row["tp"] == 2
         assert row["usable"] and set(row["usable"]) == {240 * 2**20}  # min over the replica
         assert row["decisions"] == tp2[0]["decisions"]
+        assert "planned different micro-batches" in row["plan_mismatch_error"]
         assert sorted(row["seen"]) == sorted(tp1["seen"]) == ["0", "1", "2", "3", "4"]
         for index, leaves in tp1["seen"].items():
             for want, got in zip(leaves, row["seen"][index]):

@@ -60,6 +60,13 @@ def run(mode: str) -> dict:
             list(trainer.forward_micro_batches(inputs(extra=rank == 1)))
         except ValueError as exc:
             result["mismatch_error"] = str(exc)
+    else:
+        from art.trainer_rank import _agree
+
+        try:  # two TP ranks holding different plans must both refuse to run them
+            _agree.check_same_plan(f"admitted items=[{rank}]")
+        except RuntimeError as exc:
+            result["plan_mismatch_error"] = str(exc)
     seen: dict[int, list[dict]] = {}
     for mb in trainer.forward_micro_batches(inputs()):
         loss = 0.0
