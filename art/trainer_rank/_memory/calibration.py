@@ -129,7 +129,8 @@ class CalibrationModel:
     def __init__(self, geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                  tensor_parallel: int, dtype: str = "float32",
                  implementation: Implementation | None = None,
-                 cells: Sequence[Cell] = ()) -> None:
+                 cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None
+                 ) -> None:
         from peft import LoraConfig
 
         from art.megatron.provider import Provider
@@ -163,7 +164,7 @@ class CalibrationModel:
         self.coefficients = probe(
             self.model, geometry=geometry, layout=self.layout,
             implementation=self.implementation, dtype=dtype, lora_rank=lora_rank,
-            modes=modes, outputs=outputs,
+            modes=modes, outputs=outputs, tokens=probe_tokens,
         )
         self.memory = self.memory_default.with_coefficients(self.coefficients)
 
@@ -270,7 +271,8 @@ def default_matrix(quick: bool = False) -> list[Cell]:
 
 
 def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
-              progress: Callable[[str], None] | None = None) -> list[CellResult]:
+              progress: Callable[[str], None] | None = None,
+              probe_tokens: tuple[int, ...] | None = None) -> list[CellResult]:
     """Group cells by model, build each model once, probe it, measure its cells."""
     cells = list(cells)
     geometries = calibration_geometries()
@@ -280,7 +282,8 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
     results: list[CellResult] = []
     for (geo, policy, rank, dtype), group in groups.items():
         model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
-                                 tensor_parallel=tensor_parallel, dtype=dtype, cells=group)
+                                 tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
+                                 probe_tokens=probe_tokens)
         for cell in group:
             result = model.measure(cell)
             results.append(result)

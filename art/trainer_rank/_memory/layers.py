@@ -140,7 +140,7 @@ def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     # Balanced routing spreads the pairs evenly; the worst case sends every token to this
     # rank's experts (capped at top-k per token, i.e. all tokens hit min(topk, local) experts).
     if worst_case:
-        local_pairs = float(s) * min(g.moe_router_topk, local_experts) * ep / ep
+        local_pairs = float(s) * min(g.moe_router_topk, local_experts)
     else:
         local_pairs = routed / ep
     router = Block("router", None, float(s) * g.num_experts * FP32 * 2,
@@ -193,8 +193,11 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
         scores = heads * float(s) * float(s) * b
         probs = heads * float(s) * float(s) * max(b, FP32 if b < FP32 else b)
         core_internal = repeated + probs + (scores if b < FP32 else 0.0)
-        core_temp = scores
-        core_grad = 2 * heads * float(s) * float(s) * FP32
+        # Plus the contiguous copies of the query (GQA reshape) and of the context (permute).
+        core_temp = scores + 2 * float(s) * q_width * b
+        # Backward: the probabilities' gradient, the softmax backward's output and the masked
+        # fill's gradient are each [heads, s, s] fp32 at the same time.
+        core_grad = 3 * heads * float(s) * float(s) * FP32
     ctx = float(s) * q_width * b
     blocks.append(rope)
     blocks.append(Block("core attention", "core_attn", core_internal, ctx, True,

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from functools import lru_cache
 from typing import Any
 
 from art.megatron.geometry import ModelGeometry
@@ -128,18 +127,49 @@ class MemoryModel:
 
     @property
     def dims(self) -> Dims:
-        return Dims(self.geometry, self.layout, self.implementation, self.dtype_bytes,
-                    self.lora.rank, frozenset(self.lora.target_modules))
+        cached = self.__dict__.get("_dims_cache")
+        if cached is not None:
+            return cached
+        cached = Dims(self.geometry, self.layout, self.implementation, self.dtype_bytes,
+                      self.lora.rank, frozenset(self.lora.target_modules))
+        object.__setattr__(self, "_dims_cache", cached)
+        return cached
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool
                     ) -> tuple[LayerCost, bool]:
-        kind = layer_kind(self.geometry, index)
-        key = mode_key(modules, grad)
+        kind = self._kinds[index]
+        memo_key = (kind, modules, s, grad)
+        hit = self._memo.get(memo_key)
+        if hit is not None:
+            return hit
+        result: tuple[LayerCost, bool] | None = None
         if self.coefficients is not None:
-            cost = self.coefficients.layer_cost(kind, key, s)
+            cost = self.coefficients.layer_cost(kind, mode_key(modules, grad), s)
             if cost is not None:
-                return cost, True
-        return _default_cost(self.dims, kind, modules, s, grad, self.worst_case_routing), False
+                result = (cost, True)
+        if result is None:
+            result = (price_layer(self.dims, kind, modules, s, grad=grad,
+                                  worst_case_routing=self.worst_case_routing), False)
+        if len(self._memo) > 4096:
+            self._memo.clear()
+        self._memo[memo_key] = result
+        return result
+
+    @property
+    def _kinds(self) -> tuple[str, ...]:
+        kinds = self.__dict__.get("_kinds_cache")
+        if kinds is None:
+            kinds = tuple(layer_kind(self.geometry, i) for i in range(self.geometry.num_layers))
+            object.__setattr__(self, "_kinds_cache", kinds)
+        return kinds
+
+    @property
+    def _memo(self) -> dict[tuple[Any, ...], tuple[LayerCost, bool]]:
+        memo = self.__dict__.get("_memo_cache")
+        if memo is None:
+            memo = {}
+            object.__setattr__(self, "_memo_cache", memo)
+        return memo
 
     def _probed_unit(self, index: int, n: int, s: int) -> LayerCost | None:
         if self.coefficients is None:
@@ -174,7 +204,16 @@ class MemoryModel:
 
     # ------------------------------------------------------------------ the estimate
     def estimate(self, batch: MicroBatchShape) -> Estimate:
-        return _estimate_cached(self, batch)
+        cache = self.__dict__.get("_estimate_cache")
+        if cache is None:
+            cache = {}
+            object.__setattr__(self, "_estimate_cache", cache)
+        hit = cache.get(batch)
+        if hit is None:
+            if len(cache) > 4096:
+                cache.clear()
+            hit = cache[batch] = self._estimate(batch)
+        return hit
 
     def _estimate(self, batch: MicroBatchShape) -> Estimate:
         g, b, tp, cp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel, \
@@ -430,12 +469,6 @@ class MemoryModel:
         return lo
 
 
-@lru_cache(maxsize=4096)
-def _estimate_cached(model: MemoryModel, batch: MicroBatchShape) -> Estimate:
-    return model._estimate(batch)
-
-
-@lru_cache(maxsize=4096)
 def _default_cost(d: Dims, kind: str, modules: frozenset[str], s: int, grad: bool,
                   worst_case_routing: bool) -> LayerCost:
     return price_layer(d, kind, modules, s, grad=grad, worst_case_routing=worst_case_routing)

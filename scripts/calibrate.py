@@ -1,0 +1,216 @@
+#!/usr/bin/env python
+"""Calibrate the memory model against real Megatron-Core runs on this machine's device.
+
+    .venv/bin/python scripts/calibrate.py                 # full TP=1 matrix + TP=2 subset
+    .venv/bin/python scripts/calibrate.py --quick         # a few cells, seconds
+    .venv/bin/python scripts/calibrate.py --tp 2 --only-tp
+
+Every cell runs the trainer's compute path (pack -> decoder -> chunked head -> caller loss ->
+backward) and compares the measured dynamic peak (bytes allocated inside the micro-batch)
+with the estimate's max(forward peak, backward peak), with probe coefficients (target
+[1.00, 1.05]) and with the default formulas (reported alongside). Writes calibration.csv,
+calibration.md and calibration.png to --out (default bench/calibration).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+TARGET = (1.00, 1.05)
+
+
+def tp2_cells(quick: bool):
+    from art.trainer_rank._memory.calibration import Cell
+
+    policies = ("none", "selective default", "full uniform 1") if quick else (
+        "none", "selective default", "selective core_attn+mlp", "full uniform 1",
+        "full uniform 2", "full block 2")
+    lengths = ((256, 512),) if quick else ((512,), (512, 512, 512, 512))
+    outs = (("logprobs", True), ("hidden_states", True), ("top_k=20", False)) if not quick \
+        else (("logprobs", True),)
+    return [Cell("gqa-128", p, 8, 2, ln, o, g) for p in policies for ln in lengths
+            for o, g in outs]
+
+
+def worker(args: argparse.Namespace) -> int:
+    """Inside torchrun: every rank measures; rank 0 writes the busiest rank's figures."""
+    import torch.distributed as dist
+
+    from art.trainer_rank._memory.calibration import run_cells
+
+    cells = tp2_cells(args.quick)
+    results = run_cells(cells, tensor_parallel=2)
+    rows = [r.row() for r in results]
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, rows)
+    if dist.get_rank() == 0:
+        merged = []
+        for i in range(len(gathered[0])):
+            per_rank = [g[i] for g in gathered]
+            busiest = max(per_rank, key=lambda r: r["measured_bytes"])
+            merged.append(dict(busiest) | {
+                "ratio": round(busiest["predicted_bytes"] / busiest["measured_bytes"], 4),
+                "default_ratio": round(
+                    busiest["predicted_default_bytes"] / busiest["measured_bytes"], 4),
+            })
+        Path(args.worker_out).write_text(json.dumps(merged))
+    return 0
+
+
+def run_tp2(quick: bool) -> list[dict]:
+    from art.megatron.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "tp2.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1", __file__,
+               "--worker-out", str(out)] + (["--quick"] if quick else [])
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
+                              timeout=3600)
+        if proc.returncode != 0:
+            raise SystemExit(f"TP=2 calibration failed:\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+        return json.loads(out.read_text())
+
+
+def summarize(rows: list[dict]) -> str:
+    lo, hi = TARGET
+    lines = ["# Memory model calibration (CPU, real Megatron-Core runs)", ""]
+    ratios = [r["ratio"] for r in rows]
+    inside = sum(lo <= x <= hi for x in ratios)
+    low = min(rows, key=lambda r: r["ratio"])
+    high = max(rows, key=lambda r: r["ratio"])
+    d_low = min(rows, key=lambda r: r["default_ratio"])
+    d_high = max(rows, key=lambda r: r["default_ratio"])
+
+    def name(r: dict) -> str:
+        return (f"{r['geometry']} / {r['policy']} / LoRA r{r['lora_rank']} / "
+                f"TP{r['tensor_parallel']} / {r['lengths']} tok / {r['outputs']} / "
+                f"{'grad' if r['grad'] else 'no grad'}")
+
+    lines += [
+        "Ratio = predicted / measured dynamic peak (bytes allocated inside one micro-batch: "
+        "packing, decoder forward, chunked head, caller loss, backward; weights, LoRA grads and "
+        "optimizer state are live before and excluded). Predicted = max(forward peak, backward "
+        "peak) of the estimate, without the allocator reserve.",
+        "",
+        f"- cells: {len(rows)}; inside [{lo:.2f}, {hi:.2f}] with probe coefficients: {inside}",
+        f"- probe: min ratio {low['ratio']:.4f} ({name(low)})",
+        f"- probe: max ratio {high['ratio']:.4f} ({name(high)})",
+        f"- defaults (formulas, no probe): min {d_low['default_ratio']:.3f} ({name(d_low)}); "
+        f"max {d_high['default_ratio']:.3f} ({name(d_high)})",
+        "",
+        "## Per policy",
+        "",
+        "| policy | cells | probe min | probe max | defaults min | defaults max |",
+        "|---|---|---|---|---|---|",
+    ]
+    policies: dict[str, list[dict]] = {}
+    for r in rows:
+        policies.setdefault(f"{r['policy']} (TP{r['tensor_parallel']})", []).append(r)
+    for pol, rs in policies.items():
+        lines.append(
+            f"| {pol} | {len(rs)} | {min(x['ratio'] for x in rs):.4f} | "
+            f"{max(x['ratio'] for x in rs):.4f} | {min(x['default_ratio'] for x in rs):.3f} | "
+            f"{max(x['default_ratio'] for x in rs):.3f} |")
+    lines += ["", "## Every cell", "",
+              "| geometry | policy | LoRA r | TP | lengths | outputs | grad | measured MiB | "
+              "predicted MiB | ratio | defaults ratio | peak at |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['geometry']} | {r['policy']} | {r['lora_rank']} | {r['tensor_parallel']} | "
+            f"{r['lengths']} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
+            f"{r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
+            f"{r['ratio']:.4f} | {r['default_ratio']:.3f} | {r['peak_at']} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(14, 6))
+    measured = [r["measured_bytes"] / 2**20 for r in rows]
+    predicted = [r["predicted_bytes"] / 2**20 for r in rows]
+    default = [r["predicted_default_bytes"] / 2**20 for r in rows]
+    a.scatter(measured, default, s=8, alpha=0.5, label="defaults (formulas)", color="tab:gray")
+    a.scatter(measured, predicted, s=10, label="probe", color="tab:blue")
+    top = max(measured + predicted + default) * 1.05
+    a.plot([0, top], [0, top], "k--", lw=0.8, label="predicted = measured")
+    a.plot([0, top], [0, top * 1.05], "r:", lw=0.8, label="+5%")
+    a.set_xlabel("measured dynamic peak (MiB)")
+    a.set_ylabel("predicted dynamic peak (MiB)")
+    a.set_xscale("log")
+    a.set_yscale("log")
+    a.legend()
+    a.set_title("predicted vs measured, every cell")
+    order = sorted(range(len(rows)), key=lambda i: (rows[i]["policy"], rows[i]["ratio"]))
+    b.scatter(range(len(rows)), [rows[i]["ratio"] for i in order], s=8, label="probe")
+    b.scatter(range(len(rows)), [rows[i]["default_ratio"] for i in order], s=6, alpha=0.5,
+              color="tab:gray", label="defaults")
+    b.axhspan(TARGET[0], TARGET[1], color="tab:green", alpha=0.15, label="target [1.00, 1.05]")
+    b.set_xlabel("cell (sorted by policy, then ratio)")
+    b.set_ylabel("predicted / measured")
+    b.legend()
+    b.set_title("ratio per cell")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
+    parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
+    parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.worker_out:
+        return worker(args)
+
+    from art.megatron.distributed import initialize_distributed
+    from art.trainer_rank._memory.calibration import default_matrix, run_cells
+
+    start = time.time()
+    rows: list[dict] = []
+    if 2 in args.tp:
+        rows += run_tp2(args.quick)
+        print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
+    if 1 in args.tp:
+        initialize_distributed()
+        results = run_cells(default_matrix(quick=args.quick),
+                            progress=lambda m: print(m, flush=True))
+        rows = [r.row() for r in results] + rows
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with (out / "calibration.csv").open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    summary = summarize(rows)
+    (out / "calibration.md").write_text(
+        summary.replace("\n\n## Per policy", f"\n- wall time: {time.time() - start:.0f} s; "
+                        f"command: `.venv/bin/python scripts/calibrate.py"
+                        f"{' --quick' if args.quick else ''}`\n\n## Per policy", 1))
+    plot(rows, out / "calibration.png")
+    print(summary.split("## Per policy")[0])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
