@@ -102,14 +102,9 @@ class TrainerRank:
         seed: int = 0,
     ) -> None:
         self.options = options or TrainerRankOptions.from_env()
-        if isinstance(provider_or_runtime, Runtime):
-            self.provider = provider_or_runtime.provider
-            self.model = provider_or_runtime.model
-        else:
-            self.provider = provider_or_runtime
-            self.provider.initialize_distributed()
-            self.model = self.provider.build_model(seed=seed)
-        provider = self.provider
+        runtime = provider_or_runtime if isinstance(provider_or_runtime, Runtime) else None
+        provider = runtime.provider if runtime is not None else provider_or_runtime
+        self.provider = provider
         layout = provider.layout
         if layout.pipeline_parallel > 1:
             raise TrainerRankRuntimeSupportError(
@@ -127,6 +122,12 @@ class TrainerRank:
             check_layout_supported(provider.implementation, layout)
         except ValueError as exc:
             raise TrainerRankRuntimeSupportError(str(exc)) from exc
+        if runtime is not None:
+            self.model = runtime.model
+        else:
+            provider.initialize_distributed()
+            self.model = provider.build_model(seed=seed)
+            layout = provider.layout  # data parallel is known once distributed is initialised
         if memory_model is None:
             from art.trainer_rank._memory.model import MemoryModel
 
@@ -144,9 +145,12 @@ class TrainerRank:
         except ValueError:
             full = None
         lora = provider.lora_config
-        adapter = "none" if lora is None else (
-            f"r{lora.r}:{','.join(sorted(lora.target_modules or []))}"
-        )
+        adapter = "none"
+        if lora is not None:
+            targets = lora.target_modules or []
+            targets = [targets] if isinstance(targets, str) else sorted(targets)
+            adapter = f"r{lora.r}:{','.join(targets)}"
+
         self.admission = Admission(
             memory_model=memory_model,
             profiles=self.profiles,
