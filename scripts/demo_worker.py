@@ -164,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
             problems.append(f"an OutOfMemoryError escaped forward_micro_batches: {exc}")
     elapsed = time.perf_counter() - started
 
-    problems += _check_coverage(len(items), seen, declined_error)
+    problems += _check_coverage(len(items), seen, declined_error,
+                                {o.index for o in oversized if o.expect == DECLINED})
     problems += _check_oversized(oversized, micro_batches, declined_error)
     # Every rank must agree on success, so that torchrun's exit status is the demo's verdict.
     failed = _agree.max_over_replica(int(bool(problems)))
@@ -173,7 +174,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n{len(micro_batches)} micro-batches in {elapsed:.1f}s on {state.world_size} "
               f"ranks ({state.backend}); virtual limit {limit / MIB:.1f} MiB per rank.")
         if declined_error is not None:
-            print("\nThe group made too large on purpose was declined before running:\n")
+            on_purpose = {o.index for o in oversized if o.expect == DECLINED}
+            print("\nThe group made too large on purpose was declined before running:\n"
+                  if set(declined_error.indices_not_run) <= on_purpose else
+                  "\nNot run:\n")
             print(f"TrainerRankMemoryError: {declined_error}")
         for problem in problems:
             print(f"PROBLEM: {problem}", file=sys.stderr)
@@ -261,7 +265,11 @@ def _check_outputs(mb: MicroBatch) -> list[str]:
 
 
 def _check_coverage(n_items: int, seen: dict[int, int],
-                    declined: TrainerRankMemoryError | None) -> list[str]:
+                    declined: TrainerRankMemoryError | None,
+                    may_decline: set[int]) -> list[str]:
+    """Every item ran exactly once, except those the error lists as not run; only the items
+    in `may_decline` (made too large on purpose) may be among those: an RL group that was not
+    run has no outputs, whatever the reason (declined, or given up after run-time OOMs)."""
     not_run = set(declined.indices_not_run) if declined is not None else set()
     problems = []
     for i in range(n_items):
@@ -269,6 +277,9 @@ def _check_coverage(n_items: int, seen: dict[int, int],
         if i in not_run:
             if count:
                 problems.append(f"item {i} was declined but also ran {count} time(s)")
+            elif i not in may_decline:
+                problems.append(f"item {i} was not run, so its outputs are missing (a limit "
+                                "too small for the workload?)")
         elif count != 1:
             problems.append(f"item {i} ran {count} times (expected once)")
     return problems

@@ -81,10 +81,12 @@ def test_demo_checks_catch_missing_outputs_repeats_and_unhandled_oversized_items
     declined = TrainerRankMemoryError("m", predicted_peak_bytes=2, usable_limit_bytes=1,
                                       recompute_summary="s", suggestion="t",
                                       indices_not_run=(2,))
-    assert demo._check_coverage(3, {0: 1, 1: 1}, declined) == []
-    assert "ran 2 times" in demo._check_coverage(3, {0: 1, 1: 2}, declined)[0]
-    assert "ran 0 times" in demo._check_coverage(3, {0: 1}, declined)[0]
-    assert "declined but also ran" in demo._check_coverage(3, {0: 1, 1: 1, 2: 1}, declined)[0]
+    assert demo._check_coverage(3, {0: 1, 1: 1}, declined, {2}) == []
+    assert "ran 2 times" in demo._check_coverage(3, {0: 1, 1: 2}, declined, {2})[0]
+    assert "ran 0 times" in demo._check_coverage(3, {0: 1}, declined, {2})[0]
+    assert "declined but also ran" in demo._check_coverage(3, {0: 1, 1: 1, 2: 1}, declined,
+                                                           {2})[0]
+    assert "outputs are missing" in demo._check_coverage(3, {0: 1, 1: 1}, declined, set())[0]
 
     escalate = demo.Oversized(index=0, expect="escalated", tokens=10)
     decline = demo.Oversized(index=2, expect="declined", tokens=20)
