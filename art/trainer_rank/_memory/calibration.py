@@ -210,7 +210,7 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                     device: torch.device) -> tuple[int, int]:
     """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path."""
     from art.trainer_rank._forward import decoder_hidden_states, unwrap_model
-    from art.trainer_rank._heads import compute_heads
+    from art.trainer_rank._heads import HeadOutputs, compute_heads
 
     inner = unwrap_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
@@ -224,9 +224,12 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
         targets = batch.tokens[0].roll(-1)
         with torch.set_grad_enabled(grad):
             hidden = decoder_hidden_states(model, batch)
-            heads = compute_heads(model, hidden,
-                                  target_tokens=targets if outputs.target_logprobs else None,
-                                  top_k=outputs.top_k, logits=outputs.logits)
+            # As the trainer's path does: the head runs only when a head output is wanted.
+            heads = HeadOutputs(None, None, None, None)
+            if outputs.target_logprobs or outputs.top_k or outputs.logits:
+                heads = compute_heads(
+                    model, hidden, target_tokens=targets if outputs.target_logprobs else None,
+                    top_k=outputs.top_k, logits=outputs.logits)
             if grad:
                 loss = caller_loss(outputs, heads, hidden)
         if device.type == "cuda":

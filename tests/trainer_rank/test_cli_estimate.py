@@ -1,0 +1,94 @@
+"""`python -m art.trainer_rank estimate`: flags, ART_MEGATRON_* fallback, JSON, the seed case."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from art.trainer_rank._cli import main, parse_size_bytes
+
+GIB = 2**30
+SEED = ["--model", "Qwen3.5-27B", "--sequences", "16355,16355", "--outputs", "hidden_states",
+        "--lora-rank", "1", "--sp", "--attention", "flash"]
+
+
+def _json(capsys, argv: list[str]) -> dict:
+    assert main(["estimate", *argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch):
+    import os
+
+    for name in list(os.environ):
+        if name.startswith("ART_MEGATRON_") or name == "PYTORCH_CUDA_ALLOC_CONF":
+            monkeypatch.delenv(name, raising=False)
+
+
+def test_seed_case_through_the_cli(capsys):
+    full2 = _json(capsys, [*SEED, "--tp", "2", "--recompute", "full", "--gpu-memory",
+                           "107.192GB"])
+    assert {"peak_bytes", "dynamic_bytes", "resident_bytes", "terms", "recompute", "fits"} \
+        <= set(full2)
+    assert full2["fits"] is True and "full recompute" in full2["recompute"]
+    allocated = full2["resident_bytes"] + max(full2["forward_peak_bytes"],
+                                              full2["backward_peak_bytes"])
+    assert 0.9 * 41 <= allocated / GIB <= 1.1 * 41
+    sel2 = _json(capsys, [*SEED, "--tp", "2", "--recompute", "selective", "--gpu-memory",
+                          "107.192GB"])
+    assert sel2["fits"] is False and sel2["peak_bytes"] > 107.192e9
+    sel4 = _json(capsys, [*SEED, "--tp", "4", "--recompute", "selective", "--gpu-memory",
+                          "119.289GB"])
+    assert sel4["fits"] is False and sel4["peak_bytes"] > 119.289e9
+    assert sel2["terms"]["weights"] > sel4["terms"]["weights"]
+
+
+def test_unset_flags_fall_back_to_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE", "4")
+    monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_GRANULARITY", "selective")
+    monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_METHOD", "none")
+    monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_NUM_LAYERS", "none")
+    from_env = _json(capsys, ["--model", "Qwen3-8B", "--tokens", "8192"])
+    assert from_env["layout"].startswith("TP4") and "SP" in from_env["layout"]
+    assert "selective recompute (core_attn)" == from_env["recompute"]
+    flags = _json(capsys, ["--model", "Qwen3-8B", "--tokens", "8192", "--tp", "1",
+                           "--recompute", "full"])
+    assert flags["layout"] == "TP1" and flags["recompute"].startswith("full recompute")
+
+
+def test_outputs_grad_and_modules_change_the_estimate(capsys):
+    base = ["--model", "Qwen3-8B", "--tokens", "8192", "--recompute", "selective"]
+    logprobs = _json(capsys, [*base, "--outputs", "logprobs"])
+    logits = _json(capsys, [*base, "--outputs", "logprobs,logits"])
+    assert logits["dynamic_bytes"] > logprobs["dynamic_bytes"] + 8192 * 151936 * 4 * 0.9
+    nograd = _json(capsys, [*base, "--no-grad"])
+    assert nograd["dynamic_bytes"] < logprobs["dynamic_bytes"]
+    with_mlp = _json(capsys, [*base, "--recompute-modules", "core_attn,mlp"])
+    assert with_mlp["dynamic_bytes"] < logprobs["dynamic_bytes"]
+    assert with_mlp["recompute"] == "selective recompute (core_attn+mlp)"
+    unfused = _json(capsys, [*base, "--attention", "unfused"])
+    assert "packed attention mask" in unfused["terms"]
+
+
+def test_bad_input_says_what_was_wrong(capsys):
+    assert main(["estimate", "--model", "no-such-model", "--tokens", "10"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
+    assert main(["estimate", "--model", "Qwen3-8B", "--tokens", "10", "--recompute", "full",
+                 "--recompute-num-layers", "5"]) == 2
+    assert "divide" in capsys.readouterr().err
+    assert parse_size_bytes("107.192GB") == 107_192_000_000
+    assert parse_size_bytes("2") == 2 * GIB
+
+
+def test_module_entry_point_prints_the_table():
+    proc = subprocess.run(
+        [sys.executable, "-m", "art.trainer_rank", "estimate", *SEED, "--tp", "2",
+         "--recompute", "full"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "PEAK per rank" in proc.stdout and "full recompute" in proc.stdout

@@ -1,0 +1,79 @@
+"""Storage meter, layer probe and the calibration harness on real tiny Megatron-Core models."""
+
+from __future__ import annotations
+
+import torch
+
+from art.trainer_rank._memory.measure import StorageMeter
+
+SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
+
+
+def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
+    outside = torch.ones(1000)
+    with StorageMeter() as meter:
+        view = outside.view(10, 100)  # a view of a storage that existed before: no allocation
+        doubled = outside * 2  # 4000 bytes
+        alias = doubled[:10]  # a view: same storage
+        doubled.add_(1)  # in place: no allocation
+        assert meter.live_bytes == 4000
+        del doubled
+        assert meter.live_bytes == 4000  # the view keeps the whole storage alive
+        del alias
+        assert meter.live_bytes == 0
+        leaf = torch.ones(100, requires_grad=True)  # 400
+        (leaf * leaf).sum().backward()  # saves the leaf itself; the grad is 400 bytes
+        assert meter.live_bytes == 800
+        assert meter.peak_bytes >= 4000
+    del view
+
+
+def test_probe_and_harness_agree_within_target(megatron_process):
+    from art.trainer_rank._memory.calibration import Cell, run_cells
+
+    cells = [
+        Cell("gqa-128", "none", 8, 1, (96, 160), "logprobs", True),
+        Cell("gqa-128", "none", 8, 1, (96, 160), "logprobs", False),
+        Cell("gqa-128", "selective default", 8, 1, (256,), "hidden_states", True),
+        Cell("gqa-128", "full uniform 2", 8, 1, (128, 128), "top_k=20", True),
+    ]
+    results = run_cells(cells, probe_tokens=SMALL_PROBE_TOKENS)
+    for r in results:
+        assert 1.0 <= r.ratio <= 1.05, (r.cell, r.measured_bytes, r.predicted_bytes)
+        assert r.measured_bytes > 0 and r.reserve_bytes > 0
+
+
+def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
+    from art.trainer_rank._memory import probe as probe_module
+    from art.trainer_rank._memory.calibration import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+    )
+    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+
+    geometry = calibration_geometries()["gqa-128"]
+    cell = Cell("gqa-128", "selective mlp", 1, 1, (128,), "logprobs", True)
+    model = CalibrationModel(geometry, POLICY_BY_NAME["selective mlp"], lora_rank=1,
+                             tensor_parallel=1, cells=[cell], probe_tokens=SMALL_PROBE_TOKENS)
+    coefficients = model.coefficients
+    assert {m for _, m, _ in coefficients.layers} == {"nograd", "sel:mlp"}
+    again = probe_module.ProbeCoefficients.from_json(coefficients.to_json())
+    assert again == coefficients
+    batch = MicroBatchShape((200,), outputs=OutputRequest(target_logprobs=True))
+    probed = model.memory.estimate(batch)
+    assert probed.coefficients_source == f"probe:{coefficients.key}"
+    assert model.memory_default.estimate(batch).coefficients_source == "defaults"
+    # The probe's quadratic terms are real: the unfused scores grow with s^2.
+    small = model.memory.estimate(MicroBatchShape((256,), outputs=batch.outputs))
+    large = model.memory.estimate(MicroBatchShape((1024,), outputs=batch.outputs))
+    assert large.dynamic_bytes > 6 * small.dynamic_bytes
+    # Same inputs, same cache key: the second probe is served from the cache.
+    modes = probe_module.modes_for(geometry, model.provider.effective_recompute, True)
+    second = probe_module.probe(
+        model.model, geometry=geometry, layout=model.layout,
+        implementation=model.implementation, dtype="float32", lora_rank=1, modes=modes,
+        outputs={(OutputRequest(target_logprobs=True), True)}, tokens=SMALL_PROBE_TOKENS,
+    )
+    assert second is coefficients
