@@ -10,7 +10,7 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from art.megatron.recompute import EffectiveRecompute
@@ -55,14 +55,16 @@ class Pricing:
     estimate: Any  # the memory model's Estimate
     profile_dynamic_bytes: int | None  # measured-line prediction + the allocator reserve
     recompute: EffectiveRecompute
+    # Outputs of earlier sub-forwards of a split, still held while this one runs.
+    held_bytes: int = 0
 
     @property
     def model_dynamic_bytes(self) -> int:
-        return int(self.estimate.dynamic_bytes)
+        return int(self.estimate.dynamic_bytes) + self.held_bytes
 
     @property
     def dynamic_bytes(self) -> int:
-        return max(self.model_dynamic_bytes, self.profile_dynamic_bytes or 0)
+        return max(self.model_dynamic_bytes, (self.profile_dynamic_bytes or 0) + self.held_bytes)
 
     @property
     def source(self) -> str:
@@ -120,6 +122,9 @@ class Admission:
     adapter: str
     packed_length: Callable[[Sequence[int]], int]
     full_recompute: EffectiveRecompute | None = None
+    # Bytes of the outputs one sub-forward leaves behind (held until the item is yielded);
+    # None prices splits as if nothing were held.
+    held_output_bytes: Callable[[MicroBatchShape], int] | None = None
     next_tp_model: Callable[[], tuple[int, MemoryModelLike] | None] | None = None
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
@@ -270,32 +275,44 @@ class Admission:
     def _split(
         self, item: Item, usable_bytes: int
     ) -> tuple[tuple[tuple[int, ...], ...], Pricing, MicroBatchShape, str] | None:
-        """Greedy consecutive sub-forwards that each fit (no grad: nothing is retained between
-        them); None when one sequence alone does not fit."""
+        """Greedy consecutive sub-forwards that each fit. Without grad nothing is retained
+        between them except their outputs, which stay alive until the item is yielded, so each
+        sub-forward is priced with the outputs of the ones before it. None when one sequence
+        cannot fit."""
         groups: list[tuple[int, ...]] = []
         current: list[int] = []
+        held = 0
         worst: tuple[Pricing, MicroBatchShape, str] | None = None
         best_current: tuple[Pricing, MicroBatchShape, str] | None = None
-        for index, _leaf in enumerate(item.leaves):
+
+        def priced_with_held(indices: list[int]) -> tuple[Pricing, MicroBatchShape, str]:
+            pricing, shape, sig = self.price([item.leaves[i] for i in indices], False)
+            return replace(pricing, held_bytes=held), shape, sig
+
+        def close_group() -> None:
+            nonlocal held, worst
+            assert best_current is not None
+            groups.append(tuple(current))
+            if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
+                worst = best_current
+            if self.held_output_bytes is not None:
+                held += self.held_output_bytes(best_current[1])
+
+        for index in range(len(item.leaves)):
             trial = current + [index]
-            priced = self.price([item.leaves[i] for i in trial], False)
+            priced = priced_with_held(trial)
             if priced[0].dynamic_bytes <= usable_bytes:
                 current, best_current = trial, priced
                 continue
             if not current:
                 return None
-            groups.append(tuple(current))
-            assert best_current is not None
-            if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
-                worst = best_current
-            alone = self.price([item.leaves[index]], False)
+            close_group()
+            alone = priced_with_held([index])
             if alone[0].dynamic_bytes > usable_bytes:
                 return None
             current, best_current = [index], alone
-        groups.append(tuple(current))
-        assert best_current is not None
-        if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
-            worst = best_current
+        close_group()
+        assert worst is not None
         return (tuple(groups), *worst)
 
     # -- the message --------------------------------------------------------------------------

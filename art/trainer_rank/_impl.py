@@ -25,6 +25,7 @@ from art.trainer_rank._admission import Admission, AdmissionPolicy, Plan
 from art.trainer_rank._escalation import full_recompute
 from art.trainer_rank._execute import run_sub_forward
 from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
+from art.trainer_rank._memory.request import MicroBatchShape
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
@@ -160,6 +161,7 @@ class TrainerRank:
             adapter=adapter,
             packed_length=lambda lengths: packed_length_tokens(lengths, layout),
             full_recompute=full,
+            held_output_bytes=self._held_output_bytes,
             next_tp_model=self._next_tp_model,
             policy=AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
@@ -191,6 +193,24 @@ class TrainerRank:
         )
         return tp, replace(MemoryModel.for_provider(other),
                            head_chunk_tokens=self.options.head_chunk_tokens)
+
+    def _held_output_bytes(self, shape: MicroBatchShape) -> int:
+        """What one sub-forward's outputs keep alive after it ran (per-sequence outputs are
+        views of the packed tensors, so the whole packed row of each requested output)."""
+        from art.megatron.model_builder import DTYPES
+
+        tokens, wanted = shape.packed_tokens, shape.outputs
+        geometry = self.provider.geometry
+        per_token = 0
+        if wanted.target_logprobs:
+            per_token += 4
+        if wanted.top_k:
+            per_token += wanted.top_k * (4 + 8)
+        if wanted.logits:
+            per_token += geometry.vocab_size * 4
+        if wanted.hidden_states:
+            per_token += geometry.hidden_size * DTYPES[self.provider.dtype].itemsize
+        return tokens * per_token
 
     def usable_limit_bytes(self) -> int:
         """What the next micro-batch may use, the minimum over this replica's TP/CP ranks."""

@@ -131,6 +131,17 @@ def test_no_grad_group_that_does_not_fit_is_split_into_sub_forwards():
     assert plan.pricing.dynamic_bytes <= 16_000
 
 
+def test_split_prices_the_outputs_earlier_sub_forwards_leave_behind():
+    adm = admission()
+    adm.held_output_bytes = lambda shape: 10 * shape.packed_tokens
+    warm(adm, False)
+    plan = adm.plan_next(items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
+    # [400+300] = 14000; then 350 alone with 7000 held = 14000; +200 would be 18000; 200 alone
+    # with 10500 held = 14500.
+    assert plan.decision == SPLIT and plan.sub_forwards == ((0, 1), (2,), (3,))
+    assert plan.pricing.dynamic_bytes == 14_500 and plan.pricing.held_bytes == 10_500
+
+
 def test_grad_item_escalates_to_full_recompute_when_only_that_fits():
     adm = admission()
     warm(adm, True)
