@@ -1,0 +1,28 @@
+"""torchrun worker: two calibration cells at TP=2; each rank writes its measured vs predicted."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from art.trainer_rank._memory.calibration import Cell, run_cells
+
+PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    cells = [
+        Cell("gqa-128", "selective default", 8, 2, (128, 192), "logprobs", True),
+        Cell("gqa-128", "selective default", 8, 2, (320,), "top_k=20", False),
+    ]
+    results = run_cells(cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS)
+    rank = int(os.environ["RANK"])
+    rows = [r.row() for r in results]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
