@@ -187,7 +187,8 @@ def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool |
     from rich.console import Console
     from rich.table import Table
 
-    gib = 2**30
+    gib = 2**30 if estimate.peak_bytes >= 2**30 else 2**20
+    unit = "GiB" if gib == 2**30 else "MiB"
     console = Console()
     title = (f"{model.geometry.name}  {model.layout.summary}  {model.implementation.key}  "
              f"{model.dtype}")
@@ -195,7 +196,7 @@ def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool |
                   f"{estimate.coefficients_source}")
     table.add_column("phase")
     table.add_column("term")
-    table.add_column("GiB", justify="right")
+    table.add_column(unit, justify="right")
     table.add_column("how")
     for term in estimate.terms:
         table.add_row(term.phase, term.name, f"{term.bytes / gib:.3f}", term.note)
@@ -209,8 +210,8 @@ def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool |
     console.print(table)
     if gpu_memory is not None:
         verdict = "fits" if fits else "DOES NOT FIT"
-        console.print(f"{verdict}: peak {estimate.peak_bytes / gib:.3f} GiB vs usable "
-                      f"{gpu_memory / gib:.3f} GiB ({gpu_memory / 1e9:.3f} GB)")
+        console.print(f"{verdict}: peak {estimate.peak_bytes / 2**30:.3f} GiB vs usable "
+                      f"{gpu_memory / 2**30:.3f} GiB ({gpu_memory / 1e9:.3f} GB)")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

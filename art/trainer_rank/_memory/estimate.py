@@ -51,25 +51,26 @@ class Estimate:
 
     def table(self) -> str:
         """Plain-text term table, one line per term, phase sums and the peak at the end."""
+        unit, scale = ("GiB", GIB) if self.peak_bytes >= GIB else ("MiB", 2**20)
         lines = [
             f"{self.recompute_summary}; {len(self.batch.sequence_lengths_tokens)} sequence(s), "
             f"{self.batch.packed_tokens} packed tokens, outputs {self.batch.outputs.key}, "
             f"{'grad' if self.batch.grad_enabled else 'no grad'}; coefficients: "
             f"{self.coefficients_source}",
-            f"{'phase':<9} {'term':<44} {'GiB':>10}  note",
+            f"{'phase':<9} {'term':<44} {unit:>10}  note",
         ]
         for term in self.terms:
             lines.append(
-                f"{term.phase:<9} {term.name[:44]:<44} {term.bytes / GIB:>10.3f}  {term.note}"
+                f"{term.phase:<9} {term.name[:44]:<44} {term.bytes / scale:>10.3f}  {term.note}"
             )
         lines += [
-            f"{'':<9} {'resident':<44} {self.resident_bytes / GIB:>10.3f}",
-            f"{'':<9} {'forward peak (dynamic)':<44} {self.forward_peak_bytes / GIB:>10.3f}",
-            f"{'':<9} {'backward peak (dynamic)':<44} {self.backward_peak_bytes / GIB:>10.3f}",
-            f"{'':<9} {'allocator reserve':<44} {self.reserve_bytes / GIB:>10.3f}",
-            f"{'':<9} {'dynamic = max(fwd, bwd) + reserve':<44} {self.dynamic_bytes / GIB:>10.3f}"
+            f"{'':<9} {'resident':<44} {self.resident_bytes / scale:>10.3f}",
+            f"{'':<9} {'forward peak (dynamic)':<44} {self.forward_peak_bytes / scale:>10.3f}",
+            f"{'':<9} {'backward peak (dynamic)':<44} {self.backward_peak_bytes / scale:>10.3f}",
+            f"{'':<9} {'allocator reserve':<44} {self.reserve_bytes / scale:>10.3f}",
+            f"{'':<9} {'dynamic = max(fwd, bwd) + reserve':<44} {self.dynamic_bytes / scale:>10.3f}"
             f"  peak at {self.peak_at or '-'}",
-            f"{'':<9} {'peak = resident + dynamic':<44} {self.peak_bytes / GIB:>10.3f}",
+            f"{'':<9} {'peak = resident + dynamic':<44} {self.peak_bytes / scale:>10.3f}",
         ]
         return "\n".join(lines)
 

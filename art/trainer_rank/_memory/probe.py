@@ -491,3 +491,24 @@ def modes_for(geometry: ModelGeometry, recompute: Any, grad: bool
         else:
             modes.add((kind, frozenset(lr.selective_modules), True, 0))
     return sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+
+
+def probe_for_provider(provider: Any, model: Any, *,
+                       outputs: Iterable[tuple[OutputRequest, bool]],
+                       grad_modes: Iterable[bool] = (True, False),
+                       tokens: tuple[int, ...] | None = None,
+                       cache_dir: str | Path | None = None) -> ProbeCoefficients:
+    """Probe the provider's built model for its effective recompute policy (and no grad).
+
+    Use: `MemoryModel.for_provider(provider, coefficients=probe_for_provider(provider, model,
+    outputs=[(OutputRequest(target_logprobs=True), True)]))`. Every rank must call it (the
+    layer runs its TP collectives).
+    """
+    geometry = provider.geometry
+    modes = {m for grad in grad_modes
+             for m in modes_for(geometry, provider.effective_recompute, grad)}
+    lora = getattr(provider, "lora_config", None)
+    return probe(model, geometry=geometry, layout=provider.layout,
+                 implementation=provider.implementation, dtype=provider.dtype,
+                 lora_rank=int(lora.r) if lora is not None else 0, modes=modes,
+                 outputs=outputs, tokens=tokens, cache_dir=cache_dir)
