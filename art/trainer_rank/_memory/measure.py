@@ -103,6 +103,8 @@ class CudaMeter:
     def reset_peak(self) -> None:
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
+        self.live_bytes = torch.cuda.memory_allocated() - self._base
+        self.peak_bytes = self.live_bytes
 
     def _update(self) -> None:
         self.live_bytes = torch.cuda.memory_allocated() - self._base

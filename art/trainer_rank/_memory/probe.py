@@ -282,6 +282,7 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
         x = x0 * 1.0
         x_bytes = _storage_nbytes(x)
         x_ref = weakref.ref(x.untyped_storage())
+        _sync(device, meter)
         start = meter.live_bytes
         meter.reset_peak()
         y, _ = run(x)
@@ -294,6 +295,7 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
         backward = 0.0
         if grad:
             z = (y * 1.0).sum()
+            _sync(device, meter)
             before = meter.live_bytes
             meter.reset_peak()
             z.backward()
@@ -362,6 +364,7 @@ def _measure_tail(model: Any, inputs: _Inputs, outputs: OutputRequest, dtype: to
     meter = meter_for(device)
     with meter, torch.set_grad_enabled(grad):
         x = x0 * 1.0
+        _sync(device, meter)
         start = meter.live_bytes
         meter.reset_peak()
         heads, hidden = run_tail(model, x, batch, outputs, targets)
