@@ -11,7 +11,6 @@ caught an OOM in its backward and asked for the retry by iterating on.
 from __future__ import annotations
 
 import contextlib
-import gc
 import logging
 import traceback
 from collections.abc import Iterator, Sequence
@@ -22,10 +21,16 @@ import torch
 
 from art.trainer_rank import _agree
 from art.trainer_rank._admission import Admission, AdmissionPolicy, Plan
+from art.trainer_rank._device_memory import (
+    GradSnapshot,
+    cuda_oom_count,
+    device_usable_bytes,
+    held_output_bytes,
+    release_memory,
+)
 from art.trainer_rank._escalation import full_recompute
 from art.trainer_rank._execute import run_sub_forward
 from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
-from art.trainer_rank._memory.request import MicroBatchShape
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
@@ -41,54 +46,12 @@ from art.trainer_rank._types import (
 
 logger = logging.getLogger("art.trainer_rank")
 
-# Gradients are snapshotted before a grad micro-batch is yielded (so a caller-backward OOM can
-# be retried without double-counting) only when the trainable parameters are this small,
-# i.e. adapters, not full fine-tuning.
-GRAD_SNAPSHOT_MAX_BYTES = 256 * 2**20
-
-
 @dataclass
 class Runtime:
     """An already-built model and the provider that describes it (tests, custom builders)."""
 
     model: Any
     provider: Any
-
-
-def _cpu_available_bytes() -> int:
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-class _GradSnapshot:
-    def __init__(self, model: Any) -> None:
-        self.saved: list[tuple[torch.Tensor, str, torch.Tensor | None]] = []
-        for p in model.parameters():
-            if not p.requires_grad:
-                continue
-            for name in ("grad", "main_grad"):
-                g = getattr(p, name, None)
-                self.saved.append((p, name, None if g is None else g.detach().clone()))
-
-    @staticmethod
-    def affordable(model: Any) -> bool:
-        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-        return total <= GRAD_SNAPSHOT_MAX_BYTES
-
-    def restore(self) -> None:
-        for p, name, g in self.saved:
-            if name == "grad":
-                p.grad = g
-            elif g is not None:
-                getattr(p, name).copy_(g)
 
 
 class TrainerRank:
@@ -161,7 +124,8 @@ class TrainerRank:
             adapter=adapter,
             packed_length=lambda lengths: packed_length_tokens(lengths, layout),
             full_recompute=full,
-            held_output_bytes=self._held_output_bytes,
+            held_output_bytes=lambda shape: held_output_bytes(
+                shape, provider.geometry, provider.dtype),
             next_tp_model=self._next_tp_model,
             policy=AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
@@ -194,37 +158,11 @@ class TrainerRank:
         return tp, replace(MemoryModel.for_provider(other),
                            head_chunk_tokens=self.options.head_chunk_tokens)
 
-    def _held_output_bytes(self, shape: MicroBatchShape) -> int:
-        """What one sub-forward's outputs keep alive after it ran (per-sequence outputs are
-        views of the packed tensors, so the whole packed row of each requested output)."""
-        from art.megatron.model_builder import DTYPES
-
-        tokens, wanted = shape.packed_tokens, shape.outputs
-        geometry = self.provider.geometry
-        per_token = 0
-        if wanted.target_logprobs:
-            per_token += 4
-        if wanted.top_k:
-            per_token += wanted.top_k * (4 + 8)
-        if wanted.logits:
-            per_token += geometry.vocab_size * 4
-        if wanted.hidden_states:
-            per_token += geometry.hidden_size * DTYPES[self.provider.dtype].itemsize
-        return tokens * per_token
-
     def usable_limit_bytes(self) -> int:
         """What the next micro-batch may use, the minimum over this replica's TP/CP ranks."""
-        if self.options.test_memory_limit_bytes is not None:
-            local = self.options.test_memory_limit_bytes
-        elif self.device.type == "cuda":
-            free, _total = torch.cuda.mem_get_info(self.device)
-            cached = torch.cuda.memory_reserved(self.device) - torch.cuda.memory_allocated(
-                self.device
-            )
-            local = free + cached
-        else:
-            local = _cpu_available_bytes()
-        return _agree.min_over_replica(local)
+        return _agree.min_over_replica(
+            device_usable_bytes(self.device, self.options.test_memory_limit_bytes)
+        )
 
     def _meter(self, usable: int) -> LiveBytesMeter:
         limit = self.options.test_memory_limit_bytes
@@ -364,14 +302,14 @@ class TrainerRank:
         """Run and yield one plan; returns the OOM exception when it ran out of memory."""
         leaves = plan.leaves
         snapshot = (
-            _GradSnapshot(self.model) if grad and _GradSnapshot.affordable(self.model) else None
+            GradSnapshot(self.model) if grad and GradSnapshot.affordable(self.model) else None
         )
         stack = contextlib.ExitStack()
         with stack:
             if plan.escalate:
                 stack.enter_context(full_recompute(self.model))
             meter = stack.enter_context(self._meter(usable))
-            ooms_before = _cuda_oom_count(self.device)
+            ooms_before = cuda_oom_count(self.device)
             failed_sub: tuple[int, ...] | None = None
             try:
                 leaf_outputs: list[ForwardOutput] = []
@@ -392,7 +330,7 @@ class TrainerRank:
                 stack.close()
                 if snapshot is not None:
                     snapshot.restore()
-                _release_memory()
+                release_memory()
                 return exc
             stats = self._stats(plan, usable, grad, retries)
             outputs, cursor = [], 0
@@ -410,7 +348,7 @@ class TrainerRank:
             yield micro_batch
             del outputs
             over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
-            caller_oom = over or _cuda_oom_count(self.device) > ooms_before
+            caller_oom = over or cuda_oom_count(self.device) > ooms_before
             caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
             measured = _agree.max_over_replica(meter.peak_bytes)
         if caller_oom:
@@ -437,7 +375,7 @@ class TrainerRank:
                     indices_not_run=tuple(plan.indices),
                 ) from exc
             snapshot.restore()
-            _release_memory()
+            release_memory()
             return exc
         stats.measured_peak_bytes = measured
         self.stats_history.append(stats)
@@ -494,18 +432,6 @@ class TrainerRank:
             retries=max((retries.get(i, 0) for i in plan.indices), default=0),
             note=plan.note,
         )
-
-
-def _cuda_oom_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 0
-    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
-
-
-def _release_memory() -> None:
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
 
 
 def _combine(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryError:

@@ -1,0 +1,99 @@
+"""Device-memory helpers for TrainerRank: the usable limit on this rank, what outputs keep
+alive, gradient snapshots for retrying after a caller-backward OOM, and releasing memory."""
+
+from __future__ import annotations
+
+import gc
+import os
+from typing import Any
+
+import torch
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.model_builder import DTYPES
+from art.trainer_rank._memory.request import MicroBatchShape
+
+# Gradients are snapshotted before a grad micro-batch is yielded (so a caller-backward OOM can
+# be retried without double-counting) only when the trainable parameters are this small,
+# i.e. adapters, not full fine-tuning.
+GRAD_SNAPSHOT_MAX_BYTES = 256 * 2**20
+
+
+def device_usable_bytes(device: torch.device, test_memory_limit_bytes: int | None) -> int:
+    """Device memory minus what is live on this rank (the virtual limit on CPU when set).
+    The allocator reserve is not subtracted here: it is a term of every estimate."""
+    if test_memory_limit_bytes is not None:
+        return test_memory_limit_bytes
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        # Blocks the caching allocator holds but nobody uses are ours to reuse.
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + cached
+    return cpu_available_bytes()
+
+
+def cpu_available_bytes() -> int:
+    """MemAvailable from /proc/meminfo (what the kernel can give without swapping)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def held_output_bytes(shape: MicroBatchShape, geometry: ModelGeometry, dtype: str) -> int:
+    """What one sub-forward's outputs keep alive after it ran: per-sequence outputs are views
+    of the packed tensors, so the whole packed row of each requested output."""
+    tokens, wanted = shape.packed_tokens, shape.outputs
+    per_token = 0
+    if wanted.target_logprobs:
+        per_token += 4
+    if wanted.top_k:
+        per_token += wanted.top_k * (4 + 8)
+    if wanted.logits:
+        per_token += geometry.vocab_size * 4
+    if wanted.hidden_states:
+        per_token += geometry.hidden_size * DTYPES[dtype].itemsize
+    return tokens * per_token
+
+
+class GradSnapshot:
+    """Copies of the trainable parameters' gradients (and Megatron's main_grad buffers),
+    taken before a grad micro-batch is yielded, so a backward that ran out of memory halfway
+    can be undone before its items run again."""
+
+    def __init__(self, model: Any) -> None:
+        self.saved: list[tuple[torch.Tensor, str, torch.Tensor | None]] = []
+        for p in model.parameters():
+            if not p.requires_grad:
+                continue
+            for name in ("grad", "main_grad"):
+                g = getattr(p, name, None)
+                self.saved.append((p, name, None if g is None else g.detach().clone()))
+
+    @staticmethod
+    def affordable(model: Any) -> bool:
+        total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        return total <= GRAD_SNAPSHOT_MAX_BYTES
+
+    def restore(self) -> None:
+        for p, name, g in self.saved:
+            if name == "grad":
+                p.grad = g
+            elif g is not None:
+                getattr(p, name).copy_(g)
+
+
+def cuda_oom_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 0
+    return int(torch.cuda.memory_stats(device).get("num_ooms", 0))
+
+
+def release_memory() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
