@@ -373,7 +373,7 @@ def _print_table(micro_batches: list[MicroBatch], declined: TrainerRankMemoryErr
     for name in ("#", "items", "seqs", "packed tok", "old planner", "predicted", "source",
                  "measured", "limit", "meas/pred", "decision", "recompute"):
         table.add_column(name, justify="left" if name in (
-            "items", "source", "decision", "recompute") else "right")
+            "items", "source", "decision", "recompute") else "right", no_wrap=True)
     for i, mb in enumerate(micro_batches):
         s = mb.stats
         ratio = s.measured_over_predicted
@@ -394,7 +394,7 @@ def _print_table(micro_batches: list[MicroBatch], declined: TrainerRankMemoryErr
             f"{declined.usable_limit_bytes / MIB:.1f}", "", DECLINED,
             _short(declined.recompute_summary),
         )
-    Console(width=max(140, Console().width)).print(table)
+    Console(width=max(150, Console().width)).print(table)
     ratios = [mb.stats.measured_over_predicted for mb in micro_batches
               if mb.stats.measured_over_predicted is not None]
     if ratios:
