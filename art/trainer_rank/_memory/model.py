@@ -487,7 +487,11 @@ def _kept_note(units: list[dict[str, Any]], s: int) -> str:
 
 
 def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> dict[str, Any]:
-    """Default pricing of final norm + head + outputs + caller loss, from P's head code."""
+    """Default pricing of final norm + head + outputs + caller loss, read from P's head.
+
+    `kept`: what stays live through the layers' backward (the hidden row the caller's frame
+    holds, the requested outputs); `forward` / `backward`: peaks above the decoder output.
+    """
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
     out = batch.outputs
     grad = batch.grad_enabled
@@ -495,41 +499,46 @@ def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> d
     hidden_row = rows * g.hidden_size * b
     norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
                                    if model.implementation.norm == "torch" else 0)
-    uses_head = out.target_logprobs or out.top_k or out.logits
+    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
     vocab_local = g.vocab_size / tp
     chunk = min(model.head_chunk_tokens, rows)
-    # One chunk: logits in the model dtype, the fp32 copy (low precision only), the shifted
-    # logits and their exp (fp32), the top-k of the shard.
-    upcast = chunk * vocab_local * FP32 if b < FP32 else 0
-    chunk_fwd = chunk * vocab_local * b + upcast + 2 * chunk * vocab_local * FP32 if uses_head \
-        else 0
-    outputs = 0.0
+    # One chunk: [chunk, vocab/TP] logits in the model dtype, upcast to fp32 (a copy only in
+    # low precision; shift and exp run in place on it), the shard's top-k.
+    upcast = chunk * vocab_local * FP32 if b < FP32 else 0.0
+    chunk_fwd = (chunk * vocab_local * b + upcast + chunk * out.top_k * (FP32 + INT64) * tp
+                 if uses_head else 0.0)
+    held = hidden_row
     if out.target_logprobs:
-        outputs += rows * FP32
+        held += rows * FP32
     if out.top_k:
-        outputs += rows * out.top_k * (FP32 + INT64)
+        held += rows * out.top_k * (FP32 + INT64)
     if out.logits:
-        outputs += rows * g.vocab_size * FP32
-    kept = hidden_row + outputs
-    if grad:
-        kept += norm_internal
-    forward = kept + chunk_fwd
-    note = (f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}")
+        held += rows * g.vocab_size * FP32
+    saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
+    forward = held + saved_head + chunk_fwd + (norm_internal if grad else 0.0)
+    note = f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}"
     backward = 0.0
     if grad:
-        # Head backward: one chunk rebuilt (its fp32 logits kept for softmax backward), the
-        # logits gradient, the chunk's input gradient, the accumulated hidden-row gradient.
-        chunk_bwd = (chunk * vocab_local * (b + upcast / max(1, chunk * vocab_local)
-                                            + 3 * FP32) + chunk * g.hidden_size * b
-                     if uses_head else 0.0)
         caller = 0.0
         if out.hidden_states:
-            caller = 2 * rows * g.hidden_size * FP32  # fp32 copy and its gradient
+            # The caller's fp32 mean-square: an fp32 copy (low precision) and its gradient.
+            caller = rows * g.hidden_size * FP32 * (2 if b < FP32 else 1)
+            forward += rows * g.hidden_size * FP32 if b < FP32 else 0.0
         if out.logits:
             caller += rows * g.vocab_size * FP32
-        backward = kept + chunk_bwd + hidden_row + caller + norm_internal
-        forward += caller / 2
-    return {"kept": kept, "forward": forward, "backward": backward, "note": note}
+        # Head backward, per chunk: the logits rebuilt (model dtype + fp32), the softmax
+        # gradient cast back to the model dtype for the matmul, the chunk's input gradient;
+        # plus the zero-initialised gradient of the whole hidden row and the norm's output
+        # gradient for the top layer.
+        chunk_bwd = (chunk * vocab_local * (2 * b) + upcast + chunk * g.hidden_size * b
+                     if uses_head else 0.0)
+        grads = hidden_row + d_hidden_local(model, s)
+        backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
+    return {"kept": held, "forward": forward, "backward": backward, "note": note}
+
+
+def d_hidden_local(model: MemoryModel, s: int) -> float:
+    return model.dims.hidden_tokens(s) * model.geometry.hidden_size * model.dtype_bytes
 
 
 def _largest_allocation(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> int:
