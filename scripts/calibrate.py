@@ -177,11 +177,21 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
+    parser.add_argument("--reprice-defaults", metavar="CSV",
+                        help="re-price the default (formula) column of a measured CSV and "
+                             "rewrite the outputs (no model runs)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.worker_out:
         return worker(args)
+    if args.reprice_defaults:
+        from art.trainer_rank._memory.calibration import reprice_defaults
+
+        with open(args.reprice_defaults, newline="") as f:
+            rows = [reprice_defaults(_typed(r)) for r in csv.DictReader(f)]
+        write_outputs(rows, Path(args.out), None, args.quick)
+        return 0
 
     from art.megatron.distributed import initialize_distributed
     from art.trainer_rank._memory.calibration import default_matrix, run_cells
@@ -196,20 +206,37 @@ def main() -> int:
         results = run_cells(default_matrix(quick=args.quick),
                             progress=lambda m: print(m, flush=True))
         rows = [r.row() for r in results] + rows
-    out = Path(args.out)
+    write_outputs(rows, Path(args.out), time.time() - start, args.quick)
+    return 0
+
+
+def _typed(row: dict) -> dict:
+    ints = ("lora_rank", "tensor_parallel", "packed_tokens", "measured_bytes",
+            "measured_forward_bytes", "predicted_bytes", "predicted_default_bytes",
+            "reserve_bytes")
+    out = dict(row)
+    for key in ints:
+        out[key] = int(out[key])
+    for key in ("ratio", "default_ratio", "seconds"):
+        out[key] = float(out[key])
+    out["grad"] = out["grad"] in ("True", "true", "1")
+    return out
+
+
+def write_outputs(rows: list[dict], out: Path, seconds: float | None, quick: bool) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with (out / "calibration.csv").open("w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
     summary = summarize(rows)
+    wall = f"wall time: {seconds:.0f} s; " if seconds is not None else ""
     (out / "calibration.md").write_text(
-        summary.replace("\n\n## Per policy", f"\n- wall time: {time.time() - start:.0f} s; "
-                        f"command: `.venv/bin/python scripts/calibrate.py"
-                        f"{' --quick' if args.quick else ''}`\n\n## Per policy", 1))
+        summary.replace("\n\n## Per policy", f"\n- {wall}command: `.venv/bin/python "
+                        f"scripts/calibrate.py{' --quick' if quick else ''}`\n\n## Per policy",
+                        1))
     plot(rows, out / "calibration.png")
     print(summary.split("## Per policy")[0])
-    return 0
 
 
 if __name__ == "__main__":

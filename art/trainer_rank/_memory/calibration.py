@@ -297,3 +297,39 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
                          f"(defaults {result.default_ratio:.3f})")
         del model
     return results
+
+
+def default_memory_model(cell: Cell, implementation: Implementation | None = None
+                         ) -> MemoryModel:
+    """The what-if memory model for a cell, built from the geometry alone (no model, no
+    probe): what the CLI and a laptop see."""
+    from art.megatron.recompute import resolve_recompute
+    from art.trainer_rank._memory.request import LoraShape
+
+    geometry = calibration_geometries()[cell.geometry]
+    impl = implementation or Implementation.cpu_local()
+    policy = POLICY_BY_NAME[cell.policy]
+    recompute = resolve_recompute(
+        granularity=policy.granularity, method=policy.method, num_layers=policy.num_layers,
+        modules=policy.modules, moe_layers=geometry.moe_layers,
+        layer_types=geometry.layer_types, norm_fused_into_linear=impl.norm_fused_into_linear,
+    )
+    return MemoryModel(geometry, layout=ParallelLayout(tensor_parallel=cell.tensor_parallel),
+                       recompute=recompute, implementation=impl,
+                       lora=LoraShape(cell.lora_rank, LORA_TARGETS), dtype=cell.dtype)
+
+
+def reprice_defaults(row: dict[str, Any]) -> dict[str, Any]:
+    """Re-run the default (formula) prediction for a measured CSV row."""
+    cell = Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
+                int(row["tensor_parallel"]),
+                tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
+                str(row["grad"]) in ("True", "true", "1"), row.get("dtype", "float32"))
+    model = default_memory_model(cell)
+    batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
+                              model.layout, model.implementation)
+    est = model.estimate(batch)
+    predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
+    measured = int(row["measured_bytes"])
+    return dict(row) | {"predicted_default_bytes": predicted,
+                        "default_ratio": round(predicted / max(1, measured), 4)}
