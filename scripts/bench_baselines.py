@@ -130,6 +130,10 @@ class PassResult:
     items_declined: list[int] = field(default_factory=list)
     wall_seconds: float = 0.0
     runs: int = 0  # forward+backward executions, failed ones included
+    # The planner only: its decision, the source of its figure, the memory model's own figure.
+    decisions: list[str] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    model_predicted: list[int] = field(default_factory=list)
 
 
 def seed_formula_pass(items: Sequence[Item], runner: MicroBatchRunner, limit: int,

@@ -137,6 +137,11 @@ def _demo_provider():
                     dtype="float32", implementation=Implementation.cpu_local())
 
 
+def _recompute_of(trainer: Any, stats: Any) -> Any:
+    escalated = stats.decision == "escalated" and trainer.admission.full_recompute is not None
+    return trainer.admission.full_recompute if escalated else trainer.admission.recompute
+
+
 def _planner_pass(name: str, trainer: Any, items: list[Any]) -> Any:
     import torch
     from bench_baselines import PassResult
@@ -163,8 +168,14 @@ def _planner_pass(name: str, trainer: Any, items: list[Any]) -> Any:
     result.predicted = [s.predicted_dynamic_bytes for s in stats]
     result.recovered_ooms = sum(s.retries for s in stats)
     result.runs = len(stats) + result.recovered_ooms
-    result.decisions = [s.decision for s in stats]  # type: ignore[attr-defined]
-    result.sources = [s.predicted_source for s in stats]  # type: ignore[attr-defined]
+    # The memory model's own figure for the same items (the planner uses max(model, profile)).
+    by_index = {i: item for i, item in enumerate(items)}
+    result.model_predicted = [
+        trainer.admission.price([leaf for i in mb for leaf in by_index[i]], True,
+                                _recompute_of(trainer, s))[0].model_dynamic_bytes
+        for mb, s in zip(result.micro_batches, stats)]
+    result.decisions = [s.decision for s in stats]
+    result.sources = [s.predicted_source for s in stats]
     return result
 
 
@@ -250,15 +261,15 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     for p in passes:
         for i, (indices, tokens, peak) in enumerate(zip(p.micro_batches, p.micro_batch_tokens,
                                                          p.micro_batch_peaks)):
-            predicted = p.predicted[i] if i < len(p.predicted) else ""
+            predicted = p.predicted[i] if i < len(p.predicted) else 0
+            model = p.model_predicted[i] if i < len(p.model_predicted) else 0
             per_mb.append(dict(
                 policy=p.policy, micro_batch=i, items="+".join(map(str, indices)),
-                tokens=tokens, measured_peak_bytes=peak, predicted_bytes=predicted,
+                tokens=tokens, measured_peak_bytes=peak, predicted_bytes=predicted or "",
                 predicted_over_measured=round(predicted / peak, 4) if predicted and peak else "",
-                decision=getattr(p, "decisions", [""] * (i + 1))[i]
-                if i < len(getattr(p, "decisions", [])) else "",
-                source=getattr(p, "sources", [""] * (i + 1))[i]
-                if i < len(getattr(p, "sources", [])) else ""))
+                model_over_measured=round(model / peak, 4) if model and peak else "",
+                decision=p.decisions[i] if i < len(p.decisions) else "",
+                source=p.sources[i] if i < len(p.sources) else ""))
     _write_csv(BENCH / "utilisation_micro_batches.csv", per_mb)
     # The seed formula's figure for the largest item, next to what it really needed.
     largest = max(items, key=lambda it: it.num_tokens)
@@ -284,6 +295,15 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         three_item_forward_backward_seconds=statistics.median(run_seconds),
         three_item_tokens=sum(it.num_tokens for it in items[:3]),
     )
+    planner_ratios = {}
+    for p in passes[:2]:
+        pairs = [(m, pr, pk) for m, pr, pk in zip(p.model_predicted, p.predicted,
+                                                  p.micro_batch_peaks) if pk]
+        planner_ratios[p.policy] = dict(
+            model_over_measured=[round(m / pk, 4) for m, _, pk in pairs],
+            admitted_over_measured=[round(pr / pk, 4) for _, pr, pk in pairs],
+            sources=list(p.sources))
+    out["utilisation"]["planner_ratios"] = planner_ratios
     _plot_utilisation(passes, limit, oracle_mean)
     return dict(model=model, provider=provider, trainer=trainer, limit=limit, spec=spec)
 
@@ -303,7 +323,7 @@ def _plot_utilisation(passes: list[Any], limit: int, oracle_mean: float) -> None
     for bar, p in zip(bars, passes):
         label = f"{len(p.micro_batches)} mb"
         if p.escaped_ooms:
-            label += f"\n{p.escaped_ooms} OOM lost"
+            label += f"\n{p.escaped_ooms} OOM: {len(p.items_lost)} items lost"
         if p.recovered_ooms:
             label += f"\n{p.recovered_ooms} OOM retried"
         axes[0].text(bar.get_x() + bar.get_width() / 2, bar.get_height(), label,
@@ -319,6 +339,7 @@ def _plot_utilisation(passes: list[Any], limit: int, oracle_mean: float) -> None
                    label=p.policy, color=color, alpha=0.7,
                    marker="x" if p.policy.endswith("(warm)") else "o")
     ax.axhline(limit / MIB, color="black", lw=0.8, label="virtual limit")
+    ax.set_ylim(0, 1.08 * limit / MIB)
     ax.set_xlabel("tokens in the micro-batch")
     ax.set_ylabel("measured dynamic peak (MiB)")
     ax.set_title("micro-batches that completed", fontsize=9)
