@@ -269,12 +269,17 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     x = d.hidden_tokens(s) * g.hidden_size * b
     largest = max(max(blk.output, blk.temp, blk.grad_temp) for blk in blocks)
     if not grad:
-        # Nothing is saved: the peak is the input, the largest block's output plus its
-        # working set, and the previous output not yet freed.
+        # Nothing is saved: the peak is the residual stream (held for the add), the previous
+        # block's output, the largest block's output plus its working set; core attention
+        # also keeps the fused QKV buffer alive (V is a view of it).
         peak = 0.0
         prev = x
+        qkv = 0.0
         for blk in blocks:
-            peak = max(peak, prev + blk.output + blk.temp + blk.internal)
+            if blk.name == "qkv":
+                qkv = blk.output
+            extra = qkv if blk.module == "core_attn" else 0.0
+            peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
             prev = blk.output
         return LayerCost(0, int(peak), 0, int(x), False, int(largest))
 

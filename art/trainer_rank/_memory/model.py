@@ -319,6 +319,9 @@ class MemoryModel:
             tail_note = tail["note"]
 
         layer_kept_note = _kept_note(units, s)
+        if g.is_moe:
+            routing = "worst-case" if self.worst_case_routing else "balanced"
+            layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
         if grad:
             fwd_terms = [
                 *pre,
