@@ -187,6 +187,8 @@ class Admission:
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
+        else:
+            cap_tokens = self._growth_cap(first_sig, grad, outputs_union(pending[0].leaves))
         first = queue[0]
         pricing, shape, sig = self.price(first.leaves, grad)
         if pricing.dynamic_bytes > usable_bytes:
@@ -211,6 +213,9 @@ class Admission:
         note = ""
         if cold:
             note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
+        elif cap_tokens is not None:
+            note = (f"measured above the memory model: growing at most x"
+                    f"{self.policy.trust_window:g} per micro-batch (cap {cap_tokens} tokens)")
         return Plan(
             decision=COLD_CAPPED if cold else ADMITTED,
             items=tuple(chosen),
@@ -220,6 +225,24 @@ class Admission:
             signature=sig,
             note=note,
         )
+
+    def _growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
+        """Where the profile has seen the memory model under-predict, sizes may grow only to
+        the edge of the trust window (largest size seen x trust_window), each step measured,
+        instead of jumping to what the model alone would admit. None: no cap."""
+        profile = self.profiles.get(sig)
+        if profile is None or not profile.observations:
+            return None
+        tokens, measured = max(profile.observations)
+        shape = MicroBatchShape(
+            sequence_lengths_tokens=(tokens,), outputs=outputs, grad_enabled=grad,
+            padded_tokens=self.packed_length([tokens]),
+        )
+        estimate = self.memory_model.estimate(shape)
+        model_peak = int(estimate.dynamic_bytes) - int(estimate.reserve_bytes)
+        if measured <= model_peak:
+            return None
+        return int(tokens * self.policy.trust_window)
 
     def _does_not_fit(
         self,

@@ -122,6 +122,23 @@ def test_profile_above_model_wins_inside_the_trust_window_only():
     assert outside.source == "model" and outside.dynamic_bytes == 30_000
 
 
+def test_where_the_model_under_predicted_sizes_grow_by_the_trust_window_only():
+    adm = admission(trust_window=2.0)
+    _, _, sig = adm.price(items(100)[0].leaves, True)
+    adm.profiles.observe(sig, 100, 15_000)  # the model said 10_000 at 100 tokens
+    plan = adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000)
+    assert plan.decision == ADMITTED and [it.index for it in plan.items] == [0, 1]
+    assert plan.shape.packed_tokens <= 200 and "growing at most x2" in plan.note
+    adm.profiles.observe(sig, 190, 28_000)
+    assert adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000
+                         ).shape.packed_tokens == 220  # the cap moved to 380
+    exact = admission()
+    _, _, sig = exact.price(items(100)[0].leaves, True)
+    exact.profiles.observe(sig, 100, 9_000)  # the model over-predicts: no cap
+    assert [it.index for it in exact.plan_next(items(150, 40, 30, 500), grad=True,
+                                               usable_bytes=100_000).items] == [0, 1, 2, 3]
+
+
 def test_no_grad_group_that_does_not_fit_is_split_into_sub_forwards():
     adm = admission()
     warm(adm, False)

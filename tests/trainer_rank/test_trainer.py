@@ -156,10 +156,10 @@ def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
     # virtual limit raises a real OutOfMemoryError inside the forward.
     priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
     xs = make_inputs([40, 36, 44, 38], seed=3, no_grad=True)
-    roomy = TrainerRank(Runtime(model, p), memory_model=priced,
-                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
     peaks = {}
-    for n in (1, 4):
+    for n in (1, 4):  # a fresh trainer each: nothing learned, so all n items run at once
+        roomy = TrainerRank(Runtime(model, p), memory_model=priced,
+                            options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
         (mb,) = list(roomy.forward_micro_batches(xs[:n], no_grad=True))
         peaks[n] = mb.stats.measured_peak_bytes
     assert peaks[4] > peaks[1]
