@@ -210,8 +210,9 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
 
 
 def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
-    """Gated DeltaNet (Qwen3.5 / Qwen3-Next): its own projections, causal convolution, the
-    chunked gated delta rule, a gated output norm; no s^2 term and no attention scores."""
+    """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py): its own
+    projections, a causal convolution over q,k,v, l2-normed q and k repeated to the value
+    heads, fla's chunked gated delta rule, a gated output norm. No s^2 term, no scores."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
     if la is None:
@@ -220,25 +221,31 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
     value = la.num_value_heads * la.value_head_dim / tp
     vheads = la.num_value_heads / tp
     te = d.implementation.spec == "te"
-    in_proj = float(s) * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z, beta, a
-    conv = float(s) * (2 * key + value) * b
-    # fp32 gate g and beta per value head; fla's per-chunk [chunk x chunk] fp32 matrix.
-    gates = float(s) * vheads * FP32 * 2
-    chunk_matrix = float(s) * vheads * GDN_CHUNK_TOKENS * FP32
+    rows = float(s)
+    in_proj = rows * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z (gate), beta, a
+    conv = rows * (2 * key + value) * b
+    # fp32 decay g and beta per value head; fla's per-chunk [chunk x chunk] fp32 matrix.
+    gates = rows * vheads * FP32 * 2
+    chunk_matrix = rows * vheads * GDN_CHUNK_TOKENS * FP32
     # Recurrent states per chunk [heads, dk, dv] fp32: built in forward and again in backward.
-    states = float(s) / GDN_CHUNK_TOKENS * vheads * la.key_head_dim * la.value_head_dim * FP32
-    out = float(s) * value * b
+    states = rows / GDN_CHUNK_TOKENS * vheads * la.key_head_dim * la.value_head_dim * FP32
+    out = rows * value * b
     return [
         _norm_block(d, s, "input norm", te, True),
-        Block("in_proj (qkvz, ba)", None, _lora_saved(d, s, "in_proj", True, 0), in_proj, True,
-              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+        # The projection's output is only ever viewed and copied: transient.
+        Block("in_proj (qkvz, ba)", None, _lora_saved(d, s, "in_proj", True, 0), in_proj,
+              False, temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
               grad_temp=in_proj),
-        Block("causal conv1d + silu", None, conv, conv, True, grad_temp=conv),
-        Block("q/k l2norm", None, float(s) * 2 * key * FP32 / max(1, b), float(s) * 2 * key * b,
-              True),
+        Block("qkv transpose copy", None, 0.0, conv, True),  # the convolution's saved input
+        Block("causal conv1d + silu", None, conv, conv, False, grad_temp=2 * conv),
+        # q, k: contiguous copies, l2norm (outputs kept), repeated to the value heads (new
+        # tensors, kept by the delta rule).
+        Block("q/k l2norm + repeat", None, rows * 2 * key * b + rows * 2 * FP32 * vheads,
+              rows * 2 * value * b, True, temp=rows * 2 * key * b),
+        Block("v, gate contiguous", None, 0.0, 2 * out, True),
         Block("gated delta rule", None, gates + chunk_matrix, out, True,
-              temp=states, grad_temp=states + conv + chunk_matrix),
-        Block("gated output norm", None, float(s) * vheads * FP32, out, True),
+              temp=states, grad_temp=states + 3 * out + chunk_matrix),
+        Block("gated output norm", None, rows * vheads * FP32, out, True, grad_temp=2 * out),
         Block("out_proj", None, _lora_saved(d, s, "out_proj", False, 0),
               d.hidden_tokens(s) * g.hidden_size * b, True, grad_temp=out),
     ]
