@@ -268,3 +268,16 @@ def test_grad_forward_on_an_eval_mode_model_is_refused(built):
         assert len(list(trainer.forward_micro_batches(make_inputs([4]), no_grad=True))) == 1
     finally:
         model.train()
+
+
+def test_options_default_to_the_environment(built, monkeypatch, tmp_path):
+    p, model = built
+    monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(64 * 2**20))
+    monkeypatch.setenv("ART_TRAINER_RANK_PROFILE_PATH", str(tmp_path / "p.json"))
+    trainer = TrainerRank(Runtime(model, p))
+    assert trainer.usable_limit_bytes() == 64 * 2**20
+    list(trainer.forward_micro_batches(make_inputs([5], no_grad=True)))
+    assert (tmp_path / "p.json").exists()
+    monkeypatch.setenv("ART_TRAINER_RANK_TRUST_WINDOWS", "2")
+    with pytest.raises(ValueError, match="ART_TRAINER_RANK_TRUST_WINDOW"):
+        TrainerRank(Runtime(model, p))
