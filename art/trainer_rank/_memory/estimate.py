@@ -74,6 +74,15 @@ class Estimate:
         ]
         return "\n".join(lines)
 
+    def named_terms(self) -> dict[str, int]:
+        """name -> bytes; a name that appears in two phases (the inputs live through forward
+        and backward) is suffixed with its phase the second time."""
+        named: dict[str, int] = {}
+        for t in self.terms:
+            key = t.name if t.name not in named else f"{t.name} ({t.phase})"
+            named[key] = t.bytes
+        return named
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "peak_bytes": self.peak_bytes,
@@ -91,7 +100,7 @@ class Estimate:
             "sequences": len(self.batch.sequence_lengths_tokens),
             "outputs": self.batch.outputs.key,
             "grad_enabled": self.batch.grad_enabled,
-            "terms": {t.name: t.bytes for t in self.terms},
+            "terms": self.named_terms(),
             "term_details": [
                 {"name": t.name, "bytes": t.bytes, "phase": t.phase, "note": t.note}
                 for t in self.terms
