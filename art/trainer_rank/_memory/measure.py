@@ -13,7 +13,8 @@ hook on a tensor that doesn't require gradient"), which is exactly the LoRA case
 weights frozen). It uses the same storage-weakref bookkeeping as this meter.
 
 Only storages created inside the meter count: what was live before (weights, optimizer state)
-is the baseline, so `peak_bytes` is directly the dynamic peak of what ran inside.
+is the baseline, so `peak_bytes` is directly the dynamic peak of what ran inside. Storage
+resizes (Megatron's CheckpointWithoutOutput frees and regrows outputs that way) are followed.
 On CUDA, `CudaMeter` uses `torch.cuda.max_memory_allocated` relative to the entry value.
 """
 
@@ -41,6 +42,38 @@ class StorageMeter(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         self.peak_bytes = self.live_bytes
+
+    def __enter__(self) -> StorageMeter:
+        # Megatron's CheckpointWithoutOutput frees an output by resizing its storage to 0 and
+        # regrows it in backward; storage resizes are not dispatched ops, so they are watched
+        # here (only while this meter is active).
+        original = torch.UntypedStorage.resize_
+        meter = self
+
+        def resize_(storage: torch.UntypedStorage, size: int):
+            result = original(storage, size)
+            meter._resized(storage)
+            return result
+
+        self._original_resize = original
+        torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+        return super().__exit__(*exc)
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        key = id(storage)
+        ref = self._refs.get(key)
+        if ref is None or ref() is not storage:
+            return  # not allocated inside the meter
+        size = storage.nbytes()
+        self.live_bytes += size - self._sizes[key]
+        self._sizes[key] = size
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+        self.largest_allocation_bytes = max(self.largest_allocation_bytes, size)
 
     def _release(self, key: int, _ref: Any = None) -> None:
         size = self._sizes.pop(key, None)
