@@ -119,8 +119,9 @@ class TrainerRank:
             memory_model=memory_model,
             profiles=self.profiles,
             recompute=provider.effective_recompute,
-            topology=f"{provider.geometry.name}|{provider.implementation.key}|{layout.summary}|"
-            f"{provider.dtype}",
+            # Per-rank memory does not depend on the data-parallel size: leave it out.
+            topology=f"{provider.geometry.name}|{provider.implementation.key}|"
+            f"{replace(layout, data_parallel=1).summary}|{provider.dtype}",
             adapter=adapter,
             packed_length=lambda lengths: packed_length_tokens(lengths, layout),
             full_recompute=full,
