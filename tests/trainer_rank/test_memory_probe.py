@@ -77,3 +77,20 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
         outputs={(OutputRequest(target_logprobs=True), True)}, tokens=SMALL_PROBE_TOKENS,
     )
     assert second is coefficients
+
+
+def test_moe_layers_probe_and_measure_within_target(megatron_process):
+    """MoE layers (local spec, SequentialMLP experts with LoRA) are probed like dense ones."""
+    from art.trainer_rank._memory.calibration import POLICY_BY_NAME, CalibrationModel, Cell
+
+    from _tiny import tiny_moe
+
+    cells = [Cell("tiny-moe", "selective default", 8, 1, (96, 160), "logprobs", True),
+             Cell("tiny-moe", "selective default", 8, 1, (96, 160), "logprobs", False)]
+    model = CalibrationModel(tiny_moe(num_layers=2, hidden=64),
+                             POLICY_BY_NAME["selective default"], lora_rank=8,
+                             tensor_parallel=1, cells=cells, probe_tokens=SMALL_PROBE_TOKENS)
+    assert {k for k, _, _ in model.coefficients.layers} == {"attention_moe"}
+    for cell in cells:
+        result = model.measure(cell)
+        assert 1.0 <= result.ratio <= 1.05, (cell, result.measured_bytes, result.predicted_bytes)
