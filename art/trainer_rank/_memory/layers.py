@@ -21,7 +21,7 @@ probe (`probe.py`) measures the same four numbers on the real layer and replaces
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
@@ -147,12 +147,17 @@ def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
                    float(s) * g.moe_router_topk * FP32, True)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
                      temp=local_pairs * g.hidden_size * b)
-    blocks = [router, dispatch]
-    blocks += _mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ")
+    # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
+    # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
+    experts = [replace(blk, module="moe_act" if blk.name.endswith("swiglu") else "moe")
+               for blk in _mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ")]
+    blocks = [replace(router, module="moe"), dispatch, *experts]
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=local_pairs * g.hidden_size * b))
     if g.shared_expert_ffn_hidden_size:
-        blocks += _mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s), "shared ")
+        blocks += [replace(blk, module="shared_experts")
+                   for blk in _mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s),
+                                          "shared ")]
     return blocks
 
 
@@ -290,6 +295,10 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             prev = blk.output
         return LayerCost(0, int(peak), 0, int(x), False, int(largest))
 
+    # Megatron's `moe` checkpoint wraps the whole MoE layer, its activation and shared
+    # experts included.
+    if "moe" in modules:
+        modules = modules | {"moe_act", "shared_experts"}
     kept_parts: list[float] = []
     for blk in blocks:
         recomputed = blk.module is not None and blk.module in modules
