@@ -112,6 +112,8 @@ class StorageMeter(TorchDispatchMode):
             # nothing: recording them would count a pre-existing storage (a weight, a
             # persistent buffer) as new.
             if i < len(returns) and returns[i].alias_info is not None:
+                if func is torch.ops.aten.resize_.default and isinstance(value, torch.Tensor):
+                    self._resized(value.untyped_storage())  # Tensor.resize_ may grow it
                 continue
             for leaf in tree_leaves(value):
                 if isinstance(leaf, torch.Tensor):
