@@ -33,8 +33,7 @@ def tp2_cells(quick: bool):
     from art.trainer_rank._memory.calibration import Cell
 
     policies = ("none", "selective default", "full uniform 1") if quick else (
-        "none", "selective default", "selective core_attn+mlp", "full uniform 1",
-        "full uniform 2", "full block 2")
+        "none", "selective default", "full uniform 1", "full uniform 2")
     lengths = ((256, 512),) if quick else ((512,), (512, 512, 512, 512))
     outs = (("logprobs", True), ("hidden_states", True), ("top_k=20", False)) if not quick \
         else (("logprobs", True),)

@@ -56,7 +56,7 @@ def _gib(n: float) -> str:
 
 def mode_key(modules: frozenset[str], grad: bool, full_layers: int = 0) -> str:
     if not grad:
-        return "nograd"
+        return f"nograd:full:{full_layers}" if full_layers else "nograd"
     if full_layers:
         return f"full:{full_layers}"
     return "sel:" + "+".join(sorted(modules)) if modules else "none"
@@ -171,13 +171,13 @@ class MemoryModel:
             object.__setattr__(self, "_memo_cache", memo)
         return memo
 
-    def _probed_unit(self, index: int, n: int, s: int) -> LayerCost | None:
+    def _probed_unit(self, index: int, n: int, s: int, grad: bool = True) -> LayerCost | None:
         if self.coefficients is None:
             return None
         kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
         if len(kinds) != 1:
             return None
-        return self.coefficients.layer_cost(kinds.pop(), mode_key(frozenset(), True, n), s)
+        return self.coefficients.layer_cost(kinds.pop(), mode_key(frozenset(), grad, n), s)
 
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
@@ -292,6 +292,22 @@ class MemoryModel:
                 kept_total += x_in
                 i += n
                 continue
+            if not grad and lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
+                # Without grad Megatron still runs a full unit as one checkpoint (training
+                # mode): priced whole when the probe measured it.
+                n = lr.full_unit_layers
+                unit_cost = self._probed_unit(index, n, s, grad=False)
+                if unit_cost is not None:
+                    probe_used = True
+                    peak = kept_total + x_in + unit_cost.forward
+                    if peak > fwd_layers_peak:
+                        fwd_layers_peak = peak
+                        fwd_peak_where = f"layers {index + 1}-{index + n} (no grad)"
+                    units.append(dict(kind="layer", start=index, kept=0, input=x,
+                                      costs=[unit_cost]))
+                    x = unit_cost.output
+                    i += n
+                    continue
             modules = lr.selective_modules if grad else frozenset()
             cost, used = self._layer_cost(index, modules, s, grad)
             probe_used |= used

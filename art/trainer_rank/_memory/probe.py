@@ -41,12 +41,12 @@ from art.trainer_rank._memory.measure import meter_for
 from art.trainer_rank._memory.model import mode_key
 from art.trainer_rank._memory.request import OutputRequest
 
-# Two windows of three token counts. Which op sets a layer's peak changes with the token
-# count (at small counts a linear-in-s tensor wins, at large counts the s^2 scores do), so one
-# quadratic fitted at small counts under-predicts large ones. Each window is fitted exactly and
-# the estimate takes the larger of the two fits: the peak is a maximum of polynomials.
-PROBE_TOKENS: tuple[int, ...] = (128, 256, 384, 512, 768, 1024)
-PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 2048, 3072, 4096, 6144, 8192)
+# Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
+# so a few small counts do not predict large ones: measured on a hidden-256 layer, a quadratic
+# through 128/256/384 under-predicts the forward peak at 768 by ~20%, one through 512/768/1024
+# over-predicts 2048 by ~10%. The points therefore span the sizes the estimates are used for.
+PROBE_TOKENS: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048)
+PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
 WINDOW = 3
 PROBED_MODULES = frozenset({"core_attn", "mlp", "layernorm"})
 
@@ -73,19 +73,45 @@ class Poly:
 
 @dataclass(frozen=True)
 class Fit:
-    """The larger of one exact quadratic per window of three probe points."""
+    """A measured curve: exact at the probe points, chords between them, quadratic beyond.
 
-    polys: tuple[Poly, ...]
+    The peak of a layer is a maximum over its ops of polynomials in s (which op wins changes
+    with s: a linear-in-s projection at small counts, the s^2 scores at large ones), so one
+    quadratic fitted on a few points mispredicts other counts in both directions. A maximum of
+    quadratics with non-negative s^2 terms is convex, and a chord of a convex curve lies on or
+    above it: between probe points the straight line is a safe, tight bound. Beyond the last
+    point the quadratic through the last three points (never below the last chord's line)
+    extrapolates; below the first, the quadratic through the first three.
+    """
+
+    tokens: tuple[int, ...]
+    values: tuple[float, ...]
+    head: Poly  # quadratic through the first three points
+    tail: Poly  # quadratic through the last three points
 
     def at(self, s: float) -> int:
-        return max(p.at(s) for p in self.polys)
+        ts, vs = self.tokens, self.values
+        if s <= ts[0]:
+            return self.head.at(s) if len(ts) >= 3 else int(round(vs[0]))
+        if s >= ts[-1]:
+            if len(ts) < 2:
+                return int(round(vs[-1]))
+            slope = (vs[-1] - vs[-2]) / (ts[-1] - ts[-2])
+            line = vs[-1] + slope * (s - ts[-1])
+            quad = self.tail.at(s) if len(ts) >= 3 else line
+            return int(round(max(line, quad)))
+        for i in range(len(ts) - 1):
+            if ts[i] <= s <= ts[i + 1]:
+                frac = (s - ts[i]) / (ts[i + 1] - ts[i])
+                return int(round(vs[i] + frac * (vs[i + 1] - vs[i])))
+        raise AssertionError("unreachable: s inside the probe range")
 
     @classmethod
     def fit(cls, tokens: Iterable[int], values: Iterable[float]) -> Fit:
-        ts, vs = list(tokens), list(values)
-        polys = tuple(Poly.fit(ts[i:i + WINDOW], vs[i:i + WINDOW])
-                      for i in range(0, max(1, len(ts) - WINDOW + 1), WINDOW))
-        return cls(polys)
+        ts, vs = tuple(int(t) for t in tokens), tuple(float(v) for v in values)
+        head = Poly.fit(ts[:WINDOW], vs[:WINDOW]) if len(ts) >= WINDOW else Poly()
+        tail = Poly.fit(ts[-WINDOW:], vs[-WINDOW:]) if len(ts) >= WINDOW else Poly()
+        return cls(ts, vs, head, tail)
 
 
 @dataclass(frozen=True)
@@ -145,7 +171,8 @@ class ProbeCoefficients:
         raw = json.loads(text)
 
         def poly(d: dict[str, Any]) -> Fit:
-            return Fit(tuple(Poly(p["c0"], p["c1"], p["c2"]) for p in d["polys"]))
+            return Fit(tuple(d["tokens"]), tuple(d["values"]), Poly(**d["head"]),
+                       Poly(**d["tail"]))
 
         layers = tuple(
             (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
@@ -258,8 +285,7 @@ def _unit(layer: Any, inputs: _Inputs, full_layers: int) -> Callable[[torch.Tens
     def checkpointed(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
         from megatron.core import tensor_parallel
 
-        if not torch.is_grad_enabled():
-            return run_layers(h)
+        # TransformerBlock checkpoints in training mode whether or not grad is enabled.
         return tensor_parallel.checkpoint(run_layers, False, h)
 
     return checkpointed
@@ -487,6 +513,9 @@ def modes_for(geometry: ModelGeometry, recompute: Any, grad: bool
         kind = layer_kind(geometry, i)
         modes.add((kind, frozenset(), False, 0))
         if not grad:
+            if lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
+                # Megatron still runs the unit as one checkpoint: its layers' outputs meet.
+                modes.add((kind, frozenset(), False, lr.full_unit_layers))
             continue
         if lr.full_checkpoint_unit is not None:
             modes.add((kind, frozenset(), True, 0))
