@@ -94,3 +94,18 @@ def test_moe_layers_probe_and_measure_within_target(megatron_process):
     for cell in cells:
         result = model.measure(cell)
         assert 1.0 <= result.ratio <= 1.05, (cell, result.measured_bytes, result.predicted_bytes)
+
+
+def test_fit_is_exact_at_probe_points_and_never_below_a_convex_peak():
+    from art.trainer_rank._memory.probe import Fit
+
+    def peak(s: float) -> float:  # which op wins changes with s, as in a real layer
+        return max(40_000 * s, 60 * s * s + 2_000 * s, 3e6)
+
+    tokens = (128, 256, 384, 512, 768, 1024, 1536, 2048)
+    fit = Fit.fit(tokens, [peak(t) for t in tokens])
+    for t in tokens:
+        assert abs(fit.at(t) - peak(t)) <= 1
+    for s in range(128, 4097, 64):
+        assert fit.at(s) >= peak(s) - 1, s
+    assert fit.at(1280) <= 1.05 * peak(1280)
