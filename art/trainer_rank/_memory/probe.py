@@ -47,6 +47,8 @@ from art.trainer_rank._memory.request import OutputRequest
 # over-predicts 2048 by ~10%. The points therefore span the sizes the estimates are used for.
 PROBE_TOKENS: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048)
 PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+# Unfused attention on GPU keeps [heads, s, s] scores: stay where one layer fits easily.
+PROBE_TOKENS_CUDA_UNFUSED: tuple[int, ...] = (512, 1024, 2048, 4096, 6144, 8192)
 WINDOW = 3
 PROBED_MODULES = frozenset({"core_attn", "mlp", "layernorm"})
 
@@ -431,7 +433,12 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     inner = _inner(model)
     device = next(inner.parameters()).device
     if tokens is None:
-        tokens = PROBE_TOKENS_CUDA if device.type == "cuda" else PROBE_TOKENS
+        if device.type != "cuda":
+            tokens = PROBE_TOKENS
+        elif implementation.attention == "flash":
+            tokens = PROBE_TOKENS_CUDA
+        else:
+            tokens = PROBE_TOKENS_CUDA_UNFUSED
     torch_dtype = inner.config.params_dtype
     wanted = sorted({m for m in modes if m[1] <= PROBED_MODULES},
                     key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
