@@ -61,7 +61,7 @@ def _run_calibration_quick(path: Path) -> None:
 
 
 def accuracy(out: dict[str, Any], calibration_csv: Path) -> None:
-    path = calibration_csv
+    path = calibration_csv.resolve()
     if not path.exists():
         path = BENCH / "accuracy_cells.csv"
         print(f"accuracy: {calibration_csv} not found; running the calibration harness's quick "
@@ -272,12 +272,12 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         for i, (indices, tokens, peak) in enumerate(zip(p.micro_batches, p.micro_batch_tokens,
                                                          p.micro_batch_peaks)):
             predicted = p.predicted[i] if i < len(p.predicted) else 0
-            model = p.model_predicted[i] if i < len(p.model_predicted) else 0
+            model_figure = p.model_predicted[i] if i < len(p.model_predicted) else 0
             per_mb.append(dict(
                 policy=p.policy, micro_batch=i, items="+".join(map(str, indices)),
                 tokens=tokens, measured_peak_bytes=peak, predicted_bytes=predicted or "",
                 predicted_over_measured=round(predicted / peak, 4) if predicted and peak else "",
-                model_over_measured=round(model / peak, 4) if model and peak else "",
+                model_over_measured=round(model_figure / peak, 4) if model_figure and peak else "",
                 decision=p.decisions[i] if i < len(p.decisions) else "",
                 source=p.sources[i] if i < len(p.sources) else ""))
     _write_csv(BENCH / "utilisation_micro_batches.csv", per_mb)
@@ -301,6 +301,9 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         rows=rows,
         largest_item=dict(tokens=largest.num_tokens, seed_formula_bytes=seed_largest,
                           model_dynamic_bytes=model_largest.model_dynamic_bytes,
+                          model_peak_bytes=max(model_largest.estimate.forward_peak_bytes,
+                                               model_largest.estimate.backward_peak_bytes),
+                          reserve_bytes=model_largest.estimate.reserve_bytes,
                           measured_bytes=measured_largest),
         three_item_forward_backward_seconds=statistics.median(run_seconds),
         three_item_tokens=sum(it.num_tokens for it in items[:3]),

@@ -85,8 +85,13 @@ def _utilisation(u: dict[str, Any]) -> list[str]:
     lines += [
         "", "![utilisation](utilisation.png)", "",
         f"The largest group ({largest['tokens']} tokens) really needs "
-        f"{_mib(largest['measured_bytes'])}; the memory model prices it at "
-        f"{_mib(largest['model_dynamic_bytes'])}, the seed's formula at "
+        f"{_mib(largest['measured_bytes'])}; the memory model prices its peak (max of forward "
+        f"and backward) at {_mib(largest['model_peak_bytes'])} "
+        f"({largest['model_peak_bytes'] / largest['measured_bytes']:.3f}x) and admits against "
+        f"that plus the allocator reserve ({_mib(largest['reserve_bytes'])}, the largest single "
+        f"allocation), {_mib(largest['model_dynamic_bytes'])} "
+        f"({largest['model_dynamic_bytes'] / largest['measured_bytes']:.3f}x); the seed's "
+        "formula at "
         f"{_mib(largest['seed_formula_bytes'])} "
         f"({largest['seed_formula_bytes'] / largest['measured_bytes']:.2f}x the truth).", "",
     ]
