@@ -51,22 +51,51 @@ def _quantiles(values: list[float]) -> tuple[float, float, float, float]:
         sum(ACCURACY_TARGET[0] <= v <= ACCURACY_TARGET[1] for v in values) / len(values))
 
 
-def _run_calibration_quick(path: Path) -> None:
-    """No calibration CSV from helper B yet: run B's harness on its quick matrix (TP=1)."""
-    from art.trainer_rank._memory.calibration import default_matrix, run_cells
+def _accuracy_cells() -> list[Any]:
+    """B's quick matrix plus the dimensions it leaves out: LoRA ranks 1 and 64, three more
+    recompute policies (TP=1; the TP=2 cells come from scripts/calibrate.py under torchrun)."""
+    from art.trainer_rank._memory.calibration import Cell, default_matrix
 
-    results = run_cells(default_matrix(quick=True),
+    cells = list(default_matrix(quick=True))
+    for policy in ("selective core_attn+mlp", "selective layernorm", "full block 2"):
+        for grad in (True, False):
+            cells.append(Cell("gqa-128", policy, 8, 1, (256, 512), "logprobs", grad))
+    for policy in ("selective default", "full uniform 1"):
+        for rank in (1, 64):
+            cells.append(Cell("gqa-128", policy, rank, 1, (256, 512), "logprobs", True))
+    return cells
+
+
+def _run_calibration(path: Path) -> None:
+    """No calibration CSV from helper B yet: run B's harness here (TP=1 in this process, the
+    quick TP=2 subset through B's scripts/calibrate.py under torchrun)."""
+    import subprocess
+    import tempfile
+
+    from art.trainer_rank._memory.calibration import run_cells
+
+    results = run_cells(_accuracy_cells(),
                         progress=lambda line: print(f"calibration: {line}", flush=True))
-    _write_csv(path, [r.row() for r in results])
+    rows = [r.row() for r in results]
+    with tempfile.TemporaryDirectory() as tmp:
+        proc = subprocess.run(
+            [sys.executable, str(ROOT / "scripts" / "calibrate.py"), "--quick", "--tp", "2",
+             "--out", tmp], capture_output=True, text=True, timeout=900, cwd=ROOT)
+        tp2 = Path(tmp) / "calibration.csv"
+        if proc.returncode == 0 and tp2.exists():
+            rows += [r for r in csv.DictReader(tp2.open()) if r["tensor_parallel"] == "2"]
+        else:
+            print(f"calibration: TP=2 run failed:\n{proc.stderr[-2000:]}", file=sys.stderr)
+    _write_csv(path, rows)
 
 
 def accuracy(out: dict[str, Any], calibration_csv: Path) -> None:
     path = calibration_csv.resolve()
     if not path.exists():
         path = BENCH / "accuracy_cells.csv"
-        print(f"accuracy: {calibration_csv} not found; running the calibration harness's quick "
-              f"matrix into {path}", file=sys.stderr)
-        _run_calibration_quick(path)
+        print(f"accuracy: {calibration_csv} not found; running the calibration harness into "
+              f"{path}", file=sys.stderr)
+        _run_calibration(path)
     rows = list(csv.DictReader(path.open()))
     for r in rows:
         r["ratio"] = float(r["ratio"])
