@@ -103,6 +103,14 @@ def _lora_saved(d: Dims, s: int, target: str, column: bool, in_features_local: f
     return rows * d.lora_rank * d.dtype_bytes + 0.0 * in_features_local
 
 
+def _lora_temp(d: Dims, target: str, output_bytes: float) -> float:
+    """Transient bytes a LoRA adapter adds while its linear runs: the per-projection deltas
+    laid out like the fused output (a concatenation, as big as the output) and the sum."""
+    if not d.lora_rank or target not in d.lora_targets:
+        return 0.0
+    return 2 * output_bytes
+
+
 def _linear_input_saved(d: Dims, s: int, target: str, column: bool) -> bool:
     """The frozen base linear keeps nothing (Megatron's frozen-weight path saves only the
     weight); a LoRA adapter on it keeps the input."""
@@ -122,12 +130,14 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
         act_internal = act_out
     return [
         Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1", True, 0), fc1_out, True,
-              grad_temp=fc1_out),
+              temp=_lora_temp(d, "linear_fc1", fc1_out),
+              grad_temp=fc1_out + _lora_temp(d, "linear_fc1", fc1_out) / 2),
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out, grad_temp=fc1_out + act_out),
         Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2", False, 0),
               d.hidden_tokens(s) * g.hidden_size * b, False,
-              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+              temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
+              + _lora_temp(d, "linear_fc2", d.hidden_tokens(s) * g.hidden_size * b),
               grad_temp=act_out),
     ]
 
@@ -173,8 +183,9 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     blocks = [
         _norm_block(d, s, "input norm", te, _linear_input_saved(d, s, "linear_qkv", True)),
         Block("qkv", None, _lora_saved(d, s, "linear_qkv", True, 0), qkv, True,
-              temp=float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
-              grad_temp=qkv),
+              temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
+              + _lora_temp(d, "linear_qkv", qkv),
+              grad_temp=qkv + _lora_temp(d, "linear_qkv", qkv) / 2),
     ]
     rope_q = float(s) * q_width * b
     rope_k = float(s) * kv_width * b
@@ -209,8 +220,9 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
                         temp=core_temp, grad_temp=core_grad))
     if g.gated_attention_output:
         blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True))
-    blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj", False, 0),
-                        d.hidden_tokens(s) * g.hidden_size * b, True, grad_temp=ctx))
+    proj_out = d.hidden_tokens(s) * g.hidden_size * b
+    blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj", False, 0), proj_out,
+                        True, temp=_lora_temp(d, "linear_proj", proj_out), grad_temp=ctx))
     return blocks
 
 
