@@ -109,3 +109,27 @@ def test_fit_is_exact_at_probe_points_and_never_below_a_convex_peak():
     for s in range(128, 4097, 64):
         assert fit.at(s) >= peak(s) - 1, s
     assert fit.at(1280) <= 1.05 * peak(1280)
+
+
+def test_probe_for_provider_feeds_memory_model_for_provider(megatron_process):
+    from art.trainer_rank._memory.calibration import POLICY_BY_NAME, CalibrationModel, Cell
+    from art.trainer_rank._memory.calibration import calibration_geometries as geometries
+    from art.trainer_rank._memory.model import MemoryModel
+    from art.trainer_rank._memory.probe import probe_for_provider
+    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+
+    cell = Cell("gqa-128", "full uniform 1", 8, 1, (192,), "logprobs", True)
+    built = CalibrationModel(geometries()["gqa-128"], POLICY_BY_NAME["full uniform 1"],
+                             lora_rank=8, tensor_parallel=1, cells=[cell],
+                             probe_tokens=SMALL_PROBE_TOKENS)
+    logprobs = OutputRequest(target_logprobs=True)
+    coefficients = probe_for_provider(built.provider, built.model,
+                                      outputs=[(logprobs, True), (logprobs, False)],
+                                      tokens=SMALL_PROBE_TOKENS)
+    assert {m for _, m, _ in coefficients.layers} == {"nograd", "none", "full:1"}
+    model = MemoryModel.for_provider(built.provider, coefficients=coefficients)
+    estimate = model.estimate(MicroBatchShape((192,), outputs=logprobs))
+    assert estimate.coefficients_source == f"probe:{coefficients.key}"
+    result = built.measure(cell)
+    predicted = max(estimate.forward_peak_bytes, estimate.backward_peak_bytes)
+    assert 1.0 <= predicted / result.measured_bytes <= 1.05
