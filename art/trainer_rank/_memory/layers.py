@@ -104,11 +104,12 @@ def _lora_saved(d: Dims, s: int, target: str, column: bool, in_features_local: f
 
 
 def _lora_temp(d: Dims, target: str, output_bytes: float) -> float:
-    """Transient bytes a LoRA adapter adds while its linear runs: the per-projection deltas
-    laid out like the fused output (a concatenation, as big as the output) and the sum."""
+    """Transient bytes a LoRA adapter adds while its linear runs, each as big as the fused
+    output: the per-projection deltas, their concatenation in the fused layout, the scaled
+    copy (the sum with the base output is the output itself)."""
     if not d.lora_rank or target not in d.lora_targets:
         return 0.0
-    return 2 * output_bytes
+    return 3 * output_bytes
 
 
 def _linear_input_saved(d: Dims, s: int, target: str, column: bool) -> bool:
