@@ -301,3 +301,28 @@ def resolve_recompute(
         pipeline_stages=pipeline_stages,
         virtual_chunks=virtual_chunks,
     )
+
+
+@dataclass(frozen=True)
+class RecomputePolicy:
+    """A named recompute setting to price or run (planner rows, calibration cells).
+
+    cost_rank orders policies by how much they recompute (0 = nothing)."""
+
+    name: str
+    granularity: str | None
+    method: str | None = None
+    num_layers: int | None = None
+    modules: tuple[str, ...] | None = None
+    cost_rank: int = 0
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The ART_MEGATRON_* settings that select this policy."""
+        env = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": self.granularity or "none"}
+        if self.granularity == "full":
+            env["ART_MEGATRON_RECOMPUTE_METHOD"] = str(self.method)
+            env["ART_MEGATRON_RECOMPUTE_NUM_LAYERS"] = str(self.num_layers)
+        elif self.granularity == "selective" and self.modules is not None:
+            env["ART_MEGATRON_RECOMPUTE_MODULES"] = ",".join(self.modules)
+        return env

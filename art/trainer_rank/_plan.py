@@ -22,7 +22,7 @@ from art.megatron.geometry import ModelGeometry, load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.provider import Provider
-from art.megatron.recompute import EffectiveRecompute
+from art.megatron.recompute import EffectiveRecompute, RecomputePolicy
 from art.megatron.settings import load_settings
 from art.trainer_rank._memory.request import LoraShape, MicroBatchShape
 
@@ -40,27 +40,8 @@ GPU_MEMORY_GIB: dict[str, float] = {
 }
 
 
-@dataclass(frozen=True)
-class Policy:
-    """A recompute policy the planner tries. cost_rank orders them by recompute time."""
-
-    name: str
-    granularity: str | None
-    method: str | None = None
-    num_layers: int | None = None
-    modules: tuple[str, ...] | None = None
-    cost_rank: int = 0
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The ART_MEGATRON_* settings that select this policy."""
-        env = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": self.granularity or "none"}
-        if self.granularity == "full":
-            env["ART_MEGATRON_RECOMPUTE_METHOD"] = str(self.method)
-            env["ART_MEGATRON_RECOMPUTE_NUM_LAYERS"] = str(self.num_layers)
-        elif self.granularity == "selective" and self.modules is not None:
-            env["ART_MEGATRON_RECOMPUTE_MODULES"] = ",".join(self.modules)
-        return env
+# The planner's rows: a policy is one named recompute setting.
+Policy = RecomputePolicy
 
 
 POLICIES: tuple[Policy, ...] = (

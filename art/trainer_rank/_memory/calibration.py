@@ -25,6 +25,7 @@ import torch
 from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
+from art.megatron.recompute import RecomputePolicy
 from art.trainer_rank._memory.measure import meter_for
 from art.trainer_rank._memory.model import MemoryModel
 from art.trainer_rank._memory.probe import (
@@ -38,13 +39,7 @@ from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 
 
-@dataclass(frozen=True)
-class Policy:
-    name: str
-    granularity: str | None
-    method: str | None = None
-    num_layers: int | None = None
-    modules: tuple[str, ...] | None = None
+Policy = RecomputePolicy
 
 
 POLICIES: tuple[Policy, ...] = (
