@@ -108,3 +108,14 @@ def broadcast_from_replica_root(obj: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=root, group=group, device=_device())
     return box[0]
+
+
+def replica_size() -> int:
+    """TP x CP ranks of this model replica (1 without Megatron's process groups)."""
+    return _replica_size() if _initialized() else 1
+
+
+def is_replica_root() -> bool:
+    if not _initialized() or _replica_size() == 1:
+        return True
+    return dist.get_rank() == dist.get_global_rank(_replica_group(), 0)

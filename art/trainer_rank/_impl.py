@@ -34,6 +34,7 @@ from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode,
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
+from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
 from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._types import (
     DECLINED,
@@ -92,11 +93,32 @@ class TrainerRank:
             provider.initialize_distributed()
             self.model = provider.build_model(seed=seed)
             layout = provider.layout  # data parallel is known once distributed is initialised
+        try:
+            full = provider.recompute_as("full", "uniform", 1)
+        except ValueError:
+            full = None
+        self.probe: TrainerProbe | None = None
         if memory_model is None:
             from art.trainer_rank._memory.model import MemoryModel
 
+            coefficients = None
+            if self.options.probe_layers:
+                # Measured coefficients, not the default formulas (those miss real peaks by
+                # -26% .. +65%): every policy this trainer may run, escalation included.
+                policies = [provider.effective_recompute]
+                if full is not None and self.options.escalate_to_full_recompute:
+                    policies.append(full)
+                usable = _agree.min_over_replica(device_usable_bytes(
+                    next(self.model.parameters()).device, self.options.test_memory_limit_bytes))
+                tokens = probe_tokens_for_limit(
+                    self.model, provider.implementation, MemoryModel.for_provider(provider),
+                    usable)
+                self.probe = coefficients = TrainerProbe(
+                    provider, self.model, policies=policies, tokens=tokens,
+                    cache_dir=self.options.resolved_probe_cache_dir(),
+                )
             # Priced with the head chunk this trainer runs, not the compute path's default.
-            memory_model = replace(MemoryModel.for_provider(provider),
+            memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
                                    head_chunk_tokens=self.options.head_chunk_tokens)
         self.memory_model = memory_model
         self.layout = layout
@@ -104,10 +126,6 @@ class TrainerRank:
         self.device = next(self.model.parameters()).device
         self.profiles = ProfileStore(self.options.profile_path)
         self.profiles.profiles = _agree.broadcast_from_replica_root(self.profiles.profiles)
-        try:
-            full = provider.recompute_as("full", "uniform", 1)
-        except ValueError:
-            full = None
         lora = provider.lora_config
         adapter = "none"
         if lora is not None:

@@ -34,6 +34,16 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
         "a profile is used from min observed / w to max observed x w tokens (default 2)",
     ),
     "HEAD_CHUNK_TOKENS": ("head_chunk_tokens", "tokens per output-head chunk"),
+    "PROBE_LAYERS": (
+        "probe_layers",
+        "measure one real layer (and the head per output mix) at start-up and price with the "
+        "measured coefficients instead of the default formulas (default true)",
+    ),
+    "PROBE_CACHE_DIR": (
+        "probe_cache_dir",
+        "directory for probe coefficients as JSON (unset: the profile file's directory, or "
+        "in memory only)",
+    ),
 }
 assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
 assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
@@ -50,6 +60,8 @@ class TrainerRankOptions:
     cold_start_fraction: float = 0.25
     trust_window: float = 2.0
     head_chunk_tokens: int = HEAD_CHUNK_TOKENS
+    probe_layers: bool = True
+    probe_cache_dir: str | None = None
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
 
@@ -76,8 +88,19 @@ class TrainerRankOptions:
                 f"escalate_to_full_recompute must be a bool, got "
                 f"{self.escalate_to_full_recompute!r}"
             )
+        if not isinstance(self.probe_layers, bool):
+            raise ValueError(f"probe_layers must be a bool, got {self.probe_layers!r}")
         if self.max_oom_retries < 0:
             raise ValueError(f"max_oom_retries must be >= 0, got {self.max_oom_retries}")
+
+    def resolved_probe_cache_dir(self) -> str | None:
+        """Where probe coefficients are cached on disk: the explicit directory, else next to
+        the profile file (both are per-machine knowledge of the same model), else nowhere."""
+        if self.probe_cache_dir:
+            return self.probe_cache_dir
+        if self.profile_path:
+            return os.path.dirname(os.path.abspath(self.profile_path))
+        return None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TrainerRankOptions:
@@ -107,11 +130,11 @@ class TrainerRankOptions:
 
 def _parse(name: str, field_name: str, raw: str) -> Any:
     text = raw.strip()
-    if field_name == "profile_path":
+    if field_name in ("profile_path", "probe_cache_dir"):
         return text or None
     if field_name == "test_memory_limit_bytes":
         return test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: text})
-    if field_name == "escalate_to_full_recompute":
+    if field_name in ("escalate_to_full_recompute", "probe_layers"):
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:

@@ -1,4 +1,4 @@
-"""Learned profiles: envelope fit, trust window, misses, atomic versioned persistence."""
+"""Learned profiles: chord curve, trust window, misses, atomic versioned persistence."""
 
 from __future__ import annotations
 
@@ -10,14 +10,35 @@ import pytest
 from art.trainer_rank._profiles import PROFILE_FILE_VERSION, Profile, ProfileStore, signature
 
 
-def test_fit_is_an_upper_envelope_of_what_was_seen():
+def test_curve_is_exact_at_observations_and_tight_between_them_on_a_convex_peak():
+    # A convex peak, like the CPU attention scores' s^2: 10 kB + 20 B/token + 0.05 B/token^2.
+    def peak(t: int) -> int:
+        return int(10_000 + 20 * t + 0.05 * t * t)
+
     p = Profile()
-    for t, b in [(100, 1_100), (200, 2_000), (400, 4_300)]:
-        p.observe(t, b)
-    rate, intercept = p.fit()
-    assert all(rate * t + intercept >= b for t, b in p.observations)
-    # Tight: at least one observation lies on the line.
-    assert min(rate * t + intercept - b for t, b in p.observations) == pytest.approx(0, abs=1e-6)
+    for t in (128, 256, 512, 1024):
+        p.observe(t, peak(t))
+    p.observe(256, peak(256) - 500)  # a smaller repeat at one size: the largest counts
+    for t in (128, 256, 512, 1024):
+        assert p.predict(t, 2.0) == peak(t)
+    for t in range(130, 1024, 37):
+        predicted = p.predict(t, 2.0)
+        assert predicted >= peak(t)  # never below the convex truth between observations
+        assert predicted <= 1.10 * peak(t)  # and tight (a straight line was 1.39-1.64x)
+    # Below the smallest size: the smallest size's peak (peaks grow with the row).
+    assert p.predict(64, 2.0) == peak(128)
+    # Past the largest, inside the trust window: never flatter than proportional growth.
+    assert p.predict(2048, 2.0) >= peak(1024) * 2
+
+
+def test_curve_is_refit_only_when_observations_change():
+    p = Profile()
+    p.observe(100, 1_000)
+    p.observe(200, 2_500)
+    first = p.curve()
+    assert p.curve() is first
+    p.observe(300, 4_000)
+    assert p.curve() is not first and p.predict(300, 2.0) == 4_000
 
 
 def test_single_size_is_proportional_and_trust_window_bounds_use():
@@ -76,3 +97,36 @@ def test_corrupt_or_mismatched_file_is_ignored_with_a_warning(tmp_path, content)
     store.observe("s", 10, 10)
     store.save()
     assert json.loads(path.read_text())["version"] == PROFILE_FILE_VERSION
+
+
+def _save_many(path: str, writer: int, start: float) -> None:
+    import time
+
+    while time.time() < start:  # start together so the saves overlap
+        pass
+    store = ProfileStore(path)
+    for i in range(40):
+        store.observe(f"w{writer}|s{i}", 64 + i, 1_000 + i)
+        store.save()
+
+
+def test_concurrent_saves_keep_both_writers_entries(tmp_path):
+    """Two processes read-merge-replace one file 40 times each, starting together: under the
+    advisory lock every entry of both survives (without it, a save that read the file before
+    the other's replace drops the other's newest entries)."""
+    import multiprocessing
+    import time
+
+    path = tmp_path / "profiles.json"
+    start = time.time() + 0.3
+    ctx = multiprocessing.get_context("fork")
+    writers = [ctx.Process(target=_save_many, args=(str(path), w, start)) for w in range(2)]
+    for w in writers:
+        w.start()
+    for w in writers:
+        w.join(timeout=60)
+        assert w.exitcode == 0
+    final = ProfileStore(path).profiles
+    for w in range(2):
+        for i in range(40):
+            assert final[f"w{w}|s{i}"].observations == [(64 + i, 1_000 + i)], (w, i)

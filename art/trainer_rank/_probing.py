@@ -1,0 +1,193 @@
+"""Probe coefficients for one TrainerRank: layers at construction, head tails on first use.
+
+The memory model's default formulas miss real peaks by -26% .. +65% on CPU (bench/RESULTS.md,
+section 1); coefficients measured by helper B's layer probe on the built model land within
+[1.000, 1.005]. So the trainer probes its own model when it is built, for every recompute
+policy it may run (the configured one, with and without grad, and the full-recompute
+escalation policy).
+
+The tail (final norm + chunked head + requested outputs + caller loss) depends on the output
+request, and which mixes a run asks for is only known when items arrive (a packed micro-batch
+requests the union of its items' outputs). `TrainerProbe.tail_cost` therefore probes a mix the
+first time an estimate asks for it. That is safe across TP ranks: admission is deterministic
+given the agreed inputs and limit, so every rank of a replica prices the same shapes in the
+same order and reaches the same probe together.
+
+Every rank of a replica uses the replica root's coefficients (broadcast), so no two ranks
+ever price the same micro-batch differently.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from art.trainer_rank import _agree
+from art.trainer_rank._memory import probe as probe_module
+from art.trainer_rank._memory.layers import LayerCost
+from art.trainer_rank._memory.model import mode_key
+from art.trainer_rank._memory.request import OutputRequest
+
+Mode = tuple[str, frozenset[str], bool, int]
+
+
+def _probe_tokens(model: Any, implementation: Any) -> tuple[int, ...]:
+    # The probe's own choice of token counts (it picks them when none are given); needed here
+    # to name the cache key before deciding, on every rank together, whether to probe.
+    device = next(probe_module._inner(model).parameters()).device
+    if device.type != "cuda":
+        return probe_module.PROBE_TOKENS
+    if implementation.attention == "flash":
+        return probe_module.PROBE_TOKENS_CUDA
+    return probe_module.PROBE_TOKENS_CUDA_UNFUSED
+
+
+# The fewest probe points kept however small the limit: the probe's curves need three per
+# end for their quadratics, and these four cost well under a second on the test models.
+MIN_PROBE_POINTS = 4
+# Default formulas miss real peaks by up to 26% under and 65% over (bench/RESULTS.md, section 1),
+# and a peak grows at least linearly in tokens: twice the tokens the defaults admit covers every
+# size the measured coefficients could admit at the same limit.
+PROBE_TOKENS_MARGIN = 2.0
+
+
+def probe_tokens_for_limit(model: Any, implementation: Any, default_memory_model: Any,
+                           usable_bytes: int) -> tuple[int, ...]:
+    """The probe's token counts, up to the first one past anything `usable_bytes` can admit.
+
+    Probing a layer at 2,048 tokens costs seconds on CPU (the unfused attention scores are
+    quadratic) and is wasted when the limit admits a few hundred tokens; sizes past the last
+    point are still priced (the probe's quadratic extrapolation), they are just never expected.
+    """
+    tokens = _probe_tokens(model, implementation)
+    bound = PROBE_TOKENS_MARGIN * max(
+        default_memory_model.max_tokens_that_fit(usable_bytes, outputs=OutputRequest(
+            target_logprobs=True), grad_enabled=grad) for grad in (True, False))
+    for i, t in enumerate(tokens):
+        if t >= bound:
+            return tokens[:max(i + 1, MIN_PROBE_POINTS)]
+    return tokens
+
+
+@contextlib.contextmanager
+def _model_state_kept(model: Any) -> Iterator[None]:
+    """The probe runs backward through real layers (their LoRA adapters accumulate .grad) and
+    draws random inputs: park the trainable gradients and the RNG state, put both back after,
+    so a probe between a caller's micro-batches changes nothing the caller can see."""
+    parked: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]] = []
+    for p in model.parameters():
+        if p.requires_grad:
+            main = getattr(p, "main_grad", None)
+            parked.append((p, p.grad, None if main is None else main.detach().clone()))
+            p.grad = None
+    devices = [torch.cuda.current_device()] if torch.cuda.is_initialized() else []
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        for p, grad, main in parked:
+            p.grad = grad
+            if main is not None:
+                p.main_grad.copy_(main)
+
+
+class TrainerProbe:
+    """Duck-types `probe.ProbeCoefficients` for `MemoryModel` (key, layer_cost, tail_cost,
+    partial_for); layers are probed up front, tails per (output mix, grad) on first use."""
+
+    def __init__(self, provider: Any, model: Any, *, policies: Iterable[Any],
+                 cache_dir: str | Path | None = None,
+                 tokens: tuple[int, ...] | None = None) -> None:
+        self.provider = provider
+        self.model = model
+        self.cache_dir = Path(cache_dir) if cache_dir else None
+        self.tokens = tokens or _probe_tokens(model, provider.implementation)
+        lora = getattr(provider, "lora_config", None)
+        self.lora_rank = int(lora.r) if lora is not None else 0
+        modes: set[Mode] = set()
+        for policy in policies:
+            for grad in (True, False):
+                modes.update(probe_module.modes_for(provider.geometry, policy, grad))
+        self.modes = sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+        self.layers = self._agreed(modes=self.modes, outputs=())
+        self.tails: dict[tuple[str, bool], Any] = {}
+        self.probed_tails: list[str] = []
+
+    # -- the coefficients interface MemoryModel calls ----------------------------------------
+
+    @property
+    def key(self) -> str:
+        return self.layers.key
+
+    def layer_cost(self, kind: str, mode: str, s: int) -> LayerCost | None:
+        return self.layers.layer_cost(kind, mode, s)
+
+    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
+                  ) -> tuple[int, int, int] | None:
+        tail = self.tails.get((outputs.key, grad))
+        if tail is None:
+            tail = self._agreed(modes=(), outputs=((outputs, grad),))
+            self.tails[(outputs.key, grad)] = tail
+            self.probed_tails.append(f"{outputs.key}:{'grad' if grad else 'no-grad'}")
+        return tail.tail_cost(outputs, grad, s)
+
+    def partial_for(self, geometry: Any) -> bool:
+        return self.layers.partial_for(geometry)
+
+    def snapshot(self) -> Any:
+        """Everything probed so far as one plain `ProbeCoefficients` (JSON-able)."""
+        tails = tuple(t for c in self.tails.values() for t in c.tails)
+        return replace(self.layers, tails=tails)
+
+    # -- probing, agreed over the replica ------------------------------------------------------
+
+    def _key(self, modes: Iterable[Mode], outputs: Iterable[tuple[OutputRequest, bool]]) -> str:
+        # Mirrors how probe.probe() names its cache entry (same filtering of unprobeable modes).
+        wanted = {m for m in modes if m[1] <= probe_module.PROBED_MODULES}
+        provider = self.provider
+        return probe_module.cache_key(
+            geometry=provider.geometry, implementation=provider.implementation,
+            dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
+            modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
+            outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=self.tokens,
+            device=next(probe_module._inner(self.model).parameters()).device.type,
+        )
+
+    def _agreed(self, *, modes: Iterable[Mode],
+                outputs: Iterable[tuple[OutputRequest, bool]]) -> Any:
+        modes, outputs = list(modes), list(outputs)
+        provider = self.provider
+
+        def run(cache_dir: Path | None) -> Any:
+            with _model_state_kept(self.model):
+                return probe_module.probe(
+                    self.model, geometry=provider.geometry, layout=provider.layout,
+                    implementation=provider.implementation, dtype=provider.dtype,
+                    lora_rank=self.lora_rank, modes=modes, outputs=outputs,
+                    tokens=self.tokens, cache_dir=cache_dir)
+
+        if _agree.replica_size() == 1:
+            return run(self.cache_dir)
+        # Several ranks run the probe's layers together (TP collectives): all of them probe
+        # or none does. A cached copy counts only when every rank of the replica has one.
+        key = self._key(modes, outputs)
+        path = self.cache_dir / f"probe-{key}.json" if self.cache_dir else None
+        cached = key in probe_module._CACHE or (path is not None and path.is_file())
+        if _agree.min_over_replica(int(cached)):
+            mine = run(self.cache_dir)
+        else:
+            probe_module._CACHE.pop(key, None)
+            mine = run(None)
+        agreed = _agree.broadcast_from_replica_root(mine)
+        probe_module._CACHE[key] = agreed
+        if path is not None and _agree.is_replica_root() and not path.is_file():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_suffix(f".{id(self)}.tmp")
+            tmp.write_text(agreed.to_json())
+            tmp.replace(path)
+        return agreed
