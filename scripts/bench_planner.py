@@ -393,10 +393,12 @@ def _plot_utilisation(passes: list[Any], limit: int, oracle_mean: float) -> None
 
 # ----------------------------------------------------------------------------- overhead
 
-def _clear_caches(memory_model: Any) -> None:
-    """Forget the memory model's per-shape estimates (a decision on new items finds none)."""
+def _clear_caches(admission: Any) -> None:
+    """Forget the memory model's per-shape estimates and admission's cached prices and caps
+    (a decision on new items finds none)."""
     for key in ("_estimate_cache", "_memo_cache"):
-        memory_model.__dict__.pop(key, None)
+        admission.memory_model.__dict__.pop(key, None)
+    admission.clear_caches()
 
 
 def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace) -> None:
@@ -423,12 +425,12 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
                 trainer = warm_trainer
             first: list[float] = []
             for _ in range(args.overhead_repeats):
-                _clear_caches(trainer.admission.memory_model)
+                _clear_caches(trainer.admission)
                 t0 = time.perf_counter()
                 trainer.admission.plan_next(items, True, limit)
                 first.append(time.perf_counter() - t0)
             # A whole pass of decisions over the N items (no execution): the per-decision mean.
-            _clear_caches(trainer.admission.memory_model)
+            _clear_caches(trainer.admission)
             pending = list(items)
             decisions = 0
             t0 = time.perf_counter()

@@ -9,7 +9,7 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -37,6 +37,19 @@ class MemoryModelLike(Protocol):
     def max_tokens_that_fit(
         self, usable_bytes: int, *, outputs: OutputRequest, grad_enabled: bool, sequences: int = 1
     ) -> int: ...
+
+
+def _union(requests: Iterable[OutputRequest]) -> OutputRequest:
+    """The outputs a packed micro-batch computes: the union of its items' requests."""
+    target = logits = hidden = False
+    top_k = 0
+    for r in requests:
+        target |= r.target_logprobs
+        top_k = max(top_k, r.top_k)
+        logits |= r.logits
+        hidden |= r.hidden_states
+    return OutputRequest(target_logprobs=target, top_k=top_k, logits=logits,
+                         hidden_states=hidden)
 
 
 def gib(n: int) -> str:
@@ -128,14 +141,34 @@ class Admission:
     next_tp_model: Callable[[], tuple[int, MemoryModelLike] | None] | None = None
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
 
+    def __post_init__(self) -> None:
+        self.clear_caches()
+
+    def clear_caches(self) -> None:
+        """Forget every cached price, signature and cap (benchmarks time cold decisions)."""
+        # (recompute id, grad, lengths, outputs) -> (estimate, shape, signature); the
+        # estimate and shape never change for a key, the profile's part is read fresh.
+        self._priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = {}
+        self._signatures: dict[tuple[int, bool, OutputRequest], str] = {}
+        # (outputs, grad, usable bytes) -> the memory model's largest admissible row.
+        self._model_max: dict[tuple[OutputRequest, bool, int], int] = {}
+        # id -> the recompute itself (kept alive, so its id is never reused while cached).
+        self._recomputes: dict[int, EffectiveRecompute] = {}
+        self._models: dict[int, MemoryModelLike] = {}
+
     def signature(self, recompute: EffectiveRecompute, grad: bool, outputs: OutputRequest) -> str:
-        return signature(
-            topology=self.topology,
-            recompute_key=recompute.for_grad(grad).key,
-            grad_enabled=grad,
-            outputs_key=outputs.key,
-            adapter=self.adapter,
-        )
+        key = (id(recompute), grad, outputs)
+        sig = self._signatures.get(key)
+        if sig is None:
+            self._recomputes[id(recompute)] = recompute
+            sig = self._signatures[key] = signature(
+                topology=self.topology,
+                recompute_key=recompute.for_grad(grad).key,
+                grad_enabled=grad,
+                outputs_key=outputs.key,
+                adapter=self.adapter,
+            )
+        return sig
 
     def shape(self, leaves: Sequence[ForwardInput], grad: bool) -> MicroBatchShape:
         lengths = tuple(leaf.num_tokens for leaf in leaves)
@@ -152,16 +185,76 @@ class Admission:
         grad: bool,
         recompute: EffectiveRecompute | None = None,
     ) -> tuple[Pricing, MicroBatchShape, str]:
+        return self.price_lengths(tuple(leaf.num_tokens for leaf in leaves),
+                                  outputs_union(leaves), grad, recompute)
+
+    def price_items(self, items: Sequence[Item], grad: bool,
+                    recompute: EffectiveRecompute | None = None
+                    ) -> tuple[Pricing, MicroBatchShape, str]:
+        lengths: tuple[int, ...] = ()
+        for item in items:
+            lengths += item.sequence_lengths_tokens
+        return self.price_lengths(lengths, _union(it.outputs for it in items), grad, recompute)
+
+    def price_lengths(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
+                      recompute: EffectiveRecompute | None = None
+                      ) -> tuple[Pricing, MicroBatchShape, str]:
         recompute = recompute or self.recompute
-        model = self.memory_model
-        if recompute is not self.recompute:
-            model = model.with_recompute(recompute)
-        shape = self.shape(leaves, grad)
-        estimate = model.estimate(shape)
-        sig = self.signature(recompute, grad, shape.outputs)
+        key = (id(recompute), grad, lengths, outputs)
+        hit = self._priced.get(key)
+        if hit is None:
+            model = self._model_for(recompute)
+            shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
+                                    grad_enabled=grad, padded_tokens=self.packed_length(lengths))
+            if len(self._priced) > 65536:
+                self._priced.clear()
+            hit = self._priced[key] = (model.estimate(shape), shape,
+                                       self.signature(recompute, grad, outputs))
+        estimate, shape, sig = hit
         profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window)
         profile_dynamic = None if profile is None else profile + int(estimate.reserve_bytes)
         return Pricing(estimate, profile_dynamic, recompute), shape, sig
+
+    def _model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
+        if recompute is self.recompute:
+            return self.memory_model
+        model = self._models.get(id(recompute))
+        if model is None:
+            self._recomputes[id(recompute)] = recompute
+            model = self._models[id(recompute)] = self.memory_model.with_recompute(recompute)
+        return model
+
+    def _model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
+                          start_tokens: int = 1) -> int:
+        """The largest one-sequence row the memory model admits, to within 1/32 and never
+        above it: the cold cap is a fraction of it, so a coarse bound saves half the
+        estimates of an exact bisection (a cold decision's main cost)."""
+        key = (outputs, grad, usable_bytes)
+        hit = self._model_max.get(key)
+        if hit is not None:
+            return hit
+
+        def fits(tokens: int) -> bool:
+            pricing = self.price_lengths((tokens,), outputs, grad)[0]
+            return pricing.model_dynamic_bytes <= usable_bytes
+
+        lo, hi = 0, max(1, start_tokens)
+        while fits(hi):
+            lo, hi = hi, hi * 2
+            if hi > 1 << 26:
+                break
+        if lo:
+            while hi - lo > max(1, lo // 32):
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        elif start_tokens > 1:
+            hit = self.memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
+                                                        grad_enabled=grad)
+            lo = hit
+        if len(self._model_max) > 4096:
+            self._model_max.clear()
+        self._model_max[key] = lo
+        return lo
 
     # -- the decision -------------------------------------------------------------------------
 
@@ -170,43 +263,58 @@ class Admission:
         items from its queue whatever the decision (a declined item is reported, not retried)."""
         if not pending:
             raise ValueError("plan_next needs at least one pending item")
-        _, _, first_sig = self.price(pending[0].leaves, grad)
+        first_sig = self.signature(self.recompute, grad, pending[0].outputs)
         cold = not self.profiles.has_profile(first_sig)
         queue = list(pending)
         cap_tokens: int | None = None
         if cold:
             # No measurement yet for this signature: start with the smallest item, and only
             # add more up to a fraction of what the model alone would admit.
-            smallest = min(queue, key=lambda it: (it.num_tokens, it.index))
-            queue.remove(smallest)
+            at = min(range(len(queue)), key=lambda i: (queue[i].num_tokens, queue[i].index))
+            smallest = queue.pop(at)
             queue.insert(0, smallest)
-            outputs = outputs_union(smallest.leaves)
-            model_max = self.memory_model.max_tokens_that_fit(
-                usable_bytes, outputs=outputs, grad_enabled=grad
-            )
+            model_max = self._model_max_tokens(usable_bytes, smallest.outputs, grad,
+                                               start_tokens=smallest.num_tokens)
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
         else:
-            cap_tokens = self._growth_cap(first_sig, grad, outputs_union(pending[0].leaves))
+            cap_tokens = self._growth_cap(first_sig, grad, pending[0].outputs)
         first = queue[0]
-        pricing, shape, sig = self.price(first.leaves, grad)
+        pricing, shape, sig = self.price_items([first], grad)
         if pricing.dynamic_bytes > usable_bytes:
             return self._does_not_fit(first, grad, usable_bytes, pricing, shape, sig)
 
         chosen = [first]
+        lengths = first.sequence_lengths_tokens
+        outputs = first.outputs
         misfits = 0
+        # The smallest item that did not fit next to the chosen ones: a larger one will not
+        # fit either (peaks grow with tokens), so it is skipped without pricing. Reset when an
+        # item is added. Skipped items are not counted as misfits: they cost nothing to rule out.
+        misfit_tokens: int | None = None
         for item in queue[1:]:
-            leaves = [leaf for it in chosen for leaf in it.leaves] + list(item.leaves)
-            candidate, cand_shape, cand_sig = self.price(leaves, grad)
-            too_big = cap_tokens is not None and cand_shape.packed_tokens > cap_tokens
-            if too_big or candidate.dynamic_bytes > usable_bytes:
+            if misfit_tokens is not None and item.num_tokens >= misfit_tokens:
+                continue
+            cand_lengths = lengths + item.sequence_lengths_tokens
+            if cap_tokens is not None and self.packed_length(cand_lengths) > cap_tokens:
+                too_big = True
+            else:
+                cand_outputs = _union((outputs, item.outputs))
+                candidate, cand_shape, cand_sig = self.price_lengths(
+                    cand_lengths, cand_outputs, grad)
+                too_big = candidate.dynamic_bytes > usable_bytes
+            if too_big:
+                misfit_tokens = item.num_tokens if misfit_tokens is None else min(
+                    misfit_tokens, item.num_tokens)
                 misfits += 1
                 if misfits >= MAX_MISFITS_SCANNED:
                     break
                 continue
             misfits = 0
+            misfit_tokens = None
             chosen.append(item)
+            lengths, outputs = cand_lengths, cand_outputs
             pricing, shape, sig = candidate, cand_shape, cand_sig
         chosen.sort(key=lambda it: it.index)
         leaves_count = sum(len(it.leaves) for it in chosen)
@@ -234,11 +342,7 @@ class Admission:
         if profile is None or not profile.observations:
             return None
         tokens, measured = max(profile.observations)
-        shape = MicroBatchShape(
-            sequence_lengths_tokens=(tokens,), outputs=outputs, grad_enabled=grad,
-            padded_tokens=self.packed_length([tokens]),
-        )
-        estimate = self.memory_model.estimate(shape)
+        estimate = self.price_lengths((tokens,), outputs, grad)[0].estimate
         model_peak = int(estimate.dynamic_bytes) - int(estimate.reserve_bytes)
         if measured <= model_peak:
             return None

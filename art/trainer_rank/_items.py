@@ -4,7 +4,7 @@ dealing items to data-parallel ranks deterministically."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from art.trainer_rank._memory.request import OutputRequest
@@ -18,14 +18,17 @@ class Item:
     index: int
     value: Any  # the caller's object: a ForwardInput or a nested list of them
     leaves: tuple[ForwardInput, ...]
+    # Computed once: admission reads them for every candidate of every decision (summing
+    # tensor sizes each time cost ~30 ms per decision at 10,000 pending items).
+    sequence_lengths_tokens: tuple[int, ...] = field(init=False, repr=False, compare=False)
+    num_tokens: int = field(init=False, repr=False, compare=False)
+    outputs: OutputRequest = field(init=False, repr=False, compare=False)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(leaf.num_tokens for leaf in self.leaves)
-
-    @property
-    def sequence_lengths_tokens(self) -> tuple[int, ...]:
-        return tuple(leaf.num_tokens for leaf in self.leaves)
+    def __post_init__(self) -> None:
+        lengths = tuple(leaf.num_tokens for leaf in self.leaves)
+        object.__setattr__(self, "sequence_lengths_tokens", lengths)
+        object.__setattr__(self, "num_tokens", sum(lengths))
+        object.__setattr__(self, "outputs", outputs_union(self.leaves))
 
     @property
     def is_group(self) -> bool:
