@@ -107,35 +107,39 @@ def main(argv: list[str] | None = None) -> int:
     items: list = forward_inputs(groups, target_logprobs=True)
 
     options = TrainerRankOptions.from_env()
-    # Priced as TrainerRank prices when it builds its own model (its head chunk), so that the
-    # limit and the oversized groups below are sized with the very model admission uses.
-    memory_model = replace(MemoryModel.for_provider(provider),
-                           head_chunk_tokens=options.head_chunk_tokens)
     layout = provider.layout
     logprobs = OutputRequest(target_logprobs=True)
 
-    def dynamic_bytes(lengths: tuple[int, ...], model: MemoryModel = memory_model) -> int:
+    def dynamic_bytes(lengths: tuple[int, ...], model: MemoryModel) -> int:
         shape = MicroBatchShape(lengths, outputs=logprobs, grad_enabled=True,
                                 padded_tokens=packed_length_tokens(lengths, layout))
         return int(model.estimate(shape).dynamic_bytes)
 
     largest = max(groups, key=lambda g: g.num_tokens)
-    if args.limit_mib:
-        limit = int(args.limit_mib * MIB)
-    elif options.test_memory_limit_bytes is not None:  # ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES
-        limit = options.test_memory_limit_bytes
-    else:
-        limit = int(1.7 * dynamic_bytes(largest.sequence_lengths_tokens))
+
+    def limit_for(model: MemoryModel) -> int:
+        if args.limit_mib:
+            return int(args.limit_mib * MIB)
+        if options.test_memory_limit_bytes is not None:  # ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES
+            return options.test_memory_limit_bytes
+        return int(1.7 * dynamic_bytes(largest.sequence_lengths_tokens, model))
+
+    # TrainerRank probes its model when it is built, up to the sizes its limit can admit: build
+    # it at the limit the default formulas suggest, then size the limit and the oversized
+    # groups below with the very (probed) memory model admission uses.
+    draft = limit_for(replace(MemoryModel.for_provider(provider),
+                              head_chunk_tokens=options.head_chunk_tokens))
+    trainer = TrainerRank(provider, options=replace(options, test_memory_limit_bytes=draft))
+    memory_model = trainer.memory_model
+    limit = limit_for(memory_model)
+    trainer.options = replace(options, test_memory_limit_bytes=limit)
     full = memory_model.with_recompute(provider.recompute_as("full", "uniform", 1))
-    oversized = _oversized_groups(spec, limit, dynamic_bytes, full, provider)
+    oversized = _oversized_groups(
+        spec, limit, lambda lengths, model=memory_model: dynamic_bytes(lengths, model), full,
+        provider)
     for o in oversized:
         o.index = len(items)
         items.append(_long_group(spec, o.tokens, seed=args.seed + 1 + len(items)))
-
-    trainer = TrainerRank(
-        provider, memory_model=memory_model,
-        options=replace(options, test_memory_limit_bytes=limit),
-    )
     if rank0:
         _print_intro(provider, spec, items, oversized, limit)
 

@@ -63,9 +63,8 @@ class Profile:
         return bool(self.observations)
 
     def curve(self) -> Fit:
-        """The measured peaks as a curve: through the largest peak seen at each size, chords
-        between neighbouring sizes, and past the largest size the probe's extrapolation
-        (the last chord's line or the quadratic through the last three sizes, the larger).
+        """The measured peaks as a curve: through the largest peak seen at each size and
+        chords between neighbouring sizes (the probe's `Fit`, used inside the observed range).
 
         Peaks are convex in the packed length (a maximum of polynomials in s with
         non-negative s^2 terms: CPU attention scores grow with s^2), and a convex curve lies
@@ -86,6 +85,19 @@ class Profile:
         self.__dict__["_curve"] = (stamp, curve)
         return curve
 
+    def _beyond(self, curve: Fit, packed_tokens: int) -> int:
+        """Past the largest size seen. Only a lower bound is knowable from the points (a convex
+        curve rises above every chord's extension); admission takes the larger of this and the
+        memory model, which prices the curvature. The slope is the secant over the whole
+        observed range: noise between two close sizes cannot blow it up, as a quadratic or the
+        last chord through them would (and did: 168 MiB predicted for a 27 MiB item)."""
+        ts, vs = curve.tokens, curve.values
+        if len(ts) == 1:
+            # One size seen: proportional growth is the only slope it offers.
+            return int(vs[0] * packed_tokens / ts[0] + 0.5)
+        slope = max(0.0, (vs[-1] - vs[0]) / (ts[-1] - ts[0]))
+        return int(vs[-1] + slope * (packed_tokens - ts[-1]) + 0.5)
+
     def window(self, trust_window: float) -> tuple[float, float]:
         sizes = [t for t, _ in self.observations]
         return min(sizes) / trust_window, max(sizes) * trust_window
@@ -101,13 +113,10 @@ class Profile:
                 if packed_tokens <= first_tokens:
                     # Peaks grow with the row: the smallest size seen bounds everything below.
                     predicted = int(curve.values[0])
+                elif packed_tokens > last_tokens:
+                    predicted = self._beyond(curve, packed_tokens)
                 else:
                     predicted = curve.at(packed_tokens)
-                    if packed_tokens > last_tokens:
-                        # Never flatter than proportional growth from the largest size seen
-                        # (the only extrapolation one observation allows).
-                        predicted = max(predicted, int(
-                            curve.values[-1] * packed_tokens / last_tokens + 0.5))
         # A miss at T bytes proves that anything at least as large needs more than that.
         floor = max((b + 1 for t, b in self.misses if t <= packed_tokens), default=None)
         if floor is not None:

@@ -27,8 +27,18 @@ def test_curve_is_exact_at_observations_and_tight_between_them_on_a_convex_peak(
         assert predicted <= 1.10 * peak(t)  # and tight (a straight line was 1.39-1.64x)
     # Below the smallest size: the smallest size's peak (peaks grow with the row).
     assert p.predict(64, 2.0) == peak(128)
-    # Past the largest, inside the trust window: never flatter than proportional growth.
-    assert p.predict(2048, 2.0) >= peak(1024) * 2
+    # Past the largest, inside the trust window: the secant over the observed range.
+    secant = (peak(1024) - peak(128)) / (1024 - 128)
+    assert p.predict(2048, 2.0) == round(peak(1024) + secant * 1024)
+
+
+def test_extrapolation_is_not_blown_up_by_noise_between_close_sizes():
+    p = Profile()
+    for t, b in [(100, 1_000_000), (290, 2_000_000), (300, 2_400_000)]:
+        p.observe(t, b)
+    # The last chord's slope (40 kB/token) would predict 14.4 MB at 600 tokens; the secant
+    # over the whole range (7 kB/token) gives 4.5 MB.
+    assert p.predict(600, 2.0) == 2_400_000 + 7_000 * 300
 
 
 def test_curve_is_refit_only_when_observations_change():
