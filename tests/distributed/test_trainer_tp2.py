@@ -31,8 +31,12 @@ def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process, mode):
     tp2 = [row[mode] for row in two_ranks]
     for row in tp2:
         assert row["tp"] == 2
-        assert row["usable"] and set(row["usable"]) == {240 * 2**20}  # min over the replica
+        assert row["usable"] and set(row["usable"]) == {30 * 2**20}  # min over the replica
         assert row["decisions"] == tp2[0]["decisions"]
+        # Every rank prices with the replica root's probe coefficients (layers and tails).
+        assert row["probe_digest"] == tp2[0]["probe_digest"]
+        assert row["probe_tails"] == ["logprobs,top_k=4,logits,hidden_states:grad"]
+        assert row["probed"] and all(row["probed"])
         assert "planned different micro-batches" in row["plan_mismatch_error"]
         assert sorted(row["seen"]) == sorted(tp1["seen"]) == ["0", "1", "2", "3", "4"]
         for index, leaves in tp1["seen"].items():
@@ -62,4 +66,4 @@ def test_dp2_deals_whole_items_and_rejects_mismatched_calls(two_ranks):
     assert {row["dp_rank"] for row in rows} == {0, 1}
     dealt = [set(row["seen"]) for row in rows]
     assert not dealt[0] & dealt[1] and dealt[0] | dealt[1] == {"0", "1", "2", "3", "4"}
-    assert rows[0]["usable"][0] == 256 * 2**20 and rows[1]["usable"][0] == 240 * 2**20
+    assert rows[0]["usable"][0] == 32 * 2**20 and rows[1]["usable"][0] == 30 * 2**20

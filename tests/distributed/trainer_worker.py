@@ -5,6 +5,7 @@ in-process by the test for the TP=1 reference."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -52,7 +53,8 @@ def run(mode: str) -> dict:
         implementation=Implementation.cpu_local(),
     )
     # Ranks see different limits; the replica must agree on the smallest.
-    limit = (256 - 16 * rank) * 2**20
+    # Small enough that the start-up probe stops at a few hundred tokens (seconds, not tens).
+    limit = (32 - 2 * rank) * 2**20
     trainer = TrainerRank(provider, options=TrainerRankOptions(test_memory_limit_bytes=limit))
     result: dict = {"rank": rank, "tp": tp, "world": world}
     if mode == "dp":
@@ -93,6 +95,10 @@ def run(mode: str) -> dict:
         measured=[s.measured_peak_bytes for s in trainer.stats_history],
         final_norm_grad=final_norm.grad.tolist(),
         dp_rank=parallel_state.get_data_parallel_rank(),
+        # Probe coefficients (layers, and the tails probed on first use): one digest per rank.
+        probe_digest=hashlib.sha256(trainer.probe.snapshot().to_json().encode()).hexdigest(),
+        probe_tails=trainer.probe.probed_tails,
+        probed=[("coefficients: probe:" in s.term_table) for s in trainer.stats_history],
     )
     return result
 
