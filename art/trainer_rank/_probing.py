@@ -20,6 +20,7 @@ ever price the same micro-batch differently.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -172,22 +173,32 @@ class TrainerProbe:
                     tokens=self.tokens, cache_dir=cache_dir)
 
         if _agree.replica_size() == 1:
-            return run(self.cache_dir)
-        # Several ranks run the probe's layers together (TP collectives): all of them probe
-        # or none does. A cached copy counts only when every rank of the replica has one.
-        key = self._key(modes, outputs)
-        path = self.cache_dir / f"probe-{key}.json" if self.cache_dir else None
-        cached = key in probe_module._CACHE or (path is not None and path.is_file())
-        if _agree.min_over_replica(int(cached)):
-            mine = run(self.cache_dir)
+            agreed = run(self.cache_dir)
         else:
-            probe_module._CACHE.pop(key, None)
-            mine = run(None)
-        agreed = _agree.broadcast_from_replica_root(mine)
-        probe_module._CACHE[key] = agreed
-        if path is not None and _agree.is_replica_root() and not path.is_file():
-            path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{id(self)}.tmp")
-            tmp.write_text(agreed.to_json())
-            tmp.replace(path)
+            # Several ranks run the probe's layers together (TP collectives): all of them probe
+            # or none does. A cached copy counts only when every rank of the replica has one.
+            key = self._key(modes, outputs)
+            path = self.cache_dir / f"probe-{key}.json" if self.cache_dir else None
+            cached = key in probe_module._CACHE or (path is not None and path.is_file())
+            if _agree.min_over_replica(int(cached)):
+                mine = run(self.cache_dir)
+            else:
+                probe_module._CACHE.pop(key, None)
+                mine = run(None)
+            agreed = _agree.broadcast_from_replica_root(mine)
+            probe_module._CACHE[key] = agreed
+        self._write(agreed)
         return agreed
+
+    def _write(self, coefficients: Any) -> None:
+        """Keep a copy in the cache directory (the probe writes only what it measured, not
+        what it found in this process's cache), from the replica root only."""
+        if self.cache_dir is None or not _agree.is_replica_root():
+            return
+        path = self.cache_dir / f"probe-{coefficients.key}.json"
+        if path.is_file():
+            return
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(coefficients.to_json())
+        tmp.replace(path)

@@ -1,0 +1,97 @@
+"""TrainerRank prices with coefficients its own start-up probe measured (not the default
+formulas): layers for every policy it may run, head tails per output mix on first use; the
+probe leaves the caller's gradients and RNG alone; it can be turned off; it is cached on disk."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _trainer_helpers import grads, make_inputs, provider
+
+from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+from art.trainer_rank._memory.model import MemoryModel
+from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+from art.trainer_rank._probing import (
+    MIN_PROBE_POINTS,
+    _model_state_kept,
+    probe_tokens_for_limit,
+)
+
+LIMIT = 16 * 2**20  # small: the probe stops at a few hundred tokens
+
+
+@pytest.fixture(scope="module")
+def built():
+    p = provider("selective")
+    p.initialize_distributed()
+    return p, p.build_model(seed=0)
+
+
+def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_first_use(built):
+    p, model = built
+    trainer = TrainerRank(Runtime(model, p),
+                          options=TrainerRankOptions(test_memory_limit_bytes=LIMIT))
+    assert trainer.probe is not None and trainer.probe.probed_tails == []
+    # The key TP ranks agree on before probing is the probe's own.
+    assert trainer.probe._key(trainer.probe.modes, ()) == trainer.probe.key
+    # The configured policy (grad and no grad) and the full-recompute escalation policy.
+    assert {mode[2:] for mode in trainer.probe.modes} >= {(True, 0), (True, 1), (False, 0)}
+    mbs = list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=2, logits=False,
+                                                         hidden_states=False), no_grad=True))
+    assert trainer.probe.probed_tails == ["logprobs,top_k=2:no-grad"]
+    assert all("coefficients: probe:" in mb.stats.term_table for mb in mbs)
+    shape = MicroBatchShape((64,), outputs=OutputRequest(logits=True), grad_enabled=True)
+    escalated = trainer.admission.memory_model.with_recompute(trainer.admission.full_recompute)
+    assert escalated.estimate(shape).coefficients_source.startswith("probe:")
+    assert trainer.probe.probed_tails[-1] == "logits:grad"
+
+
+def test_probe_off_prices_with_the_default_formulas(built, monkeypatch):
+    p, model = built
+    monkeypatch.setenv("ART_TRAINER_RANK_PROBE_LAYERS", "false")
+    monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(LIMIT))
+    trainer = TrainerRank(Runtime(model, p))
+    assert trainer.options.probe_layers is False and trainer.probe is None
+    shape = MicroBatchShape((64,), outputs=OutputRequest(target_logprobs=True),
+                            grad_enabled=True)
+    assert trainer.memory_model.estimate(shape).coefficients_source == "defaults"
+    monkeypatch.setenv("ART_TRAINER_RANK_PROBE_LAYERS", "sometimes")
+    with pytest.raises(ValueError, match="ART_TRAINER_RANK_PROBE_LAYERS"):
+        TrainerRankOptions.from_env()
+
+
+def test_probe_keeps_the_callers_gradients_and_random_stream(built):
+    p, model = built
+    for i, param in enumerate(q for q in model.parameters() if q.requires_grad):
+        param.grad = torch.full_like(param, float(i))
+    before = grads(model)
+    torch.manual_seed(5)
+    expected = torch.rand(3)
+    torch.manual_seed(5)
+    with _model_state_kept(model):
+        out = model(torch.randint(0, 256, (1, 8)), torch.arange(8).view(1, 8),
+                    attention_mask=None)
+        out.float().mean().backward()  # the probe's backward accumulates into the adapters
+        torch.rand(100)
+    assert torch.equal(torch.rand(3), expected)
+    after = grads(model)
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], before[k]) for k in before)
+    for param in model.parameters():
+        param.grad = None
+
+
+def test_probe_points_follow_the_limit_and_are_cached_on_disk(built, tmp_path):
+    p, model = built
+    defaults = MemoryModel.for_provider(p)
+    small = probe_tokens_for_limit(model, p.implementation, defaults, 1)
+    assert len(small) == MIN_PROBE_POINTS
+    roomy = probe_tokens_for_limit(model, p.implementation, defaults, 2**40)
+    assert len(roomy) > len(small) and roomy[:MIN_PROBE_POINTS] == small
+    options = TrainerRankOptions(test_memory_limit_bytes=LIMIT,
+                                 profile_path=str(tmp_path / "profiles.json"))
+    trainer = TrainerRank(Runtime(model, p), options=options)
+    trainer.memory_model.estimate(MicroBatchShape(
+        (32,), outputs=OutputRequest(target_logprobs=True), grad_enabled=True))
+    # Next to the profile file: the layers' coefficients and the tail probed on first use.
+    assert len(list(tmp_path.glob("probe-*.json"))) == 2
