@@ -75,7 +75,7 @@ def _run(trainer, inputs, weights, *, no_grad=None):
 def test_packed_outputs_and_grads_equal_the_unpacked_reference(built):
     p, model = built
     trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     xs = make_inputs([5, 9, 7, 12, 6])
     inputs = [xs[0], [xs[1], xs[2]], xs[3], [[xs[4]]]]
     weights = [1.0, 0.5, 2.0, -1.0, 0.25]
@@ -100,7 +100,7 @@ def test_no_grad_split_equals_the_whole_group(built):
     p, model = built
     xs = make_inputs([20, 24, 18, 22], seed=1, no_grad=True)
     roomy = TrainerRank(Runtime(model, p),
-                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                        options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     group = make_items([xs])[0]
     pricing, _, _ = roomy.admission.price(group.leaves, False)  # nothing learned yet
     one, _, _ = roomy.admission.price(group.leaves[:1], False)
@@ -124,7 +124,7 @@ def test_escalation_runs_full_recompute_and_changes_nothing(built):
     # decision is forced so the test can check what escalation does to a real model.
     priced = StandInModel({"selective": 10**9, "full": 1, "no-grad": 1}, "selective")
     trainer = TrainerRank(Runtime(model, p), memory_model=priced,
-                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     xs = make_inputs([11, 13], seed=2)
     calls = []
     hook = model.decoder.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -159,7 +159,7 @@ def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
     peaks = {}
     for n in (1, 4):  # a fresh trainer each: nothing learned, so all n items run at once
         roomy = TrainerRank(Runtime(model, p), memory_model=priced,
-                            options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                            options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
         (mb,) = list(roomy.forward_micro_batches(xs[:n], no_grad=True))
         peaks[n] = mb.stats.measured_peak_bytes
     assert peaks[4] > peaks[1]
@@ -181,7 +181,7 @@ def test_caller_backward_oom_restores_grads_and_retries(built):
     priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
     xs = make_inputs([30, 34], seed=4, logits=False, hidden_states=False, top_k=None)
     roomy = TrainerRank(Runtime(model, p), memory_model=priced,
-                        options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                        options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     roomy.dp_rank_forward([xs])  # grad: the measured peak is the forward's alone
     forward_peak = roomy.stats_history[-1].measured_peak_bytes
     zero_grads(model)
@@ -210,7 +210,7 @@ def test_caller_backward_oom_restores_grads_and_retries(built):
 def test_profiles_persist_and_a_second_run_starts_warm(built, tmp_path):
     p, model = built
     path = tmp_path / "profiles.json"
-    options = TrainerRankOptions(test_memory_limit_bytes=256 * 2**20, profile_path=str(path))
+    options = TrainerRankOptions(test_memory_limit_bytes=16 * 2**20, profile_path=str(path))
     xs = make_inputs([8, 10, 9], seed=5, logits=False, hidden_states=False, top_k=None,
                      no_grad=True)
     first = TrainerRank(Runtime(model, p), options=options)
@@ -226,7 +226,7 @@ def test_profiles_persist_and_a_second_run_starts_warm(built, tmp_path):
 def test_dp_rank_forward_with_grad_keeps_caller_order_and_backprops(built):
     p, model = built
     trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     xs = make_inputs([6, 4, 7], seed=6)
     zero_grads(model)
     outs = trainer.dp_rank_forward([xs[0], [xs[1], xs[2]]])
@@ -260,7 +260,7 @@ def test_grad_forward_on_an_eval_mode_model_is_refused(built):
 
     p, model = built
     trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20))
+                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
     model.eval()
     try:
         with pytest.raises(TrainerRankRuntimeSupportError, match="model.train"):
@@ -272,10 +272,10 @@ def test_grad_forward_on_an_eval_mode_model_is_refused(built):
 
 def test_options_default_to_the_environment(built, monkeypatch, tmp_path):
     p, model = built
-    monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(64 * 2**20))
+    monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(16 * 2**20))
     monkeypatch.setenv("ART_TRAINER_RANK_PROFILE_PATH", str(tmp_path / "p.json"))
     trainer = TrainerRank(Runtime(model, p))
-    assert trainer.usable_limit_bytes() == 64 * 2**20
+    assert trainer.usable_limit_bytes() == 16 * 2**20
     list(trainer.forward_micro_batches(make_inputs([5], no_grad=True)))
     assert (tmp_path / "p.json").exists()
     monkeypatch.setenv("ART_TRAINER_RANK_TRUST_WINDOWS", "2")
