@@ -157,6 +157,8 @@ def test_reserve_covers_largest_allocation_and_fragmentation():
     assert r.reserve_bytes(10 * GIB, 3 * GIB) == 3 * GIB
     assert AllocatorReserve("cuda", "expandable_segments:True").reserve_bytes(100 * GIB, GIB) \
         == 2 * GIB
+    # CPU: no caching allocator; the virtual limit counts live bytes, so nothing is held back.
+    assert AllocatorReserve("cpu", None).reserve_bytes(100 * GIB, 3 * GIB) == 0
     # The seed's second report: a 1.2M-token no-grad pack; the reserve alone must cover the
     # 10.6 GiB class allocation that failed in fragmented memory.
     g = load_geometry("Qwen3.5-35B-A3B")

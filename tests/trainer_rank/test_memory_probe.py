@@ -40,7 +40,8 @@ def test_probe_and_harness_agree_within_target(megatron_process):
     results = run_cells(cells, probe_tokens=SMALL_PROBE_TOKENS)
     for r in results:
         assert 1.0 <= r.ratio <= 1.05, (r.cell, r.measured_bytes, r.predicted_bytes)
-        assert r.measured_bytes > 0 and r.reserve_bytes > 0
+        assert r.measured_bytes > 0
+        assert r.reserve_bytes == 0  # CPU: the virtual limit counts live bytes exactly
 
 
 def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):

@@ -6,8 +6,9 @@ with plenty of memory "free" (the seed's second report: 10.6 GiB failed with 30.
 but unallocated). The reserve therefore is a fragmentation margin (a fraction of the dynamic
 peak, larger without expandable segments) and is never smaller than the largest single
 allocation the micro-batch will make: that allocation needs one contiguous block. On CPU there
-is no caching allocator; the reserve is the largest allocation only (glibc returns large blocks
-to the OS, so a fresh mapping is always possible up to the limit).
+is no caching allocator and the limit (the virtual limit) counts live tensor bytes, so every
+allocation that fits under it succeeds: the reserve there is zero, and a margin would only
+make micro-batches smaller than they need to be.
 """
 
 from __future__ import annotations
@@ -58,13 +59,15 @@ class AllocatorReserve:
         return FRAGMENTATION_FRACTION_SEGMENTED
 
     def reserve_bytes(self, dynamic_peak_bytes: int, largest_allocation_bytes: int) -> int:
+        if self.device != "cuda":
+            return 0
         return max(int(dynamic_peak_bytes * self.fraction), int(largest_allocation_bytes))
 
     def describe(self, dynamic_peak_bytes: int, largest_allocation_bytes: int) -> str:
-        margin = int(dynamic_peak_bytes * self.fraction)
         if self.device != "cuda":
-            basis = "CPU: no caching allocator"
-        elif self.expandable:
+            return "CPU: live-bytes limit, no caching allocator, no fragmentation = 0"
+        margin = int(dynamic_peak_bytes * self.fraction)
+        if self.expandable:
             basis = f"expandable_segments on: {self.fraction:.0%} of dynamic"
         else:
             basis = f"no expandable_segments: {self.fraction:.0%} of dynamic"
