@@ -289,13 +289,7 @@ class Admission:
         lengths = first.sequence_lengths_tokens
         outputs = first.outputs
         misfits = 0
-        # The smallest item that did not fit next to the chosen ones: a larger one will not
-        # fit either (peaks grow with tokens), so it is skipped without pricing. Reset when an
-        # item is added. Skipped items are not counted as misfits: they cost nothing to rule out.
-        misfit_tokens: int | None = None
         for item in queue[1:]:
-            if misfit_tokens is not None and item.num_tokens >= misfit_tokens:
-                continue
             cand_lengths = lengths + item.sequence_lengths_tokens
             if cap_tokens is not None and self.packed_length(cand_lengths) > cap_tokens:
                 too_big = True
@@ -305,14 +299,11 @@ class Admission:
                     cand_lengths, cand_outputs, grad)
                 too_big = candidate.dynamic_bytes > usable_bytes
             if too_big:
-                misfit_tokens = item.num_tokens if misfit_tokens is None else min(
-                    misfit_tokens, item.num_tokens)
                 misfits += 1
                 if misfits >= MAX_MISFITS_SCANNED:
                     break
                 continue
             misfits = 0
-            misfit_tokens = None
             chosen.append(item)
             lengths, outputs = cand_lengths, cand_outputs
             pricing, shape, sig = candidate, cand_shape, cand_sig
