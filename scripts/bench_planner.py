@@ -242,14 +242,16 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
                         seed=args.seed)
     inputs = forward_inputs(rl_groups(spec), target_logprobs=True)
     items = make_items(inputs)
-    options = TrainerRankOptions(test_memory_limit_bytes=1)  # replaced below
+    # Sizing only, priced with the default formulas so the limit does not depend on the
+    # probe (and stays comparable between runs); the trainers below probe as TrainerRank does.
+    options = TrainerRankOptions(test_memory_limit_bytes=1, probe_layers=False)
     probe_trainer = TrainerRank(Runtime(model, provider), options=options)
     # The limit: `--limit-groups` average groups' worth of the memory model's price, so that a
     # micro-batch holds a few groups and packing decisions matter.
     mean_group = statistics.mean(
         probe_trainer.admission.price(item.leaves, True)[0].model_dynamic_bytes for item in items)
     limit = int(args.limit_groups * mean_group)
-    options = replace(options, test_memory_limit_bytes=limit)
+    options = replace(options, test_memory_limit_bytes=limit, probe_layers=True)
 
     # Warm the process (first-call allocations, lazy imports) outside every measured pass.
     runner = MicroBatchRunner(model, provider, limit, options.head_chunk_tokens)
@@ -315,7 +317,7 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     seed_largest = seed_formula_bytes(
         packed_length_tokens(list(largest.sequence_lengths_tokens), layout),
         OutputRequest(target_logprobs=True), provider.geometry, 4)
-    model_largest = probe_trainer.admission.price(largest.leaves, True)[0]
+    model_largest = trainer.admission.price(largest.leaves, True)[0]
     measured_largest = runner.run([largest], limit_bytes=None).peak_bytes
     run_seconds = [r.seconds for r in [runner.run(items[:3], limit_bytes=None)
                                        for _ in range(3)]]
@@ -333,6 +335,7 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
                           model_peak_bytes=max(model_largest.estimate.forward_peak_bytes,
                                                model_largest.estimate.backward_peak_bytes),
                           reserve_bytes=model_largest.estimate.reserve_bytes,
+                          coefficients_source=model_largest.estimate.coefficients_source,
                           measured_bytes=measured_largest),
         three_item_forward_backward_seconds=statistics.median(run_seconds),
         three_item_tokens=sum(it.num_tokens for it in items[:3]),

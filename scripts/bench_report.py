@@ -85,7 +85,8 @@ def _utilisation(u: dict[str, Any]) -> list[str]:
     lines += [
         "", "![utilisation](utilisation.png)", "",
         f"The largest group ({largest['tokens']} tokens) really needs "
-        f"{_mib(largest['measured_bytes'])}; the memory model prices its peak (max of forward "
+        f"{_mib(largest['measured_bytes'])}; the planner's memory model (coefficients: "
+        f"{largest.get('coefficients_source', 'defaults')}) prices its peak (max of forward "
         f"and backward) at {_mib(largest['model_peak_bytes'])} "
         f"({largest['model_peak_bytes'] / largest['measured_bytes']:.3f}x) and admits against "
         f"that plus the allocator reserve ({_mib(largest['reserve_bytes'])}, the largest single "
