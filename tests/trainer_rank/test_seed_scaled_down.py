@@ -130,5 +130,9 @@ def test_escalates_and_then_runs_inside_the_limit(seed_runtime):
     assert stats.decision == "escalated" and stats.recompute_summary.startswith("full")
     assert stats.predicted_dynamic_bytes <= LIMIT_BYTES
     assert stats.measured_peak_bytes <= stats.predicted_dynamic_bytes
+    # Priced from the trainer's own probe (layers under full recompute, this output mix's tail),
+    # not from the default formulas.
+    assert trainer.probe is not None and "coefficients: probe:" in stats.term_table
+    assert trainer.probe.probed_tails == ["hidden_states:grad"]
     print("\n" + format_stats_table(trainer.stats_history))
     print(stats.term_table)
