@@ -206,7 +206,7 @@ class Admission:
             model = self._model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
                                     grad_enabled=grad, padded_tokens=self.packed_length(lengths))
-            if len(self._priced) > 65536:
+            if len(self._priced) > 8192:  # an Estimate holds its terms: bound the memory
                 self._priced.clear()
             hit = self._priced[key] = (model.estimate(shape), shape,
                                        self.signature(recompute, grad, outputs))
