@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import difflib
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 
 from art.megatron.layout import ParallelLayout
@@ -311,6 +311,21 @@ def _parse_modules(variable: str, raw: str) -> object:
     return tuple(items)
 
 
+def reject_unknown_variable(name: str, raw: str, prefix: str, known: Iterable[str]) -> None:
+    """Raise ValueError for a `prefix*` variable that is not in `known` (short names), with the
+    closest known name: a typo must never fall back silently to a default."""
+    known = list(known)
+    short = name[len(prefix):]
+    if short in known:
+        return
+    close = difflib.get_close_matches(short, known, n=1, cutoff=0.5)
+    hint = f"did you mean {prefix}{close[0]}? " if close else ""
+    raise ValueError(
+        f"unknown variable {name}={raw!r}: {hint}known variables: "
+        f"{', '.join(prefix + k for k in known)}"
+    )
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Parse ART_MEGATRON_* from `env` (default os.environ). Raises ValueError on any bad value
     and on any unknown ART_MEGATRON_* name (with the closest known name suggested)."""
@@ -320,13 +335,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         if not name.startswith(ENV_PREFIX):
             continue
         short = name[len(ENV_PREFIX):]
-        if short not in KNOWN_VARIABLES:
-            close = difflib.get_close_matches(short, list(KNOWN_VARIABLES), n=1, cutoff=0.5)
-            hint = f"did you mean {ENV_PREFIX}{close[0]}? " if close else ""
-            raise ValueError(
-                f"unknown variable {name}={raw!r}: {hint}known variables: "
-                f"{', '.join(ENV_PREFIX + k for k in KNOWN_VARIABLES)}"
-            )
+        reject_unknown_variable(name, raw, ENV_PREFIX, KNOWN_VARIABLES)
         present[short] = raw
 
     parsed: dict[str, object] = {}

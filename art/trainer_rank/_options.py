@@ -3,12 +3,12 @@ validated before anything runs."""
 
 from __future__ import annotations
 
-import difflib
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank._heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank._memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 from art.trainer_rank._profiles import ENV_PROFILE_PATH
@@ -112,13 +112,7 @@ class TrainerRankOptions:
             if not name.startswith(ENV_PREFIX):
                 continue
             short = name[len(ENV_PREFIX):]
-            if short not in ENV_VARIABLES:
-                close = difflib.get_close_matches(short, list(ENV_VARIABLES), n=1, cutoff=0.5)
-                hint = f"; did you mean {ENV_PREFIX}{close[0]}?" if close else ""
-                raise ValueError(
-                    f"unknown variable {name}{hint} Known: "
-                    f"{', '.join(ENV_PREFIX + k for k in ENV_VARIABLES)}"
-                )
+            reject_unknown_variable(name, raw, ENV_PREFIX, ENV_VARIABLES)
             field_name = ENV_VARIABLES[short][0]
             values[field_name] = _parse(name, field_name, raw)
         known = {f.name for f in fields(cls)}
