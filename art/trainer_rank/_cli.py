@@ -52,7 +52,8 @@ def _lengths(text: str) -> tuple[int, ...]:
     return values
 
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The micro-batch and model flags that `estimate` and `plan` share."""
     p.add_argument("--model", required=True,
                    help="shipped model name (e.g. Qwen3.5-27B) or a config.json / checkpoint path")
     batch = p.add_mutually_exclusive_group(required=True)
@@ -61,6 +62,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     batch.add_argument("--tokens", type=int, help="one sequence of this many tokens")
     p.add_argument("--packed-tokens", type=int, default=0,
                    help="tokens in the packed row when it differs from the sum (prefix sharing)")
+    p.add_argument("--outputs", default="logprobs",
+                   help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
+                        "(default logprobs)")
+    p.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
+    p.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
+    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                   help="flash: Transformer Engine spec, cu_seqlens, no s^2 term (GPU); "
+                        "unfused: local spec with s^2 scores and a bool mask")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_workload_arguments(p)
     p.add_argument("--tp", type=int,
                    help="tensor parallel (ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE)")
     p.add_argument("--cp", type=int, help="context parallel")
@@ -74,16 +88,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--recompute-num-layers", type=int)
     p.add_argument("--recompute-modules",
                    help="selective modules, comma list (core_attn, mlp, layernorm, moe, ...)")
-    p.add_argument("--outputs", default="logprobs",
-                   help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
-                        "(default logprobs)")
-    p.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
-    p.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
-    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                   help="flash: Transformer Engine spec, cu_seqlens, no s^2 term (GPU); "
-                        "unfused: local spec with s^2 scores and a bool mask")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
-    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--gpu-memory", type=parse_size_bytes,
                    help="usable memory per rank for the `fits` verdict (e.g. 107.192GB, 141GiB)")
     p.add_argument("--worst-case-routing", action="store_true",

@@ -547,27 +547,9 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
 def add_arguments(parser: Any) -> None:
     """The workload as `estimate` takes it, plus the GPUs; the layout and recompute are what
     `plan` varies, so it takes no --tp/--cp/--recompute."""
-    from art.trainer_rank._cli import _lengths, parse_size_bytes
+    from art.trainer_rank._cli import add_workload_arguments, parse_size_bytes
 
-    parser.add_argument("--model", required=True, help="shipped model name (e.g. Qwen3.5-27B) "
-                        "or a config.json / checkpoint path")
-    batch = parser.add_mutually_exclusive_group(required=True)
-    batch.add_argument("--sequences", type=_lengths,
-                       help="sequence lengths in tokens of the micro-batch, comma separated "
-                       "(the largest item a step hands forward_micro_batches)")
-    batch.add_argument("--tokens", type=int, help="one sequence of this many tokens")
-    parser.add_argument("--packed-tokens", type=int, default=0,
-                        help="tokens in the packed row when it differs from the sum (prefix "
-                        "sharing)")
-    parser.add_argument("--outputs", default="logprobs",
-                        help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
-                        "(default logprobs)")
-    parser.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
-    parser.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
-    parser.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                        help="flash: Transformer Engine spec (GPU); unfused: local spec with "
-                        "s^2 scores (no context parallel)")
-    parser.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+    add_workload_arguments(parser)
     parser.add_argument("--gpus", type=int, required=True,
                         help="GPUs available: every TP x CP that divides this is priced, the "
                         "rest of the GPUs being data parallel")
