@@ -24,6 +24,7 @@ import torch
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._execute import run_sub_forward
 from art.trainer_rank._items import Item, outputs_union
+from art.trainer_rank._memory.measure import release_score_buffer
 from art.trainer_rank._memory.request import OutputRequest
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 
@@ -57,16 +58,6 @@ def seed_formula_bytes(packed_tokens: int, outputs: OutputRequest, geometry: Mod
     return int((output + static) * SEED_SAFETY_FACTOR)
 
 
-def _clear_score_buffer() -> None:
-    """Megatron keeps the unfused attention's score buffer at the largest size seen; every
-    policy's micro-batch starts without it, as the planner prices it (as new)."""
-    from megatron.core import parallel_state
-
-    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
-    if buffer is not None:
-        buffer.buffer.clear()
-
-
 @dataclass
 class RunResult:
     ok: bool
@@ -90,7 +81,7 @@ class MicroBatchRunner:
         limit = self.limit_bytes if limit_bytes == -1 else limit_bytes
         leaves = [leaf for item in items for leaf in item.leaves]
         tokens = sum(leaf.num_tokens for leaf in leaves)
-        _clear_score_buffer()
+        release_score_buffer()
         started = time.perf_counter()
         self.runs += 1
         meter = LiveBytesMeter(limit_bytes=limit, device="cpu")

@@ -31,6 +31,7 @@ from art.trainer_rank._device_memory import (
 from art.trainer_rank._escalation import full_recompute
 from art.trainer_rank._execute import run_sub_forward
 from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
+from art.trainer_rank._memory.measure import release_score_buffer
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
@@ -255,6 +256,9 @@ class TrainerRank:
         last_oom: BaseException | None = None
         oom_count = 0
         while pending:
+            # Megatron's unfused-attention score buffer is priced inside every micro-batch:
+            # release it so it is not also counted as live before this one.
+            release_score_buffer()
             usable = self.usable_limit_bytes()
             plan = self.admission.plan_next(pending, grad, usable)
             _agree.check_same_plan(

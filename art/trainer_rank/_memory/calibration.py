@@ -26,10 +26,9 @@ from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import RecomputePolicy
-from art.trainer_rank._memory.measure import meter_for
+from art.trainer_rank._memory.measure import meter_for, release_score_buffer
 from art.trainer_rank._memory.model import MemoryModel
 from art.trainer_rank._memory.probe import (
-    _clear_score_buffer,
     caller_loss,
     modes_for,
     probe,
@@ -209,7 +208,7 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
 
     inner = unwrap_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
-    _clear_score_buffer()
+    release_score_buffer()
     meter = meter_for(device)
     with meter:
         from art.trainer_rank._packing import pack_sequences

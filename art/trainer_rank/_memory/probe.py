@@ -37,7 +37,7 @@ import torch
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._memory.layers import LayerCost, layer_kind
-from art.trainer_rank._memory.measure import meter_for
+from art.trainer_rank._memory.measure import meter_for, release_score_buffer
 from art.trainer_rank._memory.model import mode_key
 from art.trainer_rank._memory.request import OutputRequest
 
@@ -206,14 +206,6 @@ def _inner(model: Any) -> Any:
     from art.trainer_rank._forward import unwrap_model
 
     return unwrap_model(model)
-
-
-def _clear_score_buffer() -> None:
-    from megatron.core import parallel_state
-
-    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
-    if buffer is not None:
-        buffer.buffer.clear()
 
 
 def _set_modes(layer: Any, modules: frozenset[str]) -> dict[str, Any]:
@@ -474,7 +466,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             try:
                 rows = []
                 for t in tokens:
-                    _clear_score_buffer()
+                    release_score_buffer()
                     rows.append(_measure_layer(layer, per_tokens[t], inner.config.hidden_size,
                                                torch_dtype, device, grad, full_layers))
             finally:
@@ -498,7 +490,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 forward=Fit.fit(tokens, [r["forward"] for r in rows]),
                 backward=Fit.fit(tokens, [r["backward"] for r in rows]))))
     finally:
-        _clear_score_buffer()
+        release_score_buffer()
         inner.train(was_training)
     coefficients = ProbeCoefficients(key, tuple(tokens), tuple(fitted_layers),
                                      tuple(fitted_tails))
