@@ -16,6 +16,8 @@ from art.megatron.provider import Provider
 from art.megatron.recompute import EffectiveRecompute
 from art.megatron.settings import load_settings
 
+from _recompute_observer import expected_reruns, observe_backward_reruns
+
 SEQ_TOKENS = 8
 
 
@@ -28,66 +30,11 @@ def _env(granularity, method=None, num_layers=None, modules=None) -> dict[str, s
     return env
 
 
-def _observe(provider: Provider) -> tuple[dict[int, set[str]], list[int]]:
-    """Per layer (1-based): the submodules whose forward ran again in backward; and the
-    order in which whole layers re-ran."""
+def _observe(provider: Provider) -> tuple[dict[int, frozenset[str]], list[int]]:
     model = provider.build_model(seed=0)
-    phase = {"now": "forward"}
-    rerun: dict[int, set[str]] = {}
-    layer_order: list[int] = []
-    handles = []
-
-    def watch(module: torch.nn.Module, layer_number: int, label: str) -> None:
-        def hook(*_: object) -> None:
-            if phase["now"] == "backward":
-                rerun.setdefault(layer_number, set()).add(label)
-                if label == "layer":
-                    layer_order.append(layer_number)
-
-        handles.append(module.register_forward_pre_hook(hook))
-
-    for layer in model.decoder.layers:
-        n = int(layer.layer_number)
-        watch(layer, n, "layer")
-        watch(layer.self_attention.core_attention, n, "core_attn")
-        watch(layer.input_layernorm, n, "input_norm")
-        watch(layer.pre_mlp_layernorm, n, "pre_mlp_norm")
-        experts = getattr(layer.mlp, "experts", None)
-        watch(experts if experts is not None else layer.mlp, n,
-              "moe" if experts is not None else "mlp")
-
     torch.manual_seed(3)
     tokens = torch.randint(0, provider.geometry.vocab_size, (1, SEQ_TOKENS))
-    positions = torch.arange(SEQ_TOKENS)[None]
-    logits = model(tokens, positions, attention_mask=None)
-    loss = logits.float().pow(2).mean()
-    phase["now"] = "backward"
-    loss.backward()
-    for h in handles:
-        h.remove()
-    return rerun, layer_order
-
-
-def _expected(er: EffectiveRecompute, moe_layers: tuple[bool, ...]) -> dict[int, set[str]]:
-    out: dict[int, set[str]] = {}
-    for lr in er.layers:
-        if lr.full_checkpoint_unit is not None:
-            # The whole layer replays, every submodule with it.
-            mlp = "moe" if moe_layers[lr.layer_number - 1] else "mlp"
-            out[lr.layer_number] = {"layer", "core_attn", "input_norm", "pre_mlp_norm", mlp}
-            continue
-        labels = set()
-        for module in lr.selective_modules:
-            if module == "layernorm":
-                labels |= {
-                    {"input": "input_norm", "pre_mlp": "pre_mlp_norm"}[n]
-                    for n in lr.recomputed_norms
-                }
-            else:
-                labels.add(module)
-        if labels:
-            out[lr.layer_number] = labels
-    return out
+    return observe_backward_reruns(model, tokens)
 
 
 def _units_from_order(order: list[int]) -> list[tuple[int, ...]]:
@@ -141,7 +88,7 @@ def test_backward_reruns_match_effective_recompute(megatron_process, model_name,
     provider = Provider(model_name, settings=load_settings(_env(*policy)), dtype="float32")
     er = provider.effective_recompute
     rerun, order = _observe(provider)
-    assert rerun == _expected(er, provider.geometry.moe_layers), (
+    assert rerun == expected_reruns(er, provider.geometry.moe_layers), (
         f"{er.summary}: Megatron re-ran {rerun}, provider said {er.describe_layers()}"
     )
     assert _units_from_order(order) == _expected_units(er)

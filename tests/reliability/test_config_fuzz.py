@@ -25,8 +25,9 @@ from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.provider import Provider
-from art.megatron.recompute import EffectiveRecompute
 from art.megatron.settings import load_settings
+
+from _recompute_observer import expected_reruns, observe_backward_reruns
 
 PREFIX = "ART_MEGATRON_"
 UNSET = ("none", "None", "NULL", " null ", "off", "DISABLED", "empty", "")
@@ -197,54 +198,7 @@ def _raw(env: dict[str, str]) -> model_builder.RecomputeConfig:
 
 def _observe(model: torch.nn.Module) -> dict[int, frozenset[str]]:
     """Per layer: which of its parts ran forward again during backward."""
-    phase = {"backward": False}
-    seen: dict[int, set[str]] = {}
-    handles = []
-
-    def watch(module: torch.nn.Module, layer: int, label: str) -> None:
-        def hook(*_: object) -> None:
-            if phase["backward"]:
-                seen.setdefault(layer, set()).add(label)
-
-        handles.append(module.register_forward_pre_hook(hook))
-
-    for layer in model.decoder.layers:
-        n = int(layer.layer_number)
-        watch(layer, n, "layer")
-        watch(layer.self_attention.core_attention, n, "core_attn")
-        watch(layer.input_layernorm, n, "input_norm")
-        watch(layer.pre_mlp_layernorm, n, "pre_mlp_norm")
-        experts = getattr(layer.mlp, "experts", None)
-        watch(experts if experts is not None else layer.mlp, n, "mlp")
-    try:
-        tokens = torch.arange(6).view(1, 6) % 64
-        logits = model(tokens, torch.arange(6).view(1, 6), attention_mask=None)
-        phase["backward"] = True
-        logits.float().pow(2).mean().backward()
-    finally:
-        for h in handles:
-            h.remove()
-    return {k: frozenset(v) for k, v in seen.items()}
-
-
-def _expected(er: EffectiveRecompute, geometry: ModelGeometry) -> dict[int, frozenset[str]]:
-    out: dict[int, frozenset[str]] = {}
-    for lr in er.layers:
-        if lr.full_checkpoint_unit is not None:
-            out[lr.layer_number] = frozenset(
-                {"layer", "core_attn", "input_norm", "pre_mlp_norm", "mlp"})
-            continue
-        labels = set()
-        for module in lr.selective_modules:
-            if module == "layernorm":
-                labels |= {f"{n}_norm" for n in lr.recomputed_norms}
-            elif module in ("mlp", "moe"):
-                labels.add("mlp")
-            else:
-                labels.add(module)
-        if labels:
-            out[lr.layer_number] = frozenset(labels)
-    return out
+    return observe_backward_reruns(model, torch.arange(6).view(1, 6) % 64)[0]
 
 
 def _build_raw(geometry: ModelGeometry, recompute: model_builder.RecomputeConfig):
@@ -304,7 +258,7 @@ def test_recompute_settings_agree_with_megatron(megatron_process, env, moe):
     model = provider.build_model(seed=0)
     COUNTS["built"] += 1
     observed = _observe(model)
-    assert observed == _expected(provider.effective_recompute, geometry), (
+    assert observed == expected_reruns(provider.effective_recompute, geometry.moe_layers), (
         f"{env}: provider says {provider.effective_recompute.describe_layers()}, Megatron "
         f"re-ran {observed}")
 
