@@ -227,7 +227,8 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
         try_and_halve_pass,
     )
 
-    from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+    from art.megatron.train import TrainingRuntime
+    from art.trainer_rank import TrainerRank, TrainerRankOptions
     from art.trainer_rank._items import make_items
     from art.trainer_rank._memory.request import OutputRequest
     from art.trainer_rank._packing import packed_length_tokens
@@ -245,7 +246,7 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
     # Sizing only, priced with the default formulas so the limit does not depend on the
     # probe (and stays comparable between runs); the trainers below probe as TrainerRank does.
     options = TrainerRankOptions(test_memory_limit_bytes=1, probe_layers=False)
-    probe_trainer = TrainerRank(Runtime(model, provider), options=options)
+    probe_trainer = TrainerRank(TrainingRuntime.for_model(model, provider, trainer_options=options))
     # The limit: `--limit-groups` average groups' worth of the memory model's price, so that a
     # micro-batch holds a few groups and packing decisions matter.
     mean_group = statistics.mean(
@@ -267,7 +268,7 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
     layout = provider.layout
     passes = []
-    trainer = TrainerRank(Runtime(model, provider), options=options)
+    trainer = TrainerRank(TrainingRuntime.for_model(model, provider, trainer_options=options))
     zero()
     passes.append(_planner_pass("planner (cold)", trainer, inputs))
     zero()
@@ -407,7 +408,8 @@ def _clear_caches(admission: Any) -> None:
 def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace) -> None:
     import torch
 
-    from art.trainer_rank import ForwardInput, Runtime, TrainerRank
+    from art.megatron.train import TrainingRuntime
+    from art.trainer_rank import ForwardInput, TrainerRank
     from art.trainer_rank._items import make_items
     from art.trainer_rank._workload import group_lengths
 
@@ -423,7 +425,8 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
         items = make_items(inputs)
         for state in ("cold", "warm"):
             if state == "cold":
-                trainer = TrainerRank(Runtime(model, provider), options=warm_trainer.options)
+                trainer = TrainerRank(TrainingRuntime.for_model(
+                    model, provider, trainer_options=warm_trainer.options))
             else:
                 trainer = warm_trainer
             first: list[float] = []

@@ -25,6 +25,7 @@ import torch
 
 from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.provider import Provider
+from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import _agree
 from art.trainer_rank._impl import TrainerRank
 from art.trainer_rank._memory.model import MemoryModel
@@ -129,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     # groups below with the very (probed) memory model admission uses.
     draft = limit_for(replace(MemoryModel.for_provider(provider),
                               head_chunk_tokens=options.head_chunk_tokens))
-    trainer = TrainerRank(provider, options=replace(options, test_memory_limit_bytes=draft))
+    trainer = TrainerRank(build_runtime_for_provider(
+        provider, build_optimizer=False,
+        trainer_options=replace(options, test_memory_limit_bytes=draft)))
     memory_model = trainer.memory_model
     limit = limit_for(memory_model)
     trainer.options = replace(options, test_memory_limit_bytes=limit)

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 
 REDIRECTS: tuple[str, ...] = (
+    "optimizer and grad clipping (cuda_calls_on_cpu): device cuda -> cpu, .cuda() no-op, "
+    "CPU tensor.type() named as the CUDA type Megatron compares with",
     "torch.cuda.current_device -> 'cpu'",
     "torch.cuda.get_rng_state / set_rng_state / manual_seed / manual_seed_all -> CPU generator",
     "torch.cuda.random.get_rng_state / set_rng_state -> CPU generator",
@@ -152,3 +154,50 @@ def install() -> bool:
         pass
     _installed = True
     return True
+
+
+_CUDA_TYPE_NAMES: dict[str, str] = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+    "torch.DoubleTensor": "torch.cuda.DoubleTensor",
+    "torch.IntTensor": "torch.cuda.IntTensor",
+    "torch.LongTensor": "torch.cuda.LongTensor",
+}
+
+
+def _is_cuda_device(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    if isinstance(value, torch.device):
+        return value.type == "cuda"
+    return False
+
+
+class _CudaCallsOnCpu(torch.overrides.TorchFunctionMode):
+    """Inside Megatron's optimizer and grad clipping: allocations on 'cuda' land on the CPU,
+    `.cuda()` is a no-op, and `tensor.type()` names the CUDA type the code compares with."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return _CUDA_TYPE_NAMES.get(name, name)
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if _is_cuda_device(kwargs.get("device")) or isinstance(kwargs.get("device"), int):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to:
+            args = tuple("cpu" if _is_cuda_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_calls_on_cpu():
+    """Run Megatron's optimizer construction and step on CPU (no-op where CUDA exists)."""
+    if cuda_available():
+        yield
+        return
+    install()
+    with _CudaCallsOnCpu():
+        yield

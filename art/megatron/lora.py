@@ -214,11 +214,23 @@ class LoraLinear(nn.Module):
             a, b = self._shard(full_a, full_b)
             self.lora_A[part.name] = nn.Parameter(a.to(weight.dtype).to(weight.device))
             self.lora_B[part.name] = nn.Parameter(b.to(weight.dtype).to(weight.device))
-            for p in (self.lora_A[part.name], self.lora_B[part.name]):
-                # Megatron's optimiser/DDP must not treat LoRA factors as TP-sharded
-                # duplicates of a bigger weight; they are reduced here, in the forward graph.
-                p.tensor_model_parallel = False
-                p.is_lora = True
+            self._mark(self.lora_A[part.name], self.lora_B[part.name])
+
+    def _mark(self, a: nn.Parameter, b: nn.Parameter) -> None:
+        """Megatron's parallel attributes. The sharded factor (B of a column linear, A of a
+        row linear) is tensor-parallel along the base weight's split dimension, so the grad
+        norm counts it on every TP rank; the replicated one counts once (TP rank 0). Their
+        gradients are already reduced in the forward graph. Expert factors are reduced by DDP
+        over the expert-data-parallel group, like Megatron's expert weights (allreduce=False)."""
+        sharded, replicated = (b, a) if self.kind == "column" else (a, b)
+        sharded.tensor_model_parallel = True
+        sharded.partition_dim = 0 if self.kind == "column" else 1
+        sharded.partition_stride = 1
+        replicated.tensor_model_parallel = False
+        for p in (a, b):
+            p.is_lora = True
+            if self.is_expert:
+                p.allreduce = False
 
     # ------------------------------------------------------------------ sharding
     def _shard(self, full_a: torch.Tensor, full_b: torch.Tensor):

@@ -57,12 +57,17 @@ class Provider:
             )
         self.lora_config: LoraConfig | None = lora
         self._world_size: int | None = None
+        self._validate()
+
+    def _validate(self) -> None:
+        """Check layout, implementation and LoRA against the model, and resolve recompute.
+        Runs at construction and again after every field a `provider_configure` hook sets."""
         self._check_layout()
         self._check_implementation()
-        if lora is not None:
+        if self.lora_config is not None:
             from art.megatron.lora import validate_lora_config
 
-            validate_lora_config(lora, self.geometry)
+            validate_lora_config(self.lora_config, self.geometry)
         s = self.settings
         try:
             self.effective_recompute: EffectiveRecompute = self.recompute_as(
@@ -311,6 +316,129 @@ class Provider:
             f"dtype={self.dtype!r}, recompute={self.effective_recompute.summary!r}, "
             f"lora={'r=' + str(self.lora_config.r) if self.lora_config else None})"
         )
+
+
+
+# Fields a `provider_configure(provider)` hook may read and set, in the names of Megatron's
+# TransformerConfig (what upstream's provider exposes): provider field -> ModelGeometry field.
+GEOMETRY_FIELDS: dict[str, str] = {
+    "num_layers": "num_layers",
+    "hidden_size": "hidden_size",
+    "ffn_hidden_size": "ffn_hidden_size",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_query_groups",
+    "kv_channels": "head_dim",
+    "vocab_size": "vocab_size",
+    "num_moe_experts": "num_experts",
+    "moe_router_topk": "moe_router_topk",
+    "moe_ffn_hidden_size": "moe_ffn_hidden_size",
+    "qk_layernorm": "qk_layernorm",
+    "rotary_base": "rope_theta",
+    "seq_length": "max_position_embeddings",
+    "layernorm_epsilon": "norm_epsilon",
+    "share_embeddings_and_output_weights": "tied_embeddings",
+}
+# Provider field -> Settings field (the ART_MEGATRON_* values).
+SETTINGS_FIELDS: tuple[str, ...] = (
+    "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size", "expert_model_parallel_size",
+    "expert_tensor_parallel_size", "sequence_parallel", "recompute_granularity",
+    "recompute_method", "recompute_num_layers", "recompute_modules",
+)
+
+
+def _resized(values: tuple, n: int) -> tuple:
+    """A per-layer tuple cut or extended (repeating its pattern) to n layers."""
+    if n <= len(values):
+        return values[:n]
+    return tuple(values[i % len(values)] for i in range(n))
+
+
+def _geometry_property(field_name: str) -> property:
+    def get(self: Provider) -> Any:
+        return getattr(self.geometry, field_name)
+
+    def set_(self: Provider, value: Any) -> None:
+        import dataclasses
+
+        changes: dict[str, Any] = {field_name: value}
+        if field_name == "num_layers":
+            changes["layer_types"] = _resized(self.geometry.layer_types, int(value))
+            changes["moe_layers"] = _resized(self.geometry.moe_layers, int(value))
+        self.geometry = dataclasses.replace(self.geometry, **changes)
+        self._validate()
+
+    return property(get, set_)
+
+
+def _settings_property(field_name: str) -> property:
+    def get(self: Provider) -> Any:
+        return getattr(self.settings, field_name)
+
+    def set_(self: Provider, value: Any) -> None:
+        import dataclasses
+
+        if isinstance(value, list):
+            value = tuple(value)
+        sources = dict(self.settings.sources)
+        sources[field_name] = f"provider_configure: {field_name}={value!r}"
+        changes: dict[str, Any] = {field_name: value}
+        # Sequence parallel follows TP (on exactly when TP > 1) unless it was set explicitly.
+        if field_name == "tensor_model_parallel_size" and "sequence_parallel" not in sources:
+            changes["sequence_parallel"] = int(value) > 1
+        self.settings = dataclasses.replace(
+            self.settings, **changes, sources=tuple(sources.items()))
+        self._validate()
+
+    return property(get, set_)
+
+
+for _name, _field in GEOMETRY_FIELDS.items():
+    setattr(Provider, _name, _geometry_property(_field))
+for _name in SETTINGS_FIELDS:
+    setattr(Provider, _name, _settings_property(_name))
+
+def _dtype_name(torch_dtype: Any) -> str:
+    import torch
+
+    names = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+    if isinstance(torch_dtype, str) and torch_dtype in model_builder.DTYPES:
+        return torch_dtype
+    if torch_dtype not in names:
+        raise ValueError(
+            f"torch_dtype {torch_dtype!r} is not one of torch.bfloat16, torch.float16, "
+            "torch.float32"
+        )
+    return names[torch_dtype]
+
+
+def get_provider(
+    model: str | Path | ModelGeometry,
+    *,
+    torch_dtype: Any = None,
+    allow_unvalidated_arch: bool = False,
+    model_support_key: str | None = None,
+    env: Mapping[str, str] | None = None,
+) -> Provider:
+    """The provider for `model` (a shipped name, an HF id whose last part is shipped, a
+    config.json or an HF folder) with the ART_MEGATRON_* settings of `env` (default the
+    process environment). `torch_dtype` defaults to bfloat16 as upstream.
+
+    `allow_unvalidated_arch` and `model_support_key` are accepted for upstream's call
+    signature; here every architecture the geometry reader accepts is checked by the
+    provider's own layout and build checks, so neither changes anything."""
+    import torch
+
+    del allow_unvalidated_arch, model_support_key
+    if isinstance(model, str) and not Path(model).exists() and "/" in model:
+        from art.megatron.geometry import MODEL_CONFIG_DIR
+
+        short = model.rstrip("/").rsplit("/", 1)[-1]
+        if (MODEL_CONFIG_DIR / f"{short}.json").is_file():
+            model = short
+    geometry = model if isinstance(model, ModelGeometry) else load_geometry(model)
+    dtype = _dtype_name(torch.bfloat16 if torch_dtype is None else torch_dtype)
+    return Provider(geometry, settings=load_settings(env), dtype=dtype)
 
 
 

@@ -26,9 +26,10 @@ from art.megatron.model_builder import RecomputeConfig
 from art.megatron.recompute import RECOMPUTE_MODULES
 
 ENV_PREFIX = "ART_MEGATRON_"
-UNSET_WORDS: frozenset[str] = frozenset({"none", "null", "off", "disabled", "empty", ""})
+UNSET_WORDS: frozenset[str] = frozenset(
+    {"none", "null", "off", "disable", "disabled", "empty", ""})
 TRUE_WORDS: frozenset[str] = frozenset({"1", "true", "yes", "on", "enabled"})
-FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off", "disabled"})
+FALSE_WORDS: frozenset[str] = frozenset({"0", "false", "no", "off", "disable", "disabled"})
 GRANULARITIES: tuple[str, ...] = ("full", "selective")
 METHODS: tuple[str, ...] = ("uniform", "block")
 
@@ -61,6 +62,40 @@ KNOWN_VARIABLES: dict[str, str] = {
 }
 
 
+# Names upstream (ART) reads that change nothing in this build: accepted, their values
+# validated, and listed by print_env as "no effect on this build". name -> (kind, meaning).
+# Kinds: int, bool, list, choice:a|b|c, sms ("default" or a positive even int).
+NO_EFFECT_VARIABLES: dict[str, tuple[str, str]] = {
+    "VPP_MICROBATCH_GROUP_SIZE": ("int", "micro-batches per virtual-pipeline group"),
+    "MOE_ROUTER_DTYPE": ("choice:fp32|fp64", "MoE router dtype"),
+    "OFFLOAD_MODULES": ("list", "activation offloading of modules"),
+    "OVERLAP_MOE_EXPERT_PARALLEL_COMM": ("bool", "overlap of the MoE all-to-all"),
+    "DELAY_WGRAD_COMPUTE": ("bool", "delayed weight-gradient computation"),
+    "EP_OVERLAP_EARLY_ATTN_MEMORY_RELEASE": ("bool", "early attention memory release under "
+                                             "EP overlap"),
+    "MOE_APPLY_PROBS_ON_INPUT": ("bool", "MoE router probabilities applied on the input"),
+    "BIAS_ACTIVATION_FUSION": ("bool", "fused bias + activation (set from the kernels built)"),
+    "FINE_GRAINED_ACTIVATION_OFFLOADING": ("bool", "fine-grained activation offloading"),
+    "MOE_SHARED_EXPERT_OVERLAP": ("bool", "shared-expert overlap"),
+    "MOE_HYBRIDEP_NUM_SMS": ("sms", "SMs for the hybrid-EP dispatcher"),
+    "ENABLE_MOE_ROUTING_REPLAY": ("bool", "MoE routing replay"),
+}
+# Read elsewhere (art.megatron.train), validated here.
+APPLIED_ELSEWHERE: dict[str, str] = {
+    "RANDOM_STATE": "seed for Python, torch and the initial weights (int; default unset)",
+}
+# Upstream aliases: name -> the name it stands for.
+ALIASES: dict[str, str] = {"EXPERT_TENSOR_MODEL_PARALLEL_SIZE": "EXPERT_TENSOR_PARALLEL_SIZE"}
+# Names upstream retired and refuses: name -> what to do instead.
+RETIRED_VARIABLES: dict[str, str] = {
+    "MOE_FLEX_DISPATCHER_BACKEND": "the flex dispatcher backend is chosen by Megatron; unset it",
+    "MOE_DEEPEP_NUM_SMS": "DeepEP is not used; unset it (see MOE_HYBRIDEP_NUM_SMS)",
+}
+# A name this close to a known one is a typo (an error with the suggestion); anything else
+# unknown is only warned about, as upstream ignores unknown names.
+MISSPELLING_CUTOFF = 0.8
+
+
 @dataclass(frozen=True)
 class Settings:
     """All parsed ART_MEGATRON_* values. `sources` says, per field, where the value came from."""
@@ -78,6 +113,8 @@ class Settings:
     recompute_modules: tuple[str, ...] | None = None
     # field name -> "ART_MEGATRON_X=raw" or "default"; informational only.
     sources: tuple[tuple[str, str], ...] = field(default=(), compare=False)
+    # Accepted upstream names that change nothing here: ("ART_MEGATRON_X", raw value).
+    no_effect: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -124,7 +161,7 @@ class Settings:
     def __str__(self) -> str:
         rows = []
         for f in fields(self):
-            if f.name == "sources":
+            if f.name in ("sources", "no_effect"):
                 continue
             value = getattr(self, f.name)
             if isinstance(value, tuple):
@@ -138,6 +175,7 @@ class Settings:
         width_value = max(len(r[1]) for r in rows)
         lines = ["Megatron settings"]
         lines += [f"  {n:<{width_name}}  {v:<{width_value}}  ({s})" for n, v, s in rows]
+        lines += [f"  {name}={raw!r}: no effect on this build" for name, raw in self.no_effect]
         return "\n".join(lines)
 
 
@@ -326,16 +364,78 @@ def reject_unknown_variable(name: str, raw: str, prefix: str, known: Iterable[st
     )
 
 
+def all_known_variables() -> list[str]:
+    """Every ART_MEGATRON_* short name this build accepts (applied or not)."""
+    return [*KNOWN_VARIABLES, *NO_EFFECT_VARIABLES, *APPLIED_ELSEWHERE, *ALIASES]
+
+
+def check_unknown_variable(name: str, raw: str) -> None:
+    """An ART_MEGATRON_* name nobody reads: a close misspelling of a known name (compared
+    without case or surrounding space) is an error with the suggestion; anything else is a
+    warning, as upstream ignores unknown names."""
+    import warnings
+
+    known = all_known_variables()
+    short = name[len(ENV_PREFIX):]
+    cleaned = short.strip().upper()
+    close = difflib.get_close_matches(cleaned, known, n=1, cutoff=MISSPELLING_CUTOFF)
+    if cleaned in known or close:
+        suggestion = cleaned if cleaned in known else close[0]
+        raise ValueError(
+            f"unknown variable {name}={raw!r}: did you mean {ENV_PREFIX}{suggestion}? (a "
+            "misspelt name would silently leave the setting at its default)"
+        )
+    warnings.warn(
+        f"{name}={raw!r} is not a variable this build or upstream reads; ignored",
+        stacklevel=3,
+    )
+
+
+def _check_no_effect_value(variable: str, raw: str, kind: str) -> None:
+    text = raw.strip().lower()
+    if kind == "int":
+        _parse_int(variable, raw)
+    elif kind == "bool":
+        _parse_bool(variable, raw)
+    elif kind.startswith("choice:"):
+        _parse_choice(variable, raw, tuple(kind.split(":", 1)[1].split("|")))
+    elif kind == "sms" and text not in UNSET_WORDS and text != "default":
+        if not text.isdigit() or int(text) < 2 or int(text) % 2:
+            raise ValueError(f"{variable}={raw!r} must be 'default' or a positive even integer")
+
+
 def load_settings(env: Mapping[str, str] | None = None) -> Settings:
     """Parse ART_MEGATRON_* from `env` (default os.environ). Raises ValueError on any bad value
     and on any unknown ART_MEGATRON_* name (with the closest known name suggested)."""
     env = os.environ if env is None else env
     present: dict[str, str] = {}
+    no_effect: list[tuple[str, str]] = []
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
         short = name[len(ENV_PREFIX):]
-        reject_unknown_variable(name, raw, ENV_PREFIX, KNOWN_VARIABLES)
+        if short in RETIRED_VARIABLES:
+            raise ValueError(f"{name} is retired: {RETIRED_VARIABLES[short]}")
+        if short in ALIASES:
+            if ENV_PREFIX + ALIASES[short] in env and env[ENV_PREFIX + ALIASES[short]] != raw:
+                raise ValueError(
+                    f"{name}={raw!r} and {ENV_PREFIX}{ALIASES[short]}="
+                    f"{env[ENV_PREFIX + ALIASES[short]]!r} name the same setting; set one")
+            short = ALIASES[short]
+        if short in NO_EFFECT_VARIABLES:
+            _check_no_effect_value(name, raw, NO_EFFECT_VARIABLES[short][0])
+            no_effect.append((name, raw))
+            continue
+        if short in APPLIED_ELSEWHERE:
+            if short == "RANDOM_STATE" and raw.strip().lower() not in UNSET_WORDS:
+                try:
+                    int(raw.strip())
+                except ValueError:
+                    raise ValueError(f"{name}={raw!r} is not an integer seed") from None
+            continue
+        if short not in KNOWN_VARIABLES:
+            check_unknown_variable(name, raw)
+            continue
         present[short] = raw
 
     parsed: dict[str, object] = {}
@@ -380,4 +480,5 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         for field_name, short in _FIELD_TO_VARIABLE.items()
         if short in present
     )
-    return Settings(**values, sources=sources)  # type: ignore[arg-type]
+    return Settings(**values, sources=sources,  # type: ignore[arg-type]
+                    no_effect=tuple(sorted(no_effect)))

@@ -1,28 +1,50 @@
-"""art.trainer_rank: recompute-aware micro-batch planning for Megatron-Core forwards."""
+"""art.trainer_rank: recompute-aware micro-batch planning for Megatron-Core forwards, with
+ART's public interface (every name of upstream's `__all__` imports from here)."""
 
-from art.trainer_rank._impl import Runtime, TrainerRank
+from art.trainer_rank._impl import TrainerRank
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._types import (
+    AdamParams,
+    AdapterSelection,
     ForwardInput,
     ForwardOutput,
     MicroBatch,
     MicroBatchStats,
     TopK,
     TrainerRankMemoryError,
+    TrainerRankPartialExecutionError,
     TrainerRankRuntimeSupportError,
+    TrainerRankSlotStateError,
+    Unset,
     format_stats_table,
+)
+from art.trainer_rank.slots.checkpoints import (
+    CheckpointManifest,
+    MaterializedCheckpoint,
+    PushedCheckpoint,
+    materialize_lora,
+    validate_checkpoint,
 )
 
 __all__ = [
+    "AdamParams",
+    "AdapterSelection",
+    "CheckpointManifest",
     "ForwardInput",
     "ForwardOutput",
+    "MaterializedCheckpoint",
     "MicroBatch",
     "MicroBatchStats",
-    "Runtime",
+    "PushedCheckpoint",
     "TopK",
     "TrainerRank",
     "TrainerRankMemoryError",
     "TrainerRankOptions",
+    "TrainerRankPartialExecutionError",
     "TrainerRankRuntimeSupportError",
+    "TrainerRankSlotStateError",
+    "Unset",
     "format_stats_table",
+    "materialize_lora",
+    "validate_checkpoint",
 ]

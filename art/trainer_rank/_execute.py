@@ -4,6 +4,7 @@ sequence its own outputs (only those it asked for), in source order."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ def run_sub_forward(
     layout: ParallelLayout,
     device: torch.device,
     head_chunk_tokens: int,
+    checkpoint: str | None = None,
 ) -> list[ForwardOutput]:
     """One packed forward over `leaves` under the caller's grad mode."""
     batch = pack_sequences(
@@ -62,14 +64,30 @@ def run_sub_forward(
         per_logits = unpack(heads.logits, batch)
     outputs = []
     for i, leaf in enumerate(leaves):
-        out = ForwardOutput()
-        if leaf.target_tokens is not None and per_logprobs is not None:
-            out.target_logprobs = per_logprobs[i]
+        top = None
         if leaf.top_k and per_top_values is not None and per_top_tokens is not None:
-            out.top_k = TopK(per_top_values[i][:, : leaf.top_k], per_top_tokens[i][:, : leaf.top_k])
-        if leaf.logits and per_logits is not None:
-            out.logits = per_logits[i]
-        if leaf.hidden_states and per_hidden is not None:
-            out.hidden_states = per_hidden[i]
-        outputs.append(out)
+            top = TopK(per_top_values[i][:, : leaf.top_k], per_top_tokens[i][:, : leaf.top_k])
+        outputs.append(ForwardOutput(
+            target_logprobs=(per_logprobs[i] if leaf.target_tokens is not None
+                             and per_logprobs is not None else None),
+            top_k=top,
+            logits=per_logits[i] if leaf.logits and per_logits is not None else None,
+            hidden_states=(per_hidden[i] if leaf.hidden_states and per_hidden is not None
+                           else None),
+            checkpoint=checkpoint,
+            no_grad=not torch.is_grad_enabled(),
+        ))
     return outputs
+
+
+def detached_output(out: ForwardOutput) -> ForwardOutput:
+    """A sequence that asked for no grad inside a grad run: its outputs carry no graph."""
+    def d(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.detach()
+
+    top = out.top_k
+    return replace(
+        out, target_logprobs=d(out.target_logprobs), logits=d(out.logits),
+        hidden_states=d(out.hidden_states), no_grad=True,
+        top_k=None if top is None else TopK(top.logprobs.detach(), top.tokens),
+    )

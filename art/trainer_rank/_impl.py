@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import traceback
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,8 +29,9 @@ from art.trainer_rank._device_memory import (
     release_memory,
 )
 from art.trainer_rank._escalation import full_recompute
-from art.trainer_rank._execute import run_sub_forward
-from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, grad_mode, make_items, rebuild
+from art.trainer_rank._execute import detached_output, run_sub_forward
+from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, make_items, rebuild
+from art.trainer_rank._lockstep import in_lockstep
 from art.trainer_rank._memory.measure import release_score_buffer
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
@@ -38,38 +39,50 @@ from art.trainer_rank._packing import check_layout_supported, packed_length_toke
 from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
 from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._types import (
+    COLD_CAPPED,
     DECLINED,
+    EMPTY,
+    AdamParams,
     ForwardOutput,
     MicroBatch,
     MicroBatchStats,
     TrainerRankMemoryError,
+    TrainerRankPartialExecutionError,  # noqa: F401 - upstream drivers import it from _impl
     TrainerRankRuntimeSupportError,
+    TrainerRankSlotStateError,
+    Unset,
 )
+from art.trainer_rank.slots.checkpoints import PushedCheckpoint
+from art.trainer_rank.slots.optimizer_step import (
+    GraphLedger,
+    dp_reduce,
+    optim_step,
+    output_tensors,
+    zero_grad,
+)
+from art.trainer_rank.slots.selection import ACTIVE_CHECKPOINT, resolve_checkpoint
+
+if TYPE_CHECKING:
+    from art.megatron.train import TrainingRuntime
+
 
 logger = logging.getLogger("art.trainer_rank")
 
-@dataclass
-class Runtime:
-    """An already-built model and the provider that describes it (tests, custom builders)."""
-
-    model: Any
-    provider: Any
+def language_model(chunk: Any) -> Any:
+    """The GPTModel inside Megatron's wrappers (DistributedDataParallel, Float16Module)."""
+    model = chunk
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
 
 
 class TrainerRank:
     """LoRA training and scoring forwards with recompute-aware memory admission."""
 
-    def __init__(
-        self,
-        provider_or_runtime: Any,
-        *,
-        options: TrainerRankOptions | None = None,
-        memory_model: Any | None = None,
-        seed: int = 0,
-    ) -> None:
-        self.options = options or TrainerRankOptions.from_env()
-        runtime = provider_or_runtime if isinstance(provider_or_runtime, Runtime) else None
-        provider = runtime.provider if runtime is not None else provider_or_runtime
+    def __init__(self, runtime: TrainingRuntime) -> None:
+        self.runtime = runtime
+        self.options = runtime.trainer_options or TrainerRankOptions.from_env()
+        provider = runtime.provider
         self.provider = provider
         layout = provider.layout
         if layout.pipeline_parallel > 1:
@@ -88,12 +101,21 @@ class TrainerRank:
             check_layout_supported(provider.implementation, layout)
         except ValueError as exc:
             raise TrainerRankRuntimeSupportError(str(exc)) from exc
-        if runtime is not None:
-            self.model = runtime.model
-        else:
-            provider.initialize_distributed()
-            self.model = provider.build_model(seed=seed)
-            layout = provider.layout  # data parallel is known once distributed is initialised
+        chunks = list(getattr(runtime, "model", None) or [])
+        if len(chunks) != 1:
+            raise TrainerRankRuntimeSupportError(
+                f"TrainerRank needs exactly one model chunk, the runtime has {len(chunks)}; "
+                "virtual pipeline chunks are not supported: unset "
+                "ART_MEGATRON_VIRTUAL_PIPELINE_MODEL_PARALLEL_SIZE"
+            )
+        self.chunks = chunks
+        self.model = language_model(chunks[0])
+        self.optimizer = runtime.optimizer
+        self.graphs = GraphLedger()
+        self._pushed: list[str | None] = []
+        self.active_checkpoint: str | None = (
+            ACTIVE_CHECKPOINT if provider.lora_config is not None else None)
+        memory_model = runtime.memory_model
         try:
             full = provider.recompute_as("full", "uniform", 1)
         except ValueError:
@@ -154,6 +176,8 @@ class TrainerRank:
             ),
         )
         self.stats_history: list[MicroBatchStats] = []
+        # The probe's backward ran through the adapters: start from clean gradients.
+        self.zero_grad()
 
     # -- limits and pricing helpers -----------------------------------------------------------
 
@@ -192,9 +216,16 @@ class TrainerRank:
     # -- public API ---------------------------------------------------------------------------
 
     def forward_micro_batches(
-        self, inputs: Sequence[Any], *, no_grad: bool | None = None
+        self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
     ) -> Iterator[MicroBatch]:
         """Yield micro-batches of whole top-level items (this DP rank's share).
+
+        `inputs`: any iterable (read once) of ForwardInputs or nested groups of them (up to four
+        levels; a group is indivisible and its outputs come back in its nesting); every DP rank
+        passes the same items. `no_grad=None` inherits `torch.is_grad_enabled()`; an input's own
+        `no_grad` / `checkpoint` override the call's. Every DP rank yields the same number of
+        micro-batches (a rank with nothing left gets an empty one), so a collective in the
+        loop body cannot hang.
 
         Compute the loss and run backward before asking for the next micro-batch: that peak is
         measured and learned too. If your backward raises torch.OutOfMemoryError, catch it,
@@ -204,36 +235,120 @@ class TrainerRank:
         are declined before running; after every other item was yielded, one
         TrainerRankMemoryError lists them (`indices_not_run`).
         """
-        items = make_items(inputs)
-        grad = grad_mode(items, no_grad)
-        self._check_training_mode(grad)
-        _agree.check_same_call("forward_micro_batches", (*fingerprint(items), int(grad)))
+        items = self._items(inputs, checkpoint, no_grad)
+        _agree.check_same_call("forward_micro_batches", (
+            *fingerprint(items), sum(1 for item in items if item.grad)))
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         local = deal_to_ranks(items, dp_size)[dp_rank]
-        yield from self._micro_batches(local, grad)
+        yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch)
 
     def dp_rank_forward(
-        self, inputs: Sequence[Any], *, no_grad: bool | None = None
+        self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
     ) -> list[Any]:
         """Run already-DP-local inputs in one call; outputs mirror `inputs`. Without grad the
         items may run as several sub-forwards; with grad everything is retained until the
-        caller's backward, so the whole call is admitted (or escalated, or declined) as one."""
-        items = make_items(inputs)
-        grad = grad_mode(items, no_grad)
-        self._check_training_mode(grad)
-        if grad:
-            group = Item(index=0, value=list(inputs), leaves=tuple(
-                leaf for item in items for leaf in item.leaves))
-            queue = [group]
-        else:
-            queue = items
+        caller's backward, so the grad part is admitted (or escalated, or declined) as one."""
+        items = self._items(inputs, checkpoint, no_grad)
+        grad_items = [item for item in items if item.grad]
+        queue = [item for item in items if not item.grad]
+        if grad_items:
+            queue.append(Item(index=-1, value=[item.value for item in grad_items],
+                              leaves=tuple(leaf for it in grad_items for leaf in it.leaves),
+                              no_grad_leaves=tuple(
+                                  f for it in grad_items for f in it.no_grad_leaves)))
         results: dict[int, Any] = {}
-        for mb in self._micro_batches(queue, grad, measure_caller=not grad):
+        # With grad the caller's backward comes after this call returns: not measurable here.
+        for mb in self._by_grad_mode(queue, measure_caller=False):
             for index, out in zip(mb.indices, mb.outputs):
                 results[index] = out
-        if grad:
-            return results[0]
+        for item, out in zip(grad_items, results.pop(-1, [])):
+            results[item.index] = out
         return [results[item.index] for item in items]
+
+    def dp_reduce(self, tensor: torch.Tensor, *, op: Any = None) -> None:
+        """All-reduce `tensor` in place over the data-parallel ranks only (default SUM)."""
+        dp_reduce(tensor, torch.distributed.ReduceOp.SUM if op is None else op)
+
+    def zero_grad(self) -> None:
+        """Zero every trainable gradient (DDP buffers and optimizer state's grads)."""
+        zero_grad(self.chunks, self.optimizer)
+        self.graphs.clear()
+
+    def optim_step(
+        self,
+        *,
+        params: AdamParams,
+        scale_grads: float = 1.0,
+        checkpoints: Iterable[str] | None = None,
+        on_live_graphs: str = "allow",
+    ) -> dict[str, float]:
+        """Finalise gradients over DP ranks, multiply them by `scale_grads`, clip to
+        `params.grad_clip_norm` and take one Adam step with `params`; gradients are zeroed
+        afterwards. Returns grad_norm, learning_rate, update_successful (1.0 / 0.0),
+        num_zeros_in_grad and scale_grads. `on_live_graphs="error"` refuses, before changing
+        anything, while a caller still holds an output no backward has reached."""
+        if checkpoints is not None:
+            for name in checkpoints:
+                self._resolve_checkpoint(name)
+        return optim_step(
+            chunks=self.chunks, optimizer=self.optimizer, params=params,
+            scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
+        )
+
+    def push_checkpoint(self, path: str | None) -> PushedCheckpoint:
+        """Make `path` the default adapter of forwards until `pop_checkpoint` (or the returned
+        context closes)."""
+        self._pushed.append(self._resolve_checkpoint(path))
+        return PushedCheckpoint(trainer=self, path=self._pushed[-1])
+
+    def pop_checkpoint(self) -> None:
+        if not self._pushed:
+            raise TrainerRankSlotStateError("pop_checkpoint: no pushed checkpoint to pop")
+        self._pushed.pop()
+
+    # -- inputs -------------------------------------------------------------------------------
+
+    def _resolve_checkpoint(self, checkpoint: Any) -> str | None:
+        return resolve_checkpoint(self.active_checkpoint, checkpoint)
+
+    def _items(self, inputs: Iterable[Any], checkpoint: Any, no_grad: bool | None) -> list[Item]:
+        self._resolve_checkpoint(checkpoint)
+        call_no_grad = (not torch.is_grad_enabled()) if no_grad is None else bool(no_grad)
+        items = make_items(inputs, call_no_grad=call_no_grad)
+        for item in items:
+            for leaf in item.leaves:
+                self._resolve_checkpoint(leaf.checkpoint)
+            self._check_training_mode(item.grad)
+        return items
+
+    def _by_grad_mode(
+        self, local: list[Item], *, measure_caller: bool = True
+    ) -> Iterator[MicroBatch]:
+        # measure_caller applies to grad micro-batches; without grad nothing of the caller's
+        # can add to the peak, so those are always measured.
+        """Grad items first, then no-grad ones; one autograd mode per micro-batch. Declines of
+        either part are raised together once both ran."""
+        errors: list[TrainerRankMemoryError] = []
+        for grad in (True, False):
+            queue = [item for item in local if item.grad == grad]
+            if not queue:
+                continue
+            try:
+                yield from self._micro_batches(
+                    queue, grad, measure_caller=measure_caller or not grad)
+            except TrainerRankMemoryError as error:
+                if error.indices_not_run and all(
+                        i in {item.index for item in queue} for i in error.indices_not_run):
+                    errors.append(error)
+                    continue
+                raise
+        if errors:
+            raise _combine(errors)
+
+    def _empty_micro_batch(self) -> MicroBatch:
+        return MicroBatch(inputs=[], outputs=[], indices=[], stats=MicroBatchStats(
+            decision=EMPTY, available_bytes=self.usable_limit_bytes(),
+            note="this DP rank had no items left in this wave"))
 
     def _check_training_mode(self, grad: bool) -> None:
         # Megatron applies recompute (selective and full, hence escalation) only in training
@@ -345,6 +460,7 @@ class TrainerRank:
                                 implementation=self.implementation, layout=self.layout,
                                 device=self.device,
                                 head_chunk_tokens=self.options.head_chunk_tokens,
+                                checkpoint=self.active_checkpoint,
                             )
                         )
             except torch.OutOfMemoryError as exc:
@@ -356,12 +472,18 @@ class TrainerRank:
                 release_memory()
                 return exc
             stats = self._stats(plan, usable, grad, retries)
+            if grad:
+                flags = [f for item in plan.items for f in item.no_grad_leaves]
+                leaf_outputs = [detached_output(out) if no_grad else out
+                                for out, no_grad in zip(leaf_outputs, flags)]
             outputs, cursor = [], 0
             for item in plan.items:
                 n = len(item.leaves)
                 outputs.append(rebuild(item.value, leaf_outputs[cursor:cursor + n]))
                 cursor += n
             del leaf_outputs
+            if grad:
+                self.graphs.register(output_tensors(outputs), f"items {plan.indices}")
             micro_batch = MicroBatch(
                 inputs=[item.value for item in plan.items],
                 outputs=outputs,
@@ -437,21 +559,23 @@ class TrainerRank:
         self, plan: Plan, usable: int, grad: bool, retries: dict[int, int]
     ) -> MicroBatchStats:
         return MicroBatchStats(
-            decision=plan.decision,
+            local_count=len(plan.items),
             # A split reports every sub-forward's packed tokens; its prices are its largest's.
             packed_tokens=sum(
                 self.admission.packed_length([plan.leaves[i].num_tokens for i in sub])
                 for sub in plan.sub_forwards
             ),
             logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
+            estimated_required_bytes=plan.pricing.dynamic_bytes,
+            available_bytes=usable,
+            cold_start=plan.decision == COLD_CAPPED,
+            subforward_count=len(plan.sub_forwards),
+            decision=plan.decision,
             predicted_peak_bytes=plan.pricing.peak_bytes,
-            predicted_dynamic_bytes=plan.pricing.dynamic_bytes,
-            usable_limit_bytes=usable,
             recompute_summary=plan.pricing.recompute.summary if grad else "no grad",
             grad_enabled=grad,
             term_table=plan.pricing.estimate.table(),
             predicted_source=plan.pricing.source,
-            sub_forwards=len(plan.sub_forwards),
             retries=max((retries.get(i, 0) for i in plan.indices), default=0),
             note=plan.note,
         )

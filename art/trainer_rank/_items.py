@@ -3,12 +3,16 @@ dealing items to data-parallel ranks deterministically."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from art.trainer_rank._memory.request import OutputRequest
 from art.trainer_rank._types import ForwardInput
+
+MAX_NESTING_LEVELS = 4  # the top-level list plus up to three levels of groups, as upstream
 
 
 @dataclass(frozen=True)
@@ -18,6 +22,8 @@ class Item:
     index: int
     value: Any  # the caller's object: a ForwardInput or a nested list of them
     leaves: tuple[ForwardInput, ...]
+    # Per leaf: runs without grad (its own no_grad, else the call's). Default: all with grad.
+    no_grad_leaves: tuple[bool, ...] = ()
     # Computed once: admission reads them for every candidate of every decision (summing
     # tensor sizes each time cost ~30 ms per decision at 10,000 pending items).
     sequence_lengths_tokens: tuple[int, ...] = field(init=False, repr=False, compare=False)
@@ -29,55 +35,70 @@ class Item:
         object.__setattr__(self, "sequence_lengths_tokens", lengths)
         object.__setattr__(self, "num_tokens", sum(lengths))
         object.__setattr__(self, "outputs", outputs_union(self.leaves))
+        if not self.no_grad_leaves:
+            object.__setattr__(self, "no_grad_leaves", (False,) * len(self.leaves))
 
     @property
     def is_group(self) -> bool:
         return not isinstance(self.value, ForwardInput)
 
+    @property
+    def grad(self) -> bool:
+        """The item runs with grad when any of its sequences needs it (a group is one run)."""
+        return not all(self.no_grad_leaves)
 
-def _leaves(value: Any, path: str) -> list[ForwardInput]:
+
+def _is_group(value: Any) -> bool:
+    return isinstance(value, Iterable) and not isinstance(
+        value, (ForwardInput, torch.Tensor, str, bytes, Mapping))
+
+
+def _materialise(value: Any, path: str, level: int) -> Any:
+    """The item with every group read once into a list (generators are consumed here)."""
+    if isinstance(value, ForwardInput):
+        return value
+    if not _is_group(value):
+        raise TypeError(
+            f"inputs{path} is a {type(value).__name__}; an item must be a ForwardInput or a "
+            "(nested) group of ForwardInputs"
+        )
+    if level >= MAX_NESTING_LEVELS:
+        raise ValueError(
+            f"inputs{path} nests groups deeper than {MAX_NESTING_LEVELS} levels (counting the "
+            "top-level list); flatten it"
+        )
+    return [_materialise(child, f"{path}[{i}]", level + 1) for i, child in enumerate(value)]
+
+
+def _leaves(value: Any) -> list[ForwardInput]:
     if isinstance(value, ForwardInput):
         return [value]
-    if isinstance(value, (list, tuple)):
-        out: list[ForwardInput] = []
-        for i, child in enumerate(value):
-            out.extend(_leaves(child, f"{path}[{i}]"))
-        return out
-    raise TypeError(
-        f"inputs{path} is a {type(value).__name__}; an item must be a ForwardInput or a (nested) "
-        "list of ForwardInputs"
-    )
+    return [leaf for child in value for leaf in _leaves(child)]
 
 
-def make_items(inputs: Sequence[Any]) -> list[Item]:
-    """Validate the caller's top-level list and flatten every item."""
-    if isinstance(inputs, ForwardInput) or not isinstance(inputs, (list, tuple)):
+def make_items(inputs: Iterable[Any], *, call_no_grad: bool = False) -> list[Item]:
+    """Read the caller's top-level iterable once and flatten every item. A leaf's own
+    `no_grad` wins over the call's."""
+    if isinstance(inputs, ForwardInput) or not _is_group(inputs):
         raise TypeError(
-            f"inputs must be a list of top-level items, got {type(inputs).__name__}; wrap a single "
-            "ForwardInput in a list"
+            f"inputs must be an iterable of top-level items, got {type(inputs).__name__}; wrap "
+            "a single ForwardInput in a list"
         )
     items = []
     for i, value in enumerate(inputs):
-        leaves = _leaves(value, f"[{i}]")
+        value = _materialise(value, f"[{i}]", 1)
+        leaves = _leaves(value)
         if not leaves:
             raise ValueError(f"inputs[{i}] is an empty group; every item needs >= 1 sequence")
-        items.append(Item(index=i, value=value, leaves=tuple(leaves)))
+        flags = tuple(call_no_grad if leaf.no_grad is None else leaf.no_grad for leaf in leaves)
+        items.append(Item(index=i, value=value, leaves=tuple(leaves), no_grad_leaves=flags))
     return items
 
 
 def grad_mode(items: Sequence[Item], no_grad: bool | None) -> bool:
-    """True when the call runs with grad. The call-level no_grad wins; otherwise the
-    sequences' own no_grad flags, which must agree (one call is one autograd mode)."""
-    if no_grad is not None:
-        return not no_grad
-    flags = {leaf.no_grad for item in items for leaf in item.leaves}
-    if len(flags) > 1:
-        mixed = [item.index for item in items if any(leaf.no_grad for leaf in item.leaves)]
-        raise ValueError(
-            f"inputs mix no_grad=True (items {mixed[:8]}) with grad-enabled sequences; pass "
-            "no_grad= to the call or split the call in two"
-        )
-    return not (flags and flags.pop())
+    """True when any item runs with grad (kept for callers that plan one call as one mode)."""
+    del no_grad
+    return any(item.grad for item in items)
 
 
 def outputs_union(leaves: Sequence[ForwardInput]) -> OutputRequest:

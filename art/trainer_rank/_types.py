@@ -1,9 +1,14 @@
-"""The public value types of art.trainer_rank: inputs, outputs, micro-batches, stats, errors."""
+"""The public value types of art.trainer_rank: inputs, outputs, micro-batches, stats, errors.
+
+Field names and defaults follow ART's `art.trainer_rank` so that a driver written against it
+runs unchanged; fields of ours come after upstream's, always with defaults.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeAlias, TypeVar
 
 import torch
 
@@ -15,18 +20,75 @@ ADMITTED = "admitted"  # fits under the recompute in force
 SPLIT = "split"  # a no-grad group that does not fit whole, run as several sub-forwards
 ESCALATED = "escalated"  # fits only under full recompute, run with full recompute
 DECLINED = "declined"  # fits under no policy we may use; not run
-DECISIONS: tuple[str, ...] = (COLD_CAPPED, ADMITTED, SPLIT, ESCALATED, DECLINED)
+EMPTY = "empty"  # a DP rank with nothing left in this wave: nothing ran (lockstep)
+DECISIONS: tuple[str, ...] = (COLD_CAPPED, ADMITTED, SPLIT, ESCALATED, DECLINED, EMPTY)
+
+T = TypeVar("T")
 
 
-@dataclass(frozen=True, eq=False)
+class _Unset:
+    """The type of `Unset`: "not given here, inherit from the enclosing call"."""
+
+    _instance: _Unset | None = None
+
+    def __new__(cls) -> _Unset:
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "Unset"
+
+    def __reduce__(self) -> str:
+        return "Unset"
+
+
+Unset = _Unset()
+# Which adapter a forward runs with: a checkpoint name/path, None (the base model, no adapter)
+# or Unset (whatever the enclosing call or the trainer's active adapter says).
+AdapterSelection: TypeAlias = str | None | _Unset
+
+
+@dataclass(frozen=True)
+class AdamParams:
+    """Per-step Adam hyper-parameters for `TrainerRank.optim_step`."""
+
+    learning_rate: float
+    beta1: float = 0.9
+    beta2: float = 0.99
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 0.1
+    eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if not self.learning_rate >= 0.0:
+            raise ValueError(f"AdamParams.learning_rate must be >= 0, got {self.learning_rate!r}")
+        for name in ("beta1", "beta2"):
+            value = getattr(self, name)
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"AdamParams.{name} must be in [0, 1), got {value!r}")
+        if not self.weight_decay >= 0.0:
+            raise ValueError(f"AdamParams.weight_decay must be >= 0, got {self.weight_decay!r}")
+        if not self.grad_clip_norm >= 0.0:
+            raise ValueError(
+                f"AdamParams.grad_clip_norm must be >= 0 (0 = no clipping), got "
+                f"{self.grad_clip_norm!r}"
+            )
+        if not self.eps > 0.0:
+            raise ValueError(f"AdamParams.eps must be > 0, got {self.eps!r}")
+
+
+@dataclass(kw_only=True, eq=False)
 class ForwardInput:
-    """One sequence to run through the model.
+    """One sequence to run through the model (keyword arguments only, as upstream).
 
-    input_tokens: 1-D integer token ids. target_tokens: optional, same length; position t is
-    scored as log p(target_tokens[t] | input_tokens[:t+1]); -100 means "ignore" (logprob 0.0).
-    top_k: return the k most likely next tokens per position (None = not requested, else >= 1).
+    input_tokens: integer token ids, 1-D or [1, T] (kept as a 1-D view; the caller's tensor is
+    never changed), on any device. target_tokens: optional, [T] or [T, k] (k targets per
+    position); position t is scored as log p(target | input_tokens[:t+1]); -100 means "ignore"
+    (logprob 0.0). top_k: return the k most likely next tokens per position.
     logits / hidden_states: return the full-vocabulary logits / the final hidden states.
-    no_grad: this sequence needs no gradient (all sequences of one call must agree).
+    no_grad: None inherits the call's mode; True/False override it for this sequence.
+    checkpoint: which adapter runs this sequence (Unset: the call's).
     """
 
     input_tokens: torch.Tensor
@@ -34,41 +96,68 @@ class ForwardInput:
     top_k: int | None = None
     logits: bool = False
     hidden_states: bool = False
-    no_grad: bool = False
+    no_grad: bool | None = None
+    checkpoint: Any = Unset
 
     def __post_init__(self) -> None:
         tokens = self.input_tokens
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1:
-            shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens)
-            raise ValueError(f"ForwardInput.input_tokens must be a 1-D tensor, got {shape}")
+        if not isinstance(tokens, torch.Tensor):
+            raise ValueError(
+                f"ForwardInput.input_tokens must be a tensor, got {type(tokens).__name__}"
+            )
+        if tokens.dim() == 2 and tokens.shape[0] == 1:
+            tokens = tokens.reshape(-1)
+        if tokens.dim() != 1:
+            raise ValueError(
+                f"ForwardInput.input_tokens must be [T] or [1, T], got {tuple(tokens.shape)}"
+            )
         if tokens.numel() < 1:
             raise ValueError("ForwardInput.input_tokens is empty; every sequence needs >= 1 token")
         if tokens.dtype.is_floating_point or tokens.dtype == torch.bool:
             raise ValueError(
                 f"ForwardInput.input_tokens must hold integer token ids, got {tokens.dtype}"
             )
+        self.input_tokens = tokens
         targets = self.target_tokens
         if targets is not None:
-            if not isinstance(targets, torch.Tensor) or tuple(targets.shape) != tuple(tokens.shape):
-                shape = tuple(targets.shape) if isinstance(targets, torch.Tensor) else type(targets)
+            if not isinstance(targets, torch.Tensor):
                 raise ValueError(
-                    f"ForwardInput.target_tokens must be a tensor shaped like input_tokens "
-                    f"{tuple(tokens.shape)}, got {shape}"
+                    f"ForwardInput.target_tokens must be a tensor, got {type(targets).__name__}"
+                )
+            n = tokens.shape[0]
+            if targets.dim() == 2 and targets.shape[0] == 1 and targets.shape[1] == n and n > 1:
+                targets = targets.reshape(-1)  # [1, T], like the input
+            if not (targets.dim() == 1 and targets.shape[0] == n) and not (
+                targets.dim() == 2 and targets.shape[0] == n and targets.shape[1] >= 1
+            ):
+                raise ValueError(
+                    f"ForwardInput.target_tokens must be [T] or [T, k] with T = {n} (the input's "
+                    f"length), got {tuple(targets.shape)}"
                 )
             if targets.dtype.is_floating_point or targets.dtype == torch.bool:
                 raise ValueError(
                     f"ForwardInput.target_tokens must hold integer ids (-100 = ignore), got "
                     f"{targets.dtype}"
                 )
+            self.target_tokens = targets
         if self.top_k is not None and (
             isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 1
         ):
             raise ValueError(f"ForwardInput.top_k must be None or an integer >= 1, got "
                              f"{self.top_k!r}")
+        if self.no_grad is not None and not isinstance(self.no_grad, bool):
+            raise ValueError(f"ForwardInput.no_grad must be None or a bool, got {self.no_grad!r}")
 
     @property
     def num_tokens(self) -> int:
-        return int(self.input_tokens.numel())
+        return int(self.input_tokens.shape[0])
+
+    @property
+    def targets_per_position(self) -> int:
+        """k for [T, k] targets, 1 for [T], 0 without targets."""
+        if self.target_tokens is None:
+            return 0
+        return 1 if self.target_tokens.dim() == 1 else int(self.target_tokens.shape[1])
 
     @property
     def outputs(self) -> OutputRequest:
@@ -80,37 +169,49 @@ class ForwardInput:
         )
 
 
-class TopK(NamedTuple):
+@dataclass(frozen=True)
+class TopK:
     logprobs: torch.Tensor  # [T, k] fp32, descending
     tokens: torch.Tensor  # [T, k] long
 
 
-@dataclass
+@dataclass(frozen=True)
 class ForwardOutput:
     """Per-sequence results, each the full sequence in source order, on every TP/CP rank."""
 
-    target_logprobs: torch.Tensor | None = None  # [T] fp32; 0.0 where target == -100
+    target_logprobs: torch.Tensor | None = None  # [T] (or [T, k]) fp32; 0.0 where ignored
     top_k: TopK | None = None
     logits: torch.Tensor | None = None  # [T, vocab] fp32, gathered across TP
     hidden_states: torch.Tensor | None = None  # [T, hidden] in the model dtype
+    checkpoint: str | None = None  # the adapter that produced it (None: the base model)
+    no_grad: bool = False
 
 
 @dataclass
 class MicroBatchStats:
-    """What admission predicted and what was measured for one yielded micro-batch."""
+    """One yielded micro-batch: upstream's fields first, then what admission predicted and what
+    was measured. `estimated_required_bytes` is the dynamic peak compared with
+    `available_bytes` (the usable limit agreed over the replica)."""
 
-    decision: str
-    packed_tokens: int
-    logical_tokens: int
-    predicted_peak_bytes: int  # resident + dynamic, the larger of memory model and profile
-    predicted_dynamic_bytes: int  # what was compared with the usable limit
-    usable_limit_bytes: int
-    recompute_summary: str  # the recompute this micro-batch ran with
-    grad_enabled: bool
+    global_start: int = 0
+    global_stop: int = 0
+    global_count: int = 0
+    local_count: int = 0
+    packed_tokens: int = 0
+    logical_tokens: int = 0
+    estimated_required_bytes: int = 0
+    available_bytes: int = 0
+    rejected_candidates: int = 0
+    cold_start: bool = False
+    subforward_count: int = 1
+    # ours
+    decision: str = ADMITTED
+    predicted_peak_bytes: int = 0  # resident + dynamic, the larger of memory model and profile
+    recompute_summary: str = ""  # the recompute this micro-batch ran with
+    grad_enabled: bool = True
     term_table: str = ""  # the memory model's itemised estimate
     predicted_source: str = "model"  # "model" or "profile" (whichever was larger)
     measured_peak_bytes: int | None = None  # dynamic peak, forward through caller backward
-    sub_forwards: int = 1
     retries: int = 0  # how many times these items were re-run after an OOM
     note: str = ""
 
@@ -119,23 +220,39 @@ class MicroBatchStats:
             raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
 
     @property
+    def predicted_dynamic_bytes(self) -> int:
+        return self.estimated_required_bytes
+
+    @property
+    def usable_limit_bytes(self) -> int:
+        return self.available_bytes
+
+    @property
+    def sub_forwards(self) -> int:
+        return self.subforward_count
+
+    @property
     def measured_over_predicted(self) -> float | None:
-        if self.measured_peak_bytes is None or self.predicted_dynamic_bytes <= 0:
+        if self.measured_peak_bytes is None or self.estimated_required_bytes <= 0:
             return None
-        return self.measured_peak_bytes / self.predicted_dynamic_bytes
+        return self.measured_peak_bytes / self.estimated_required_bytes
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatch:
     """One yielded micro-batch: whole top-level items, their outputs (same nesting), stats.
 
     indices are positions in the caller's top-level list (the list every DP rank passed).
     """
 
-    inputs: list[Any]
-    outputs: list[Any]
-    indices: list[int]
-    stats: MicroBatchStats
+    inputs: Sequence[Any]
+    outputs: Sequence[Any]
+    indices: Sequence[int]
+    stats: MicroBatchStats = field(default_factory=MicroBatchStats)
+
+    def select(self, xs: Sequence[T]) -> list[T]:
+        """The entries of a per-input list of the caller's that belong to this micro-batch."""
+        return [xs[i] for i in self.indices]
 
 
 class TrainerRankMemoryError(RuntimeError):
@@ -145,18 +262,18 @@ class TrainerRankMemoryError(RuntimeError):
         self,
         message: str,
         *,
-        predicted_peak_bytes: int,
-        usable_limit_bytes: int,
-        recompute_summary: str,
-        suggestion: str,
+        predicted_peak_bytes: int = 0,
+        usable_limit_bytes: int = 0,
+        suggestion: str = "",
+        recompute_summary: str = "",
         indices_not_run: tuple[int, ...] = (),
     ) -> None:
         super().__init__(message)
         self.message = message
         self.predicted_peak_bytes = int(predicted_peak_bytes)
         self.usable_limit_bytes = int(usable_limit_bytes)
-        self.recompute_summary = recompute_summary
         self.suggestion = suggestion
+        self.recompute_summary = recompute_summary
         self.indices_not_run = tuple(indices_not_run)
 
     def __reduce__(self):
@@ -165,36 +282,48 @@ class TrainerRankMemoryError(RuntimeError):
         return (
             _rebuild_memory_error,
             (
+                type(self),
                 self.message,
                 self.predicted_peak_bytes,
                 self.usable_limit_bytes,
-                self.recompute_summary,
                 self.suggestion,
+                self.recompute_summary,
                 self.indices_not_run,
             ),
         )
 
 
+class TrainerRankPartialExecutionError(TrainerRankMemoryError):
+    """A call split into several sub-forwards failed after some of them ran (their graphs and
+    outputs are dropped; gradients they accumulated are restored when affordable)."""
+
+
 def _rebuild_memory_error(
+    cls: type[TrainerRankMemoryError],
     message: str,
     predicted_peak_bytes: int,
     usable_limit_bytes: int,
-    recompute_summary: str,
     suggestion: str,
+    recompute_summary: str,
     indices_not_run: tuple[int, ...],
 ) -> TrainerRankMemoryError:
-    return TrainerRankMemoryError(
+    return cls(
         message,
         predicted_peak_bytes=predicted_peak_bytes,
         usable_limit_bytes=usable_limit_bytes,
-        recompute_summary=recompute_summary,
         suggestion=suggestion,
+        recompute_summary=recompute_summary,
         indices_not_run=indices_not_run,
     )
 
 
 class TrainerRankRuntimeSupportError(RuntimeError):
     """The requested run needs something this runtime does not support (e.g. pipeline stages)."""
+
+
+class TrainerRankSlotStateError(RuntimeError):
+    """An adapter-slot operation does not fit the trainer's slot state (e.g. an optimizer step
+    while a caller still holds a graph, or a checkpoint that is not loaded)."""
 
 
 def format_stats_table(stats_list: list[MicroBatchStats], *, unit: str = "MiB") -> str:

@@ -157,7 +157,7 @@ def forward_inputs(
     top_k: int | None = None,
     logits: bool = False,
     hidden_states: bool = False,
-    no_grad: bool = False,
+    no_grad: bool | None = None,
 ) -> list[list[ForwardInput]]:
     """One top-level item (a list of ForwardInputs) per group, requesting the given outputs."""
     items = []

@@ -21,6 +21,7 @@ import torch
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
+from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
 
 from _tiny import tiny_dense
@@ -28,7 +29,7 @@ from _tiny import tiny_dense
 
 def _inputs(lengths: list[int]) -> list[ForwardInput]:
     g = torch.Generator().manual_seed(0)
-    return [ForwardInput(torch.randint(0, 256, (n,), generator=g),
+    return [ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
                          target_tokens=torch.randint(0, 256, (n,), generator=g)) for n in lengths]
 
 
@@ -54,8 +55,9 @@ def main() -> None:
                                 "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
         dtype="float32", implementation=Implementation.cpu_local(),
     )
-    trainer = TrainerRank(provider, options=TrainerRankOptions(
-        test_memory_limit_bytes=256 * 2**20))
+    trainer = TrainerRank(build_runtime_for_provider(
+        provider, build_optimizer=False,
+        trainer_options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20)))
     rank = int(os.environ["RANK"])
     result = {
         "rank": rank,

@@ -65,8 +65,8 @@ def test_demo_checks_catch_missing_outputs_repeats_and_unhandled_oversized_items
     seq = ForwardInput(input_tokens=torch.tensor([1, 2, 3]), target_tokens=torch.tensor([2, 3,
                                                                                           -100]))
     stats = MicroBatchStats(decision="admitted", packed_tokens=3, logical_tokens=3,
-                            predicted_peak_bytes=10, predicted_dynamic_bytes=10,
-                            usable_limit_bytes=100, recompute_summary="x", grad_enabled=True)
+                            predicted_peak_bytes=10, estimated_required_bytes=10,
+                            available_bytes=100, recompute_summary="x", grad_enabled=True)
     good = ForwardOutput(target_logprobs=torch.tensor([-1.0, -2.0, 0.0]))
     ok = MicroBatch(inputs=[[seq]], outputs=[[good]], indices=[0], stats=stats)
     assert demo._check_outputs(ok) == []

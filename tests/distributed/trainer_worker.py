@@ -17,6 +17,7 @@ from art.megatron.distributed import shutdown_distributed
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
+from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
 
 from _tiny import tiny_dense
@@ -26,7 +27,7 @@ def inputs(extra: bool = False) -> list:
     g = torch.Generator().manual_seed(11)
 
     def x(n: int) -> ForwardInput:
-        return ForwardInput(torch.randint(0, 256, (n,), generator=g),
+        return ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
                             target_tokens=torch.randint(0, 256, (n,), generator=g), top_k=4,
                             logits=True, hidden_states=True)
 
@@ -55,7 +56,9 @@ def run(mode: str) -> dict:
     # Ranks see different limits; the replica must agree on the smallest.
     # Small enough that the start-up probe stops at a few hundred tokens (seconds, not tens).
     limit = (32 - 2 * rank) * 2**20
-    trainer = TrainerRank(provider, options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    trainer = TrainerRank(build_runtime_for_provider(
+        provider, build_optimizer=False,
+        trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
     result: dict = {"rank": rank, "tp": tp, "world": world}
     if mode == "dp":
         try:

@@ -119,8 +119,28 @@ def test_unknown_variable_is_an_error_with_the_closest_name():
         load_settings({"ART_MEGATRON_RECOMPUTE_GRANULARTY": "selective"})
     with pytest.raises(ValueError, match="did you mean ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"):
         load_settings({"ART_MEGATRON_TENSOR_PARALLEL_SIZE": "2"})
-    with pytest.raises(ValueError, match="unknown variable ART_MEGATRON_BANANA"):
+    # A name close to no known one is a warning, not a crash (upstream ignores it).
+    with pytest.warns(UserWarning, match="ART_MEGATRON_BANANA='1' is not a variable"):
         load_settings({"ART_MEGATRON_BANANA": "1"})
+
+
+def test_every_upstream_variable_is_accepted_and_listed():
+    import warnings
+
+    from _upstream_env import UPSTREAM_ENV
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = load_settings(UPSTREAM_ENV)
+    assert s.expert_tensor_parallel_size == 1 and s.recompute_modules is None
+    text = str(s)
+    assert "ART_MEGATRON_MOE_HYBRIDEP_NUM_SMS='default': no effect on this build" in text
+    with pytest.raises(ValueError, match="positive even integer"):
+        load_settings({"ART_MEGATRON_MOE_HYBRIDEP_NUM_SMS": "3"})
+    with pytest.raises(ValueError, match="retired"):
+        load_settings({"ART_MEGATRON_MOE_DEEPEP_NUM_SMS": "8"})
+    two = load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"})
+    assert two.sequence_parallel is True  # on exactly when TP > 1, unless set
 
 
 def test_known_variables_are_documented_and_printed():

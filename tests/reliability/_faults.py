@@ -19,7 +19,8 @@ from collections import Counter
 import torch
 from _fuzz import Leaf, ReferencePool, _check_leaf, _loss, _to_input
 
-from art.trainer_rank import Runtime, TrainerRank, TrainerRankMemoryError, TrainerRankOptions
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
 from art.trainer_rank._memory import virtual_limit
 
 LIMIT_BYTES = 64 * 2**20
@@ -127,8 +128,8 @@ def fault_workload(rng: random.Random, pool: ReferencePool):
 
 
 def make_trainer(provider, model, limit_bytes: int = LIMIT_BYTES):
-    return TrainerRank(Runtime(model, provider),
-                       options=TrainerRankOptions(test_memory_limit_bytes=limit_bytes))
+    return TrainerRank(TrainingRuntime.for_model(model, provider,
+                       trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit_bytes)))
 
 
 def fault_trial(provider, model, rng: random.Random, pool: ReferencePool, *, grad: bool,

@@ -34,9 +34,9 @@ from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
+from art.megatron.train import TrainingRuntime
 from art.trainer_rank import (
     ForwardInput,
-    Runtime,
     TrainerRank,
     TrainerRankMemoryError,
     TrainerRankOptions,
@@ -304,7 +304,8 @@ class WorkloadFuzzer:
             trust_window=rng.choice((1.5, 2.0, 4.0)),
             head_chunk_tokens=rng.choice((16, 64, 2048)),
         )
-        return TrainerRank(Runtime(self.model, self.provider), options=options)
+        return TrainerRank(TrainingRuntime.for_model(self.model, self.provider,
+                                                     trainer_options=options))
 
     def random_limit(self) -> int:
         # 8 KiB (nothing fits) .. 48 MiB (everything does), log-uniform.

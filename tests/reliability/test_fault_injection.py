@@ -23,7 +23,8 @@ from _faults import (
 from _fuzz import Leaf, ReferencePool, _check_leaf, _to_input, fuzz_provider
 from _reliability import write_counts
 
-from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank import TrainerRank, TrainerRankOptions
 from art.trainer_rank._items import make_items
 from art.trainer_rank._profiles import PROFILE_FILE_VERSION, ProfileStore
 
@@ -80,8 +81,9 @@ def test_broken_profile_file_is_ignored_and_replaced(fuzz_model, tmp_path, kind)
     inputs = [_to_input(leaf, pool, True) for leaf in plan]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer = TrainerRank(Runtime(model, provider), options=TrainerRankOptions(
-            test_memory_limit_bytes=LIMIT_BYTES, profile_path=str(path)))
+        trainer = TrainerRank(TrainingRuntime.for_model(
+            model, provider, trainer_options=TrainerRankOptions(
+            test_memory_limit_bytes=LIMIT_BYTES, profile_path=str(path))))
     assert trainer.profiles.profiles == {}
     if kind != "empty" or path.stat().st_size:
         assert any("ignoring memory profile file" in str(w.message) for w in caught), kind
@@ -116,8 +118,9 @@ def test_profile_of_another_model_or_lying_profile_cannot_cause_an_oom(fuzz_mode
     path.write_text(json.dumps(payload))
     tight = max(probe.admission.price(item.leaves, True)[0].model_dynamic_bytes
                 for item in items) + 1
-    trainer = TrainerRank(Runtime(model, provider), options=TrainerRankOptions(
-        test_memory_limit_bytes=tight, profile_path=str(path)))
+    trainer = TrainerRank(TrainingRuntime.for_model(
+        model, provider, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=tight, profile_path=str(path))))
     assert trainer.profiles.has_profile(own_sig)
     zero_grads(model)
     seen, declined = drive(trainer, inputs, True, Injector())

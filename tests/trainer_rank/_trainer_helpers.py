@@ -28,7 +28,7 @@ def provider(granularity: str = "selective", **env: str) -> Provider:
 
 
 def make_inputs(lengths, *, seed: int = 0, top_k: int | None = 3, logits: bool = True,
-                hidden_states: bool = True, no_grad: bool = False) -> list[ForwardInput]:
+                hidden_states: bool = True, no_grad: bool | None = None) -> list[ForwardInput]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in lengths:
@@ -36,7 +36,8 @@ def make_inputs(lengths, *, seed: int = 0, top_k: int | None = 3, logits: bool =
         targets[0] = -100  # ignored positions give 0.0 and no gradient
         out.append(
             ForwardInput(
-                torch.randint(0, VOCAB, (n,), generator=g), target_tokens=targets, top_k=top_k,
+                input_tokens=torch.randint(0, VOCAB, (n,), generator=g), target_tokens=targets,
+                top_k=top_k,
                 logits=logits, hidden_states=hidden_states, no_grad=no_grad,
             )
         )

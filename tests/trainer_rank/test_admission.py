@@ -78,8 +78,8 @@ def admission(**policy) -> Admission:
 def items(*groups):
     return make_items(
         [
-            [ForwardInput(torch.arange(n)) for n in g] if isinstance(g, tuple)
-            else ForwardInput(torch.arange(g))
+            [ForwardInput(input_tokens=torch.arange(n)) for n in g] if isinstance(g, tuple)
+            else ForwardInput(input_tokens=torch.arange(g))
             for g in groups
         ]
     )

@@ -7,7 +7,8 @@ import pickle
 import pytest
 import torch
 
-from art.trainer_rank._items import deal_to_ranks, grad_mode, make_items, outputs_union, rebuild
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank._items import deal_to_ranks, make_items, outputs_union, rebuild
 from art.trainer_rank._types import (
     ADMITTED,
     ForwardInput,
@@ -18,22 +19,29 @@ from art.trainer_rank._types import (
 
 
 def fi(n: int, **kw) -> ForwardInput:
-    return ForwardInput(torch.arange(n), **kw)
+    return ForwardInput(input_tokens=torch.arange(n), **kw)
 
 
 def test_forward_input_validation_names_the_problem():
-    with pytest.raises(ValueError, match="1-D"):
-        ForwardInput(torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"\[T\] or \[1, T\], got \(2, 3\)"):
+        ForwardInput(input_tokens=torch.zeros(2, 3, dtype=torch.long))
+    with pytest.raises(TypeError):
+        ForwardInput(torch.arange(3))  # keyword-only, as upstream
     with pytest.raises(ValueError, match="empty"):
-        ForwardInput(torch.zeros(0, dtype=torch.long))
+        ForwardInput(input_tokens=torch.zeros(0, dtype=torch.long))
     with pytest.raises(ValueError, match="integer token ids"):
-        ForwardInput(torch.zeros(3))
-    with pytest.raises(ValueError, match="shaped like input_tokens"):
-        ForwardInput(torch.arange(3), target_tokens=torch.arange(4))
+        ForwardInput(input_tokens=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"\[T\] or \[T, k\] with T = 3"):
+        ForwardInput(input_tokens=torch.arange(3), target_tokens=torch.arange(4))
     with pytest.raises(ValueError, match="top_k must be None or an integer >= 1, got 0"):
-        ForwardInput(torch.arange(3), top_k=0)
-    x = ForwardInput(torch.arange(3), target_tokens=torch.arange(3), top_k=4, hidden_states=True)
+        ForwardInput(input_tokens=torch.arange(3), top_k=0)
+    x = ForwardInput(input_tokens=torch.arange(3), target_tokens=torch.arange(3), top_k=4,
+                     hidden_states=True)
     assert x.outputs.key == "logprobs,top_k=4,hidden_states"
+    caller = torch.arange(5).view(1, 5)
+    row = ForwardInput(input_tokens=caller, target_tokens=torch.zeros(5, 2, dtype=torch.long))
+    assert row.input_tokens.shape == (5,) and caller.shape == (1, 5)
+    assert row.targets_per_position == 2 and row.no_grad is None
 
 
 def test_nesting_round_trips_and_outputs_union():
@@ -49,17 +57,19 @@ def test_nesting_round_trips_and_outputs_union():
         make_items([fi(1), [3]])
     with pytest.raises(ValueError, match="empty group"):
         make_items([[]])
-    with pytest.raises(TypeError, match="list of top-level items"):
+    with pytest.raises(TypeError, match="iterable of top-level items"):
         make_items(fi(2))
 
 
-def test_grad_mode_agreement():
-    items = make_items([fi(2), fi(3, no_grad=True)])
-    with pytest.raises(ValueError, match="mix no_grad"):
-        grad_mode(items, None)
-    assert grad_mode(items, True) is False
-    assert grad_mode(make_items([fi(2, no_grad=True)]), None) is False
-    assert grad_mode(make_items([fi(2)]), None) is True
+def test_per_input_no_grad_overrides_the_call_and_any_iterable_is_read_once():
+    items = make_items(iter([fi(2), fi(3, no_grad=True), [fi(1), fi(2, no_grad=False)]]),
+                       call_no_grad=True)
+    assert [it.no_grad_leaves for it in items] == [(True,), (True,), (True, False)]
+    assert [it.grad for it in items] == [False, False, True]
+    deep = [[[[fi(1)]]]]  # four levels counting the top-level list: accepted
+    assert len(make_items(deep)[0].leaves) == 1
+    with pytest.raises(ValueError, match="deeper than 4 levels"):
+        make_items([[[[[fi(1)]]]]])
 
 
 def test_deal_is_deterministic_balanced_and_whole():
@@ -89,17 +99,16 @@ def test_memory_error_pickles_with_its_fields():
 def test_stats_table_renders_rows():
     s = MicroBatchStats(
         decision=ADMITTED, packed_tokens=64, logical_tokens=60, predicted_peak_bytes=3 << 20,
-        predicted_dynamic_bytes=2 << 20, usable_limit_bytes=8 << 20,
+        estimated_required_bytes=2 << 20, available_bytes=8 << 20,
         recompute_summary="no recompute", grad_enabled=True, measured_peak_bytes=1 << 20,
     )
+    assert (s.predicted_dynamic_bytes, s.usable_limit_bytes) == (2 << 20, 8 << 20)
     table = format_stats_table([s, s])
     lines = table.splitlines()
     assert len(lines) == 4 and "decision" in lines[0]
     assert "0.500" in lines[2] and "2.00" in lines[2]
     with pytest.raises(ValueError, match="decision must be one of"):
-        MicroBatchStats(decision="maybe", packed_tokens=1, logical_tokens=1,
-                        predicted_peak_bytes=1, predicted_dynamic_bytes=1, usable_limit_bytes=1,
-                        recompute_summary="", grad_enabled=False)
+        MicroBatchStats(decision="maybe", packed_tokens=1, logical_tokens=1)
 
 
 def test_options_from_env_validate_and_suggest():
@@ -130,8 +139,8 @@ def test_options_from_env_validate_and_suggest():
 def test_pipeline_parallel_is_refused_up_front():
     from _trainer_helpers import provider
 
-    from art.trainer_rank import Runtime, TrainerRank, TrainerRankRuntimeSupportError
+    from art.trainer_rank import TrainerRank, TrainerRankRuntimeSupportError
 
     p = provider("full", ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE="2")
     with pytest.raises(TrainerRankRuntimeSupportError, match="PIPELINE_MODEL_PARALLEL_SIZE=1"):
-        TrainerRank(Runtime(model=None, provider=p))
+        TrainerRank(TrainingRuntime.for_model(None, p))

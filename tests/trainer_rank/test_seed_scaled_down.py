@@ -18,9 +18,9 @@ from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
+from art.megatron.train import TrainingRuntime
 from art.trainer_rank import (
     ForwardInput,
-    Runtime,
     TrainerRank,
     TrainerRankMemoryError,
     TrainerRankOptions,
@@ -77,8 +77,9 @@ def _group():
 
 def _trainer(seed_runtime, **options):
     provider, model = seed_runtime
-    return TrainerRank(Runtime(model, provider), options=TrainerRankOptions(
-        test_memory_limit_bytes=LIMIT_BYTES, **options))
+    return TrainerRank(TrainingRuntime.for_model(
+        model, provider, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=LIMIT_BYTES, **options)))
 
 
 def test_the_seed_formula_would_admit_this_group():

@@ -16,7 +16,8 @@ from _trainer_helpers import (
     zero_grads,
 )
 
-from art.trainer_rank import Runtime, TrainerRank, TrainerRankMemoryError, TrainerRankOptions
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
 from art.trainer_rank._items import make_items
 
 ATOL = 2e-5
@@ -74,8 +75,8 @@ def _run(trainer, inputs, weights, *, no_grad=None):
 
 def test_packed_outputs_and_grads_equal_the_unpacked_reference(built):
     p, model = built
-    trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     xs = make_inputs([5, 9, 7, 12, 6])
     inputs = [xs[0], [xs[1], xs[2]], xs[3], [[xs[4]]]]
     weights = [1.0, 0.5, 2.0, -1.0, 0.25]
@@ -99,16 +100,16 @@ def test_packed_outputs_and_grads_equal_the_unpacked_reference(built):
 def test_no_grad_split_equals_the_whole_group(built):
     p, model = built
     xs = make_inputs([20, 24, 18, 22], seed=1, no_grad=True)
-    roomy = TrainerRank(Runtime(model, p),
-                        options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    roomy = TrainerRank(TrainingRuntime.for_model(model, p,
+                        trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     group = make_items([xs])[0]
     pricing, _, _ = roomy.admission.price(group.leaves, False)  # nothing learned yet
     one, _, _ = roomy.admission.price(group.leaves[:1], False)
     whole = roomy.dp_rank_forward([xs])[0]
     limit = pricing.dynamic_bytes - 1
     assert one.dynamic_bytes < limit
-    tight = TrainerRank(Runtime(model, p),
-                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    tight = TrainerRank(TrainingRuntime.for_model(model, p,
+                        trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
     mbs = list(tight.forward_micro_batches([xs], no_grad=True))
     assert len(mbs) == 1 and mbs[0].stats.decision == "split" and mbs[0].stats.sub_forwards > 1
     split = mbs[0].outputs[0]
@@ -123,8 +124,8 @@ def test_escalation_runs_full_recompute_and_changes_nothing(built):
     # Stand-in prices: selective needs far more than the limit, full recompute fits. The
     # decision is forced so the test can check what escalation does to a real model.
     priced = StandInModel({"selective": 10**9, "full": 1, "no-grad": 1}, "selective")
-    trainer = TrainerRank(Runtime(model, p), memory_model=priced,
-                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     xs = make_inputs([11, 13], seed=2)
     calls = []
     hook = model.decoder.layers[0].register_forward_pre_hook(lambda m, a: calls.append(1))
@@ -158,14 +159,14 @@ def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
     xs = make_inputs([40, 36, 44, 38], seed=3, no_grad=True)
     peaks = {}
     for n in (1, 4):  # a fresh trainer each: nothing learned, so all n items run at once
-        roomy = TrainerRank(Runtime(model, p), memory_model=priced,
-                            options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+        roomy = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                            trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
         (mb,) = list(roomy.forward_micro_batches(xs[:n], no_grad=True))
         peaks[n] = mb.stats.measured_peak_bytes
     assert peaks[4] > peaks[1]
     limit = (peaks[1] + peaks[4]) // 2
-    tight = TrainerRank(Runtime(model, p), memory_model=priced,
-                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    tight = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                        trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
     seen = _run(tight, xs, [1.0] * 4, no_grad=True)
     assert sorted(seen) == [0, 1, 2, 3]
     for x, i in zip(xs, range(4)):
@@ -180,8 +181,8 @@ def test_caller_backward_oom_restores_grads_and_retries(built):
     # the forward's peak and the caller-backward's peak, so the OOM happens in the caller.
     priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
     xs = make_inputs([30, 34], seed=4, logits=False, hidden_states=False, top_k=None)
-    roomy = TrainerRank(Runtime(model, p), memory_model=priced,
-                        options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    roomy = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                        trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     roomy.dp_rank_forward([xs])  # grad: the measured peak is the forward's alone
     forward_peak = roomy.stats_history[-1].measured_peak_bytes
     zero_grads(model)
@@ -189,8 +190,8 @@ def test_caller_backward_oom_restores_grads_and_retries(built):
     full_peak = roomy.stats_history[-1].measured_peak_bytes
     assert full_peak > forward_peak
     limit = (forward_peak + full_peak) // 2
-    tight = TrainerRank(Runtime(model, p), memory_model=priced,
-                        options=TrainerRankOptions(test_memory_limit_bytes=limit))
+    tight = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                        trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
     zero_grads(model)
     yielded = []
     for mb in tight.forward_micro_batches([xs]):
@@ -213,10 +214,10 @@ def test_profiles_persist_and_a_second_run_starts_warm(built, tmp_path):
     options = TrainerRankOptions(test_memory_limit_bytes=16 * 2**20, profile_path=str(path))
     xs = make_inputs([8, 10, 9], seed=5, logits=False, hidden_states=False, top_k=None,
                      no_grad=True)
-    first = TrainerRank(Runtime(model, p), options=options)
+    first = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=options))
     list(first.forward_micro_batches(xs))
     assert first.stats_history[0].decision == "cold-capped" and path.exists()
-    second = TrainerRank(Runtime(model, p), options=options)
+    second = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=options))
     outs = second.dp_rank_forward(xs)
     assert [s.decision for s in second.stats_history] == ["admitted"]
     assert len(outs) == 3 and all(o.target_logprobs is not None for o in outs)
@@ -225,8 +226,8 @@ def test_profiles_persist_and_a_second_run_starts_warm(built, tmp_path):
 
 def test_dp_rank_forward_with_grad_keeps_caller_order_and_backprops(built):
     p, model = built
-    trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     xs = make_inputs([6, 4, 7], seed=6)
     zero_grads(model)
     outs = trainer.dp_rank_forward([xs[0], [xs[1], xs[2]]])
@@ -244,8 +245,8 @@ def test_when_the_smallest_form_ooms_the_error_is_chained_to_the_oom(built):
     p, model = built
     # Stand-in under-predicts; the virtual limit is below any forward of this model.
     priced = StandInModel({"selective": 1, "full": 1, "no-grad": 1}, "selective")
-    trainer = TrainerRank(Runtime(model, p), memory_model=priced,
-                          options=TrainerRankOptions(test_memory_limit_bytes=4096))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=4096)))
     xs = make_inputs([16], seed=7, no_grad=True)
     with pytest.raises(TrainerRankMemoryError) as info:
         list(trainer.forward_micro_batches(xs))
@@ -259,8 +260,8 @@ def test_grad_forward_on_an_eval_mode_model_is_refused(built):
     from art.trainer_rank import TrainerRankRuntimeSupportError
 
     p, model = built
-    trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
     model.eval()
     try:
         with pytest.raises(TrainerRankRuntimeSupportError, match="model.train"):
@@ -274,10 +275,10 @@ def test_options_default_to_the_environment(built, monkeypatch, tmp_path):
     p, model = built
     monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(16 * 2**20))
     monkeypatch.setenv("ART_TRAINER_RANK_PROFILE_PATH", str(tmp_path / "p.json"))
-    trainer = TrainerRank(Runtime(model, p))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p))
     assert trainer.usable_limit_bytes() == 16 * 2**20
     list(trainer.forward_micro_batches(make_inputs([5], no_grad=True)))
     assert (tmp_path / "p.json").exists()
     monkeypatch.setenv("ART_TRAINER_RANK_TRUST_WINDOWS", "2")
     with pytest.raises(ValueError, match="ART_TRAINER_RANK_TRUST_WINDOW"):
-        TrainerRank(Runtime(model, p))
+        TrainerRank(TrainingRuntime.for_model(model, p))

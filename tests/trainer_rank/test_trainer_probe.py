@@ -8,7 +8,8 @@ import pytest
 import torch
 from _trainer_helpers import grads, make_inputs, provider
 
-from art.trainer_rank import Runtime, TrainerRank, TrainerRankOptions
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank import TrainerRank, TrainerRankOptions
 from art.trainer_rank._memory.model import MemoryModel
 from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 from art.trainer_rank._probing import (
@@ -29,8 +30,8 @@ def built():
 
 def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_first_use(built):
     p, model = built
-    trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=LIMIT))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p,
+                          trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT)))
     assert trainer.probe is not None and trainer.probe.probed_tails == []
     # The key TP ranks agree on before probing is the probe's own.
     assert trainer.probe._key(trainer.probe.modes, ()) == trainer.probe.key
@@ -50,7 +51,7 @@ def test_probe_off_prices_with_the_default_formulas(built, monkeypatch):
     p, model = built
     monkeypatch.setenv("ART_TRAINER_RANK_PROBE_LAYERS", "false")
     monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(LIMIT))
-    trainer = TrainerRank(Runtime(model, p))
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p))
     assert trainer.options.probe_layers is False and trainer.probe is None
     shape = MicroBatchShape((64,), outputs=OutputRequest(target_logprobs=True),
                             grad_enabled=True)
@@ -90,7 +91,7 @@ def test_probe_points_follow_the_limit_and_are_cached_on_disk(built, tmp_path):
     assert len(roomy) > len(small) and roomy[:MIN_PROBE_POINTS] == small
     options = TrainerRankOptions(test_memory_limit_bytes=LIMIT,
                                  profile_path=str(tmp_path / "profiles.json"))
-    trainer = TrainerRank(Runtime(model, p), options=options)
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=options))
     trainer.memory_model.estimate(MicroBatchShape(
         (32,), outputs=OutputRequest(target_logprobs=True), grad_enabled=True))
     # Next to the profile file: the layers' coefficients and the tail probed on first use.

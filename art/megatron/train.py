@@ -1,0 +1,241 @@
+"""The training runtime: provider -> model chunks (base frozen, LoRA applied), wrapped in
+Megatron-Core's DistributedDataParallel, and Megatron-Core's own optimizer.
+
+`build_training_runtime` has upstream's signature and defaults; `build_runtime_for_provider`
+does the same from a provider already in hand (tests, scripts with their own geometry).
+On CPU the optimizer runs through `cpu_runtime.cuda_calls_on_cpu` (Megatron allocates a few
+bookkeeping tensors on 'cuda' and compares `tensor.type()` with CUDA type names).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Callable
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict
+
+from art.megatron import cpu_runtime
+from art.megatron.provider import Provider, get_provider
+
+DEFAULT_MODEL_IDENTIFIER = "Qwen/Qwen3-0.6B"
+ENV_MODEL_IDENTIFIER = "MODEL_IDENTIFIER"
+ENV_RANDOM_STATE = "ART_MEGATRON_RANDOM_STATE"
+TRAINABLE_PARAMETER_MODES: tuple[str, ...] = ("lora", "base_model")
+MODEL_INITIALIZATIONS: tuple[str, ...] = ("pretrained", "random")
+# The adapter built when the caller passes none: rank 8, alpha 16, every linear.
+DEFAULT_LORA_RANK = 8
+DEFAULT_LORA_ALPHA = 16
+
+
+class TrainingRuntime(BaseModel):
+    """What TrainerRank runs on: upstream's fields first, ours (optional) after."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    provider: Any
+    model: list[Any]  # model chunks; TrainerRank needs exactly one
+    optimizer: Any | None = None
+    optimizer_config: Any | None = None
+    rank: int = 0
+    world_size: int = 1
+    # ours: TrainerRankOptions for this trainer (None: from ART_TRAINER_RANK_*), and a memory
+    # model to price with instead of the probed one (tests, harness code).
+    trainer_options: Any | None = None
+    memory_model: Any | None = None
+    seed: int = 0  # the seed the weights and adapters were drawn from
+
+    @classmethod
+    def for_model(cls, model: Any, provider: Provider, **fields: Any) -> TrainingRuntime:
+        """A runtime around an already-built model (no DDP, no optimizer unless given)."""
+        import torch.distributed as dist
+
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        return cls(provider=provider, model=[model], rank=rank, world_size=world, **fields)
+
+
+def random_state_from_env() -> int | None:
+    """ART_MEGATRON_RANDOM_STATE as an int (None when unset or a none-word)."""
+    raw = os.environ.get(ENV_RANDOM_STATE, "").strip()
+    if raw.lower() in ("", "none", "null", "off", "disable", "disabled"):
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{ENV_RANDOM_STATE}={raw!r} is not an integer seed") from None
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def default_optimizer_config(torch_dtype: torch.dtype = torch.bfloat16) -> Any:
+    """Upstream's defaults: Adam, lr 5e-6, betas 0.9 / 0.99, clip 0.1, weight decay 0.1; bf16
+    mixed precision when the model is bf16."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    return OptimizerConfig(
+        optimizer="adam",
+        bf16=torch_dtype == torch.bfloat16,
+        fp16=torch_dtype == torch.float16,
+        lr=5e-6,
+        adam_beta1=0.9,
+        adam_beta2=0.99,
+        clip_grad=0.1,
+        weight_decay=0.1,
+    )
+
+
+def default_lora_config() -> Any:
+    from peft import LoraConfig
+
+    return LoraConfig(r=DEFAULT_LORA_RANK, lora_alpha=DEFAULT_LORA_ALPHA,
+                      target_modules="all-linear")
+
+
+def pretrained_weights_available(provider: Provider) -> bool:
+    """Whether `initialize_weights(..., "pretrained")` can load this model's weights. This
+    build has no weight loader yet, so never."""
+    del provider
+    return False
+
+
+def initialize_weights(provider: Provider, chunks: list[Any], model_initialization: str) -> None:
+    """Give the built chunks their starting weights: "random" keeps the seeded initialisation
+    of the build; "pretrained" loads the model's Hugging Face weights."""
+    if model_initialization == "random":
+        return
+    raise ValueError(_no_pretrained_message(provider))
+
+
+def _no_pretrained_message(provider: Provider) -> str:
+    source = provider.geometry.source or provider.geometry.name
+    return (
+        f"model_initialization='pretrained': no weights can be loaded for "
+        f"{provider.geometry.name} (config from {source}); this build initialises weights "
+        "at random only. Pass model_initialization='random' to build_training_runtime"
+    )
+
+
+def build_training_runtime(
+    *,
+    model_identifier: str | None = None,
+    provider_configure: Callable[[Any], None] | None = None,
+    optimizer_config: Any | None = None,
+    print_env: bool = True,
+    build_optimizer: bool = True,
+    trainable_parameter_mode: Literal["lora", "base_model"] = "lora",
+    model_initialization: Literal["pretrained", "random"] = "pretrained",
+    provider_torch_dtype: torch.dtype = torch.bfloat16,
+    lora_config: Any | None = None,
+    allow_unvalidated_arch: bool = False,
+) -> TrainingRuntime:
+    """Build the provider (from `model_identifier`, else $MODEL_IDENTIFIER, else the default
+    model), let `provider_configure(provider)` change it, then build the runtime on it."""
+    _check_modes(trainable_parameter_mode, model_initialization)
+    seed = random_state_from_env()
+    if seed is not None:
+        seed_everything(seed)
+    identifier = (model_identifier or os.environ.get(ENV_MODEL_IDENTIFIER)
+                  or DEFAULT_MODEL_IDENTIFIER)
+    provider = get_provider(identifier, torch_dtype=provider_torch_dtype,
+                            allow_unvalidated_arch=allow_unvalidated_arch)
+    if provider_configure is not None:
+        provider_configure(provider)
+    return build_runtime_for_provider(
+        provider,
+        optimizer_config=optimizer_config,
+        print_env=print_env,
+        build_optimizer=build_optimizer,
+        trainable_parameter_mode=trainable_parameter_mode,
+        model_initialization=model_initialization,
+        lora_config=lora_config,
+        seed=0 if seed is None else seed,
+    )
+
+
+def build_runtime_for_provider(
+    provider: Provider,
+    *,
+    optimizer_config: Any | None = None,
+    print_env: bool = False,
+    build_optimizer: bool = True,
+    trainable_parameter_mode: str = "lora",
+    model_initialization: str = "random",
+    lora_config: Any | None = None,
+    seed: int = 0,
+    trainer_options: Any | None = None,
+    wrap_ddp: bool = True,
+) -> TrainingRuntime:
+    """Distributed start-up, model chunk (frozen base + LoRA, or a trainable base), weights,
+    DDP and optimizer for a provider. Bad arguments fail before anything is built."""
+    _check_modes(trainable_parameter_mode, model_initialization)
+    if build_optimizer and not wrap_ddp:
+        raise ValueError("build_optimizer=True needs wrap_ddp=True (Megatron's optimizer reads "
+                         "the DDP gradient buffers)")
+    if trainable_parameter_mode == "lora":
+        if provider.lora_config is None:
+            provider.lora_config = lora_config or default_lora_config()
+            provider._validate()
+    elif provider.lora_config is not None or lora_config is not None:
+        raise ValueError("trainable_parameter_mode='base_model' trains the base weights; do not "
+                         "pass a LoRA config (or use trainable_parameter_mode='lora')")
+    if model_initialization == "pretrained" and not pretrained_weights_available(provider):
+        raise ValueError(_no_pretrained_message(provider))
+    state = provider.initialize_distributed()
+    if print_env:
+        print(provider.settings)
+        print(provider.describe())
+    model = provider.build_model(seed=seed)
+    initialize_weights(provider, [model], model_initialization)
+    chunks: list[Any] = [model]
+    if wrap_ddp:
+        chunks = [_wrap_ddp(model)]
+    optimizer = config = None
+    if build_optimizer:
+        config = optimizer_config or default_optimizer_config(_torch_dtype(provider.dtype))
+        optimizer = build_megatron_optimizer(config, chunks)
+    return TrainingRuntime(
+        provider=provider, model=chunks, optimizer=optimizer, optimizer_config=config,
+        rank=state.rank, world_size=state.world_size, trainer_options=trainer_options,
+        seed=seed,
+    )
+
+
+def build_megatron_optimizer(config: Any, chunks: list[Any]) -> Any:
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    with cpu_runtime.cuda_calls_on_cpu():
+        return get_megatron_optimizer(config, chunks)
+
+
+def _wrap_ddp(model: Any) -> Any:
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    cpu_runtime.install()
+    return DistributedDataParallel(
+        config=model.config, ddp_config=DistributedDataParallelConfig(), module=model)
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float32": torch.float32}[name]
+
+
+def _check_modes(trainable_parameter_mode: str, model_initialization: str) -> None:
+    if trainable_parameter_mode not in TRAINABLE_PARAMETER_MODES:
+        raise ValueError(
+            f"trainable_parameter_mode={trainable_parameter_mode!r} is not one of "
+            f"{', '.join(TRAINABLE_PARAMETER_MODES)}"
+        )
+    if model_initialization not in MODEL_INITIALIZATIONS:
+        raise ValueError(
+            f"model_initialization={model_initialization!r} is not one of "
+            f"{', '.join(MODEL_INITIALIZATIONS)}"
+        )

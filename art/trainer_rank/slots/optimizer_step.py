@@ -1,0 +1,191 @@
+"""The optimizer step of a TrainerRank: gradient finalisation over data-parallel ranks, the
+caller's gradient scale, Adam with this step's hyper-parameters, and zeroing.
+
+Gradients live in Megatron's DDP buffers (`main_grad`). Megatron's DDP averages them over the
+data-parallel ranks; upstream's drivers instead SUM their loss and token count with
+`dp_reduce` and pass `scale_grads = 1 / global tokens`, so the step multiplies the averaged
+gradients back by the DP size before applying `scale_grads`: DP=2 then steps exactly like DP=1
+on the same global batch.
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from art.megatron import cpu_runtime
+from art.trainer_rank._types import (
+    AdamParams,
+    TrainerRankRuntimeSupportError,
+    TrainerRankSlotStateError,
+)
+
+ON_LIVE_GRAPHS: tuple[str, ...] = ("allow", "error")
+
+
+class GraphLedger:
+    """Which grad-enabled outputs a caller still holds without having run backward through
+    them. An output is settled once a gradient reached it or once the caller dropped it."""
+
+    def __init__(self) -> None:
+        self._pending: dict[int, str] = {}
+        self._next = 0
+
+    def register(self, tensors: Iterable[torch.Tensor], description: str) -> None:
+        for tensor in tensors:
+            if not isinstance(tensor, torch.Tensor) or not tensor.requires_grad:
+                continue
+            key = self._next
+            self._next += 1
+            self._pending[key] = description
+            tensor.register_hook(self._settle_hook(key))
+            weakref.finalize(tensor, self._pending.pop, key, None)
+
+    def _settle_hook(self, key: int):
+        pending = self._pending
+
+        def hook(grad: torch.Tensor) -> None:
+            pending.pop(key, None)
+
+        return hook
+
+    def live(self) -> list[str]:
+        return sorted(set(self._pending.values()))
+
+    def clear(self) -> None:
+        self._pending.clear()
+
+
+def output_tensors(outputs: Any) -> list[torch.Tensor]:
+    """Every tensor of a (nested) list of ForwardOutputs."""
+    from art.trainer_rank._types import ForwardOutput
+
+    if isinstance(outputs, ForwardOutput):
+        found = [outputs.target_logprobs, outputs.logits, outputs.hidden_states]
+        if outputs.top_k is not None:
+            found.append(outputs.top_k.logprobs)
+        return [t for t in found if isinstance(t, torch.Tensor)]
+    if isinstance(outputs, (list, tuple)):
+        return [t for child in outputs for t in output_tensors(child)]
+    return []
+
+
+def data_parallel_group() -> Any | None:
+    from megatron.core import parallel_state
+
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return None
+    return parallel_state.get_data_parallel_group(with_context_parallel=False)
+
+
+def dp_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
+    """In-place all-reduce over this replica's data-parallel ranks only (TP/CP ranks of one
+    replica hold the same value and are not summed)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"dp_reduce needs a tensor, got {type(tensor).__name__}")
+    group = data_parallel_group()
+    if group is None or dist.get_world_size(group) == 1:
+        return
+    if dist.get_backend(group) == "gloo" and tensor.device.type != "cpu":
+        staged = tensor.detach().cpu()
+        dist.all_reduce(staged, op=op, group=group)
+        tensor.copy_(staged)
+        return
+    dist.all_reduce(tensor, op=op, group=group)
+
+
+def zero_grad(chunks: list[Any], optimizer: Any | None) -> None:
+    for chunk in chunks:
+        zero_grad_buffer = getattr(chunk, "zero_grad_buffer", None)
+        if callable(zero_grad_buffer):
+            zero_grad_buffer()
+        else:
+            for p in chunk.parameters():
+                p.grad = None
+    if optimizer is not None:
+        optimizer.zero_grad()
+
+
+def _param_groups(optimizer: Any) -> list[dict]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    if chained is not None:
+        return [g for o in chained for g in o.optimizer.param_groups]
+    return list(optimizer.optimizer.param_groups)
+
+
+def _configs(optimizer: Any) -> list[Any]:
+    chained = getattr(optimizer, "chained_optimizers", None)
+    optimizers = chained if chained is not None else [optimizer]
+    return list({id(o.config): o.config for o in optimizers}.values())
+
+
+def optim_step(
+    *,
+    chunks: list[Any],
+    optimizer: Any | None,
+    params: AdamParams,
+    scale_grads: float,
+    ledger: GraphLedger,
+    on_live_graphs: str,
+) -> dict[str, float]:
+    """One optimizer step over the trainable parameters; returns grad norm, learning rate,
+    whether the update was applied, and the count of zero gradients."""
+    if not isinstance(params, AdamParams):
+        raise TypeError(f"optim_step(params=...) needs an AdamParams, got {type(params).__name__}")
+    if on_live_graphs not in ON_LIVE_GRAPHS:
+        raise ValueError(f"on_live_graphs={on_live_graphs!r} is not one of {ON_LIVE_GRAPHS}")
+    scale = float(scale_grads)
+    if not math.isfinite(scale):
+        raise ValueError(f"scale_grads={scale_grads!r} is not finite")
+    if optimizer is None:
+        raise TrainerRankRuntimeSupportError(
+            "optim_step: this runtime has no optimizer; build it with "
+            "build_training_runtime(build_optimizer=True)"
+        )
+    if not all(callable(getattr(c, "scale_gradients", None)) for c in chunks):
+        raise TrainerRankRuntimeSupportError(
+            "optim_step: the model chunks are not wrapped in Megatron's DistributedDataParallel "
+            "(build the runtime with build_training_runtime)"
+        )
+    live = ledger.live()
+    if live and on_live_graphs == "error":
+        raise TrainerRankSlotStateError(
+            f"optim_step(on_live_graphs='error'): the caller still holds {len(live)} output "
+            f"group(s) with a graph no backward has reached ({', '.join(live[:4])}); run their "
+            "backward or drop them (del) before stepping. Nothing was changed"
+        )
+    from megatron.core.distributed import finalize_model_grads
+
+    group = data_parallel_group()
+    dp_size = 1 if group is None else dist.get_world_size(group)
+    with cpu_runtime.cuda_calls_on_cpu():
+        finalize_model_grads(chunks)
+        factor = scale * dp_size
+        if factor != 1.0:
+            for chunk in chunks:
+                chunk.scale_gradients(factor)
+        for config in _configs(optimizer):
+            config.clip_grad = float(params.grad_clip_norm)
+        for group_ in _param_groups(optimizer):
+            group_["lr"] = float(params.learning_rate) * float(group_.get("lr_mult", 1.0))
+            group_["weight_decay"] = float(params.weight_decay) * float(
+                group_.get("wd_mult", 1.0))
+            if "betas" in group_:
+                group_["betas"] = (float(params.beta1), float(params.beta2))
+            if "eps" in group_:
+                group_["eps"] = float(params.eps)
+        applied, grad_norm, num_zeros = optimizer.step()
+    zero_grad(chunks, optimizer)
+    ledger.clear()
+    return {
+        "grad_norm": float("nan") if grad_norm is None else float(grad_norm),
+        "learning_rate": float(params.learning_rate),
+        "update_successful": 1.0 if applied else 0.0,
+        "num_zeros_in_grad": 0.0 if num_zeros is None else float(num_zeros),
+        "scale_grads": scale,
+    }
