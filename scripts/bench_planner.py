@@ -419,7 +419,7 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
     rows = []
     for n in args.overhead_items:
         spec = replace(ctx["spec"], groups=n, seed=args.seed + n)
-        inputs = [[ForwardInput(torch.zeros(t, dtype=torch.long),
+        inputs = [[ForwardInput(input_tokens=torch.zeros(t, dtype=torch.long),
                                 target_tokens=torch.zeros(t, dtype=torch.long))
                    for t in g.sequence_lengths_tokens] for g in group_lengths(spec)]
         items = make_items(inputs)

@@ -36,18 +36,13 @@ def run_sub_forward(
         device=device,
     )
     wanted = outputs_union(leaves)
+    # K targets per position: the widest request; narrower ones are padded with IGNORE_INDEX.
+    columns = max((leaf.targets_per_position for leaf in leaves), default=0)
     hidden = decoder_hidden_states(model, batch)
     targets = None
     if wanted.target_logprobs:
-        targets = pack_values(
-            [
-                leaf.target_tokens if leaf.target_tokens is not None
-                else torch.full_like(leaf.input_tokens, IGNORE_INDEX)
-                for leaf in leaves
-            ],
-            batch,
-            fill=IGNORE_INDEX,
-        ).to(device=device, dtype=torch.long)
+        targets = pack_values([_target_columns(leaf, columns) for leaf in leaves], batch,
+                              fill=IGNORE_INDEX).to(device=device, dtype=torch.long)
     heads = None
     if wanted.target_logprobs or wanted.top_k or wanted.logits:
         heads = compute_heads(
@@ -68,8 +63,9 @@ def run_sub_forward(
         if leaf.top_k and per_top_values is not None and per_top_tokens is not None:
             top = TopK(per_top_values[i][:, : leaf.top_k], per_top_tokens[i][:, : leaf.top_k])
         outputs.append(ForwardOutput(
-            target_logprobs=(per_logprobs[i] if leaf.target_tokens is not None
-                             and per_logprobs is not None else None),
+            target_logprobs=(_own_columns(per_logprobs[i], leaf)
+                             if leaf.target_tokens is not None and per_logprobs is not None
+                             else None),
             top_k=top,
             logits=per_logits[i] if leaf.logits and per_logits is not None else None,
             hidden_states=(per_hidden[i] if leaf.hidden_states and per_hidden is not None
@@ -91,3 +87,21 @@ def detached_output(out: ForwardOutput) -> ForwardOutput:
         hidden_states=d(out.hidden_states), no_grad=True,
         top_k=None if top is None else TopK(top.logprobs.detach(), top.tokens),
     )
+
+
+def _target_columns(leaf: ForwardInput, columns: int) -> torch.Tensor:
+    """This sequence's targets as [T, columns] on the input's device (IGNORE_INDEX padding);
+    the caller's tensor is read, never changed."""
+    out = torch.full((leaf.num_tokens, columns), IGNORE_INDEX, dtype=torch.long)
+    targets = leaf.target_tokens
+    if targets is not None:
+        targets = targets.detach().to("cpu", torch.long)
+        out[:, : leaf.targets_per_position] = targets.view(leaf.num_tokens, -1)
+    return out
+
+
+def _own_columns(logprobs: torch.Tensor, leaf: ForwardInput) -> torch.Tensor:
+    """[T] for [T] targets, [T, k] for [T, k] targets."""
+    if leaf.target_tokens is not None and leaf.target_tokens.dim() == 1:
+        return logprobs[:, 0]
+    return logprobs[:, : leaf.targets_per_position]

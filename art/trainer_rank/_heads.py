@@ -111,9 +111,10 @@ class _ChunkedVocabHead(torch.autograd.Function):
     ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         tokens, device = hidden.shape[0], hidden.device
         log_normalizer = torch.empty(tokens, dtype=torch.float32, device=device)
+        # targets: [S, K] (K targets per position); one column per target.
         target_logprobs = (
-            torch.empty(tokens, dtype=torch.float32, device=device) if targets is not None
-            else hidden.new_empty(0, dtype=torch.float32)
+            torch.empty(tokens, targets.shape[1], dtype=torch.float32, device=device)
+            if targets is not None else hidden.new_empty(0, dtype=torch.float32)
         )
         top_values = torch.empty(tokens, top_k, dtype=torch.float32, device=device)
         top_tokens = torch.empty(tokens, top_k, dtype=torch.long, device=device)
@@ -128,7 +129,7 @@ class _ChunkedVocabHead(torch.autograd.Function):
                 logits[start:end] = shard.gather_last_dim(local)
             if targets is not None:
                 inside, local_ids = _in_shard(targets[start:end], shard)
-                picked = local.gather(1, local_ids.unsqueeze(1)).squeeze(1)
+                picked = local.gather(1, local_ids)
                 picked.masked_fill_(~inside, 0.0)
                 shard.all_reduce(picked)
                 target_logprobs[start:end] = picked
@@ -147,7 +148,7 @@ class _ChunkedVocabHead(torch.autograd.Function):
             shard.all_reduce(sum_exp)
             log_normalizer[start:end] = sum_exp.log_().add_(row_max)
         if targets is not None:
-            target_logprobs.sub_(log_normalizer)
+            target_logprobs.sub_(log_normalizer.unsqueeze(-1))
             target_logprobs.masked_fill_(targets == IGNORE_INDEX, 0.0)
         top_values.sub_(log_normalizer.unsqueeze(-1))
         ctx.save_for_backward(hidden, weight, targets, top_tokens, log_normalizer)
@@ -190,14 +191,14 @@ class _ChunkedVocabHead(torch.autograd.Function):
             grad_local.sub_(log_normalizer[start:end].unsqueeze(-1)).exp_()  # softmax shard
             weight_sum = torch.zeros(end - start, dtype=torch.float32, device=h.device)
             if grad_target is not None:
-                weight_sum += grad_target[start:end].float()
+                weight_sum += grad_target[start:end].float().sum(dim=-1)
             if grad_top is not None:
                 weight_sum += grad_top[start:end].float().sum(dim=-1)
             grad_local.mul_(weight_sum.neg_().unsqueeze(-1))
             if grad_target is not None:
                 inside, local_ids = _in_shard(targets[start:end], shard)
                 picks = grad_target[start:end].float() * inside
-                grad_local.scatter_add_(1, local_ids.unsqueeze(1), picks.unsqueeze(1))
+                grad_local.scatter_add_(1, local_ids, picks)
             if grad_top is not None:
                 inside, local_ids = _in_shard(top_tokens[start:end], shard)
                 grad_local.scatter_add_(1, local_ids, grad_top[start:end].float() * inside)
@@ -229,7 +230,8 @@ def compute_heads(
 ) -> HeadOutputs:
     """Outputs for every token of `hidden` [S, hidden] (the full row, same on every TP rank).
 
-    target_tokens: [S] long vocabulary ids, IGNORE_INDEX (-100) where no log-prob is wanted.
+    target_tokens: [S] (or [S, K]: K targets per position) long vocabulary ids, IGNORE_INDEX
+    (-100) where no log-prob is wanted; target_logprobs has the same shape.
     Differentiable in `hidden` and the output weight when grad is enabled.
     """
     weight = output_weight(model)
@@ -243,12 +245,15 @@ def compute_heads(
     tokens = hidden.shape[0]
     if top_k < 0 or top_k > shard.vocab:
         raise ValueError(f"top_k must be between 0 and the vocabulary {shard.vocab}, got {top_k}")
+    one_column = target_tokens is not None and target_tokens.dim() == 1
     if target_tokens is not None:
-        if target_tokens.shape != (tokens,):
+        if target_tokens.shape[:1] != (tokens,) or target_tokens.dim() not in (1, 2):
             raise ValueError(
-                f"target_tokens must be [{tokens}] (one per packed token), got "
+                f"target_tokens must be [{tokens}] or [{tokens}, K] (per packed token), got "
                 f"{tuple(target_tokens.shape)}"
             )
+        if one_column:
+            target_tokens = target_tokens.unsqueeze(-1)
         target_tokens = target_tokens.to(device=hidden.device, dtype=torch.long)
         outside = (target_tokens < 0) | (target_tokens >= shard.vocab)
         bad = (target_tokens != IGNORE_INDEX) & outside
@@ -261,6 +266,8 @@ def compute_heads(
     out_logprobs, out_top_values, out_top_tokens, out_logits = _ChunkedVocabHead.apply(
         hidden, weight, target_tokens, top_k, logits, chunk_tokens, shard
     )
+    if one_column:
+        out_logprobs = out_logprobs.squeeze(-1)
     return HeadOutputs(
         target_logprobs=out_logprobs if target_tokens is not None else None,
         top_k_logprobs=out_top_values if top_k else None,

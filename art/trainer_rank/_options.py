@@ -45,6 +45,8 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
         "in memory only)",
     ),
 }
+# Upstream's test-only switches (layout anchors, hooks): accepted, nothing here reads them.
+UPSTREAM_TEST_ONLY: frozenset[str] = frozenset({"TEST_HOOKS", "TEST_ANCHOR"})
 assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
 assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
 
@@ -112,6 +114,8 @@ class TrainerRankOptions:
             if not name.startswith(ENV_PREFIX):
                 continue
             short = name[len(ENV_PREFIX):]
+            if short in UPSTREAM_TEST_ONLY:
+                continue
             reject_unknown_variable(name, raw, ENV_PREFIX, ENV_VARIABLES)
             field_name = ENV_VARIABLES[short][0]
             values[field_name] = _parse(name, field_name, raw)

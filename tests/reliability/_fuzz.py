@@ -180,7 +180,7 @@ def _to_input(value: Any, pool: ReferencePool, no_grad: bool) -> Any:
     if isinstance(value, Leaf):
         target, top_k, logits, hidden = value.outputs
         return ForwardInput(
-            pool.tokens[value.pool_index],
+            input_tokens=pool.tokens[value.pool_index],
             target_tokens=pool.targets[value.pool_index] if target else None,
             top_k=top_k or None, logits=logits, hidden_states=hidden, no_grad=no_grad,
         )

@@ -71,7 +71,7 @@ def seed_runtime(megatron_process):
 
 def _group():
     g = torch.Generator().manual_seed(7)
-    return [[ForwardInput(torch.randint(0, 256, (n,), generator=g), hidden_states=True)
+    return [[ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g), hidden_states=True)
              for n in LENGTHS]]
 
 

@@ -131,8 +131,6 @@ def test_get_provider_and_provider_configure_fields():
 
 
 def test_build_training_runtime_trains_the_adapter_only(monkeypatch):
-    from _upstream_env import UPSTREAM_ENV
-
     from art.megatron.train import build_training_runtime
     from art.trainer_rank import (
         AdamParams,
@@ -140,6 +138,8 @@ def test_build_training_runtime_trains_the_adapter_only(monkeypatch):
         TrainerRank,
         TrainerRankSlotStateError,
     )
+
+    from _upstream_env import UPSTREAM_ENV
 
     # Every variable upstream reads, at a valid value: the runtime builds with all of them.
     for name, value in {**UPSTREAM_ENV, "ART_MEGATRON_RANDOM_STATE": "7"}.items():
@@ -191,3 +191,40 @@ def test_build_training_runtime_trains_the_adapter_only(monkeypatch):
     params = dict(rank.model.named_parameters())
     assert all(torch.equal(params[n], v) for n, v in frozen.items())
     assert all(not torch.equal(params[n], v) for n, v in adapter.items())
+
+
+def test_forward_semantics_follow_upstream(megatron_process):
+    """Multi-target labels, [1, T] inputs, per-input no_grad inside a grad call, no_grad=None
+    inheriting torch.is_grad_enabled(), generator inputs with nested groups; the caller's
+    tensors are never changed."""
+    from _trainer_helpers import provider
+
+    from art.megatron.train import TrainingRuntime
+    from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
+
+    p = provider("selective")
+    trainer = TrainerRank(TrainingRuntime.for_model(p.build_model(seed=0), p,
+                          trainer_options=TrainerRankOptions(probe_layers=False)))
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, 256, (1, 9), generator=g)
+    two = torch.randint(0, 256, (9, 2), generator=g)
+    two[0, 1] = -100
+    kept = (tokens.clone(), two.clone())
+    multi = ForwardInput(input_tokens=tokens, target_tokens=two)
+    cols = [ForwardInput(input_tokens=tokens, target_tokens=two[:, k].contiguous())
+            for k in range(2)]
+    scored = ForwardInput(input_tokens=tokens[0, :5], target_tokens=two[:5, 0], no_grad=True)
+    outs = trainer.dp_rank_forward(
+        x for x in [multi, [cols[0], [cols[1]]], scored])  # any iterable, nested groups
+    assert outs[0].target_logprobs.shape == (9, 2)
+    assert torch.allclose(outs[0].target_logprobs[:, 0], outs[1][0].target_logprobs, atol=1e-5)
+    assert torch.allclose(outs[0].target_logprobs[:, 1], outs[1][1][0].target_logprobs,
+                          atol=1e-5)
+    assert float(outs[0].target_logprobs[0, 1]) == 0.0  # ignored
+    assert outs[0].target_logprobs.requires_grad and not outs[0].no_grad
+    assert outs[2].no_grad and not outs[2].target_logprobs.requires_grad
+    assert outs[0].checkpoint is None  # a runtime without adapter runs the base model
+    assert torch.equal(tokens, kept[0]) and torch.equal(two, kept[1]) and tokens.shape == (1, 9)
+    with torch.no_grad():
+        (inherited,) = trainer.dp_rank_forward([cols[0]])
+    assert inherited.no_grad and not inherited.target_logprobs.requires_grad

@@ -1,0 +1,94 @@
+"""Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
+`train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
+rebuilt in between), then data-parallel lockstep with skewed items and a collective inside
+the caller's loop. Each phase's report and the gathered adapter go to OUT_DIR/rank<r>.json."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _driver():
+    spec = importlib.util.spec_from_file_location("upstream_driver",
+                                                  ROOT / "scripts" / "upstream_driver.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _adapter(trainer) -> dict[str, list]:
+    from art.megatron.lora import adapter_state_dict
+
+    state = adapter_state_dict(trainer.model)  # collective over TP: every rank calls it
+    return {k: v.flatten().tolist() for k, v in sorted(state.items())}
+
+
+def _lockstep(trainer) -> dict:
+    """Rank 0's share is one long item, rank 1's many short ones (the deal is largest first),
+    so without lockstep the ranks yield different numbers of micro-batches."""
+    from megatron.core import parallel_state
+
+    from art.trainer_rank import ForwardInput
+
+    g = torch.Generator().manual_seed(5)
+    lengths = [60, 6, 6, 6, 6, 6, 6]
+    inputs = [ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
+                           target_tokens=torch.randint(0, 256, (n,), generator=g),
+                           top_k=2)  # an output mix no profile has seen yet: cold-capped
+              for n in lengths]
+    # A limit that admits the long item alone: a signature's first micro-batch is capped at a
+    # fraction of what the limit admits, so rank 1 runs its short items in several.
+    from art.trainer_rank._items import make_items
+
+    long_item = make_items(inputs[:1])[0]
+    price = trainer.admission.price(long_item.leaves, True)[0].dynamic_bytes
+    trainer.options = replace(trainer.options, test_memory_limit_bytes=int(price * 1.5))
+    group = parallel_state.get_data_parallel_group()
+    decisions, indices, totals = [], [], []
+    for micro in trainer.forward_micro_batches(inputs):
+        count = torch.ones(1)
+        dist.all_reduce(count, group=group)  # the caller's own collective, every iteration
+        totals.append(int(count))
+        decisions.append(micro.stats.decision)
+        indices.extend(micro.indices)
+        if micro.outputs:
+            sum(-o.target_logprobs.sum() for o in micro.outputs).backward()
+    trainer.zero_grad()
+    return {"decisions": decisions, "indices": indices, "totals": totals}
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    driver = _driver()
+    args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
+                              "--max-tokens", "24"])
+    from megatron.core import parallel_state
+
+    os.environ["ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"] = "2"
+    tp2, trainer = driver.train(args)
+    tp2["adapter"] = _adapter(trainer)
+    del trainer
+    parallel_state.destroy_model_parallel()
+    os.environ["ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"] = "1"
+    dp2, trainer = driver.train(args)
+    dp2["adapter"] = _adapter(trainer)
+    lockstep = _lockstep(trainer)
+    rank = dist.get_rank()
+    with open(out_dir / f"rank{rank}.json", "w") as f:
+        json.dump({"tp2": tp2, "dp2": dp2, "lockstep": lockstep}, f)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
