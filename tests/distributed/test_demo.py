@@ -22,7 +22,7 @@ def test_demo_short_workload_tp2() -> None:
         ROOT / "scripts" / "demo_worker.py",
         "--groups", "3", "--rollouts", "2", "--max-tokens", "320", "--median-completion", "60",
         "--lora-rank", "2",
-        nproc=2, timeout_s=90, env=DEMO_ENV,
+        nproc=2, timeout_s=240, env=DEMO_ENV,
     )
     out = proc.stdout
     assert "OK: every admitted item ran once with its outputs; no OOM escaped." in out, out

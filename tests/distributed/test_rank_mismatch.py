@@ -18,7 +18,7 @@ def test_mismatched_inputs_raise_on_every_rank(tmp_path):
     # TP=2 is the case that would hang: the two ranks of one replica planning different
     # micro-batches would wait in each other's TP collectives. (DP ranks take the same check,
     # one all_gather over the world.) The subprocess timeout is the "no hang" bound.
-    run_torchrun(WORKER, "2", str(tmp_path), nproc=2, timeout_s=90)
+    run_torchrun(WORKER, "2", str(tmp_path), nproc=2, timeout_s=240)
     rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:

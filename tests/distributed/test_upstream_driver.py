@@ -18,7 +18,7 @@ pytestmark = pytest.mark.torchrun
 def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("upstream_driver")
     run_torchrun(ROOT / "tests" / "distributed" / "upstream_driver_worker.py", str(out),
-                 timeout_s=600, env={"ART_TRAINER_RANK_PROBE_LAYERS": "false",
+                 timeout_s=400, env={"ART_TRAINER_RANK_PROBE_LAYERS": "false",
                                      "ART_MEGATRON_RANDOM_STATE": "11"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
 
