@@ -577,6 +577,7 @@ def _largest_allocation(model: MemoryModel, batch: MicroBatchShape, s: int, S: i
 
 def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
     tp, pp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel
+    etp = layout.expert_tensor_parallel
     h = g.hidden_size
     total = 0.0
     for i in range(g.num_layers):
@@ -591,8 +592,11 @@ def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
             kv = g.num_query_groups * g.head_dim
             gate = q if g.gated_attention_output else 0
             mixer = h * (q + gate + 2 * kv) + q * h
+            if g.qk_layernorm:
+                mixer += 2 * g.head_dim * tp  # per-head q/k norms, replicated over TP
         if g.moe_layers[i]:
-            experts = g.num_experts / ep * 3 * h * g.moe_ffn_hidden_size
+            # Experts are split over expert-TP, not TP (the /tp below is undone by * tp).
+            experts = g.num_experts / ep * 3 * h * g.moe_ffn_hidden_size * tp / etp
             shared = 3 * h * g.shared_expert_ffn_hidden_size
             mlp = experts + shared + h * g.num_experts * tp  # router replicated
         else:
@@ -601,7 +605,8 @@ def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
     total /= tp
     embed = g.vocab_size * h / tp
     heads = embed if g.tied_embeddings else 2 * embed
-    return total / pp + (heads if pp == 1 else embed)
+    # The final norm (replicated) lives on the last stage, with the output layer.
+    return total / pp + (heads + h if pp == 1 else embed + h)
 
 
 def _megatron_targets(targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:

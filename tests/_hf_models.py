@@ -1,0 +1,95 @@
+"""Tiny random Hugging Face models saved to a folder (transformers' own classes and
+save_pretrained), and our logprobs vs theirs on the same tokens.
+
+Weights are drawn larger than transformers' default init (std 0.25, norm weights around 1):
+with tiny weights every logit is near zero and a swapped gate/up or a misordered QKV group
+would hide inside the tolerance.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FAMILIES = ("qwen3", "llama", "qwen3_moe")
+
+
+def hf_config(family: str, *, num_layers: int = 2, hidden: int = 64, vocab: int = 256,
+              tied: bool = False) -> Any:
+    from transformers import LlamaConfig, Qwen3Config, Qwen3MoeConfig
+
+    common = dict(
+        num_hidden_layers=num_layers, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=hidden // 4, vocab_size=vocab,
+        max_position_embeddings=512, tie_word_embeddings=tied, rms_norm_eps=1e-6,
+    )
+    if family == "qwen3":
+        return Qwen3Config(**common)
+    if family == "llama":
+        return LlamaConfig(**common)
+    if family == "qwen3_moe":
+        return Qwen3MoeConfig(**common, moe_intermediate_size=hidden // 2, num_experts=4,
+                              num_experts_per_tok=2, norm_topk_prob=True)
+    raise ValueError(family)
+
+
+def make_hf_model(family: str, seed: int = 0, **config_kwargs: Any) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    config = hf_config(family, **config_kwargs)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for param in model.parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim == 1:  # norms
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.25 * noise / param.shape[-1] ** 0.5 * 4)
+    return model.eval()
+
+
+def save_hf_model(family: str, folder: Path, seed: int = 0, **config_kwargs: Any) -> Path:
+    make_hf_model(family, seed, **config_kwargs).save_pretrained(folder)
+    return folder
+
+
+def hf_logprobs(folder: Path, sequences: list[torch.Tensor], adapter: Path | None = None
+                ) -> list[torch.Tensor]:
+    """transformers' target logprobs (each token's next token) for each sequence."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
+    out = []
+    with torch.no_grad():
+        for seq in sequences:
+            logits = model(input_ids=seq[None]).logits[0].float()
+            out.append(torch.log_softmax(logits, -1)[:-1].gather(-1, seq[1:, None])[:, 0])
+    return out
+
+
+def our_logprobs(model: Any, sequences: list[torch.Tensor], *, implementation: Any,
+                 layout: Any) -> list[torch.Tensor]:
+    """The trainer's packed forward and target-logprob head on a Megatron model."""
+    from art.trainer_rank._forward import decoder_hidden_states
+    from art.trainer_rank._heads import compute_heads
+    from art.trainer_rank._packing import next_token_targets, pack_sequences, unpack
+
+    batch = pack_sequences(sequences, implementation=implementation, layout=layout)
+    with torch.no_grad():
+        hidden = decoder_hidden_states(model, batch)
+        heads = compute_heads(model, hidden, target_tokens=next_token_targets(batch))
+    return [lp[:-1] for lp in unpack(heads.target_logprobs, batch)]
+
+
+def token_sequences(vocab: int, lengths: tuple[int, ...] = (13, 5, 9), seed: int = 7
+                    ) -> list[torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
