@@ -157,6 +157,20 @@ def test_missing_extra_and_misshapen_tensors_are_named_with_shapes(folders, tmp_
         prepare_checkpoint(shape, geometry)
 
 
+def test_a_provider_shrunk_to_fewer_layers_loads_the_first_ones(megatron_process, folders):
+    import dataclasses
+
+    folder = folders["qwen3"]
+    geometry = dataclasses.replace(_geometry(folder), num_layers=1,
+                                   layer_types=("attention",), moe_layers=(False,))
+    provider = Provider(geometry, settings=load_settings({}), dtype="float32")
+    model = provider.build_model(seed=1)
+    load_into(model, prepare_checkpoint(folder, geometry))
+    stored = load_file(str(folder / "model.safetensors"))
+    qkv = model.decoder.layers[0].self_attention.linear_qkv.weight
+    assert torch.equal(qkv[:32], stored["model.layers.0.self_attn.q_proj.weight"][:32])
+
+
 def test_config_disagreeing_with_tensors_fails_before_building(folders, tmp_path):
     folder = _copy(folders["qwen3"], tmp_path / "wider")
     config = json.loads((folder / "config.json").read_text())

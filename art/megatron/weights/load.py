@@ -21,12 +21,13 @@ from torch import nn
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.weights.checkpoint import CheckpointError, HFCheckpoint, open_checkpoint
-from art.megatron.weights.family import Family, family_for
+from art.megatron.weights.family import Family, family_for, text_config
 from art.megatron.weights.layouts import VOCAB, Piece, TensorMap, pieces
 
 # Tensors some checkpoints carry that the model recomputes or shares; never loaded.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 _FLOAT_DTYPES = ("F64", "F32", "F16", "BF16")
+_HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -65,6 +66,12 @@ def prepare_checkpoint(path: str | Path | HFCheckpoint,
     if geometry.tied_embeddings:
         # Tied checkpoints sometimes store the head anyway; the embedding is what is used.
         present.pop("lm_head.weight", None)
+    stored_layers = int(text_config(checkpoint.config).get("num_hidden_layers") or 0)
+    if geometry.num_layers < stored_layers:
+        # A provider told to build fewer layers (provider_configure shrinking a model) takes
+        # the first ones; the later layers' tensors are not loaded.
+        present = {n: r for n, r in present.items()
+                   if not ((m := _HF_LAYER.match(n)) and int(m.group(1)) >= geometry.num_layers)}
     missing = sorted(set(expected) - set(present))
     extra = sorted(set(present) - set(expected))
     where = f"{checkpoint.path} ({checkpoint.architecture}, model {geometry.name})"
