@@ -3,9 +3,10 @@
 Makes a random Qwen3-shaped checkpoint with transformers (fp32, about 250 MB), then loads it
 under torchrun at TP=1 and TP=2. Each rank builds its model first (the shard exists before the
 load starts) and then measures, during `load_into` only:
-- torch bytes: the peak of tensor storages allocated inside the load (LiveBytesMeter, the
-  project's meter); the loader copies file views straight into the parameters, so this is
-  what it allocates beyond the model;
+- meter peak: the peak of tensor storages created inside the load as the project's meter
+  (LiveBytesMeter) counts them. It counts safetensors' slices at the size of the whole
+  tensor they view, although that storage is the memory-mapped file, not allocated memory;
+  so it is the largest single tensor, not a private allocation;
 - anonymous RSS: the peak rise of the process's RssAnon (sampled every 0.2 ms by a thread),
   which also catches allocations outside torch (safetensors, Python);
 - file-backed RSS: the rise of RssFile, the checkpoint pages the rank touched through its
@@ -122,7 +123,7 @@ def _markdown(rows: list[dict]) -> str:
         f"hidden {SHAPE['hidden_size']}, vocab {SHAPE['vocab_size']}; CPU, gloo). Each rank's "
         "model is built before the load; figures cover `load_into` only.",
         "",
-        "| TP | rank | shard (MiB) | torch peak during load (MiB) | anon RSS rise (MiB) "
+        "| TP | rank | shard (MiB) | meter peak, file views (MiB) | anon RSS rise (MiB) "
         "| anon rise / shard | file-backed RSS rise (MiB) | seconds |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -135,11 +136,15 @@ def _markdown(rows: list[dict]) -> str:
         )
     lines += [
         "",
-        "torch peak: tensor storages allocated inside the load (the loader copies memory-mapped "
-        "file views into the parameters in place). anon RSS rise: the process's private "
-        "memory above what it held when the load began (sampled). file-backed RSS: checkpoint "
-        "pages mapped by the rank; a column split (row-parallel linears) touches every page "
-        "of the tensor even though only the rank's columns are copied.",
+        "The loader copies memory-mapped file views into the parameters in place. meter peak: "
+        "storages the project's meter saw created during the load; safetensors' slices are "
+        "views of the mapped file and are counted at the size of the whole tensor they view "
+        "(the largest tensor of the file), though nothing is allocated for them. anon RSS "
+        "rise: the process's private memory above what it held when the load began (sampled "
+        "every 0.2 ms): what the load really allocates. file-backed RSS rise: checkpoint pages "
+        "the rank mapped (page cache, shared by the ranks of a node, reclaimable); a column "
+        "split (row-parallel linears) touches every page of the tensor although only the "
+        "rank's columns are copied, so TP=2 maps more than half the file.",
         "",
     ]
     return "\n".join(lines)

@@ -193,3 +193,17 @@ def test_unsupported_architecture_and_settings_are_named(folders, tmp_path):
     (moe / "config.json").write_text(json.dumps({**config, "norm_topk_prob": False}))
     with pytest.raises(UnsupportedCheckpointError, match="norm_topk_prob"):
         prepare_checkpoint(moe, _geometry(folders["qwen3_moe"]))
+
+
+def test_layout_pieces_interleave_qkv_groups_and_pad_the_vocabulary():
+    from art.megatron.weights.layouts import QKV, VOCAB, HFTensor, Piece, TensorMap, pieces
+
+    qkv = TensorMap("qkv", (HFTensor("q", (8, 4)), HFTensor("k", (4, 4)), HFTensor("v", (4, 4))),
+                    QKV, head_dim=2)  # 2 KV groups of 2 query heads, head_dim 2
+    assert pieces(qkv, rank=1, size=2, local_shape=(8, 4)) == [
+        Piece("q", 0, 4, 0, 4), Piece("k", 0, 2, 4, 2), Piece("v", 0, 2, 6, 2)]
+    with pytest.raises(ValueError, match=r"shard has shape \[6, 4\].*give \[8, 4\]"):
+        pieces(qkv, rank=0, size=2, local_shape=(6, 4))
+    vocab = TensorMap("embedding", (HFTensor("embed", (250, 4)),), VOCAB)
+    # 2 ranks of 128 rows: rank 1 holds real rows 128..249 and 6 padding rows.
+    assert pieces(vocab, rank=1, size=2, local_shape=(128, 4)) == [Piece("embed", 0, 128, 0, 122)]

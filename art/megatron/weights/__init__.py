@@ -16,9 +16,10 @@ from art.megatron.weights.load import (
     load_pretrained,
     prepare_checkpoint,
 )
+from art.megatron.weights.pretrained import checkpoint_folder, prepare_pretrained
 
 __all__ = [
     "CheckpointError", "HFCheckpoint", "LoadReport", "PreparedCheckpoint",
-    "UnsupportedCheckpointError", "family_for", "load_into", "load_pretrained",
-    "open_checkpoint", "prepare_checkpoint",
+    "UnsupportedCheckpointError", "checkpoint_folder", "family_for", "load_into", "load_pretrained",
+    "open_checkpoint", "prepare_checkpoint", "prepare_pretrained",
 ]
