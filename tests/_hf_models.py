@@ -93,3 +93,25 @@ def token_sequences(vocab: int, lengths: tuple[int, ...] = (13, 5, 9), seed: int
                     ) -> list[torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
     return [torch.randint(0, vocab, (n,), generator=generator) for n in lengths]
+
+
+def runtime_logprobs(runtime: Any, sequences: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Target logprobs through the public API: TrainerRank(runtime).forward_micro_batches."""
+    from art.trainer_rank import ForwardInput, TrainerRank
+
+    rank = TrainerRank(runtime)
+    inputs = [ForwardInput(input_tokens=s[:-1], target_tokens=s[1:]) for s in sequences]
+    out: dict[int, torch.Tensor] = {}
+    for micro in rank.forward_micro_batches(inputs, no_grad=True):
+        for index, output in zip(micro.indices, micro.outputs):
+            out[index] = output.target_logprobs.detach().float()
+    return [out[i] for i in range(len(sequences))]
+
+
+def pretrained_runtime(folder: Any) -> Any:
+    """build_training_runtime on a local checkpoint folder, fp32, default LoRA, no optimizer."""
+    from art.megatron.train import build_training_runtime
+
+    return build_training_runtime(model_identifier=str(folder), print_env=False,
+                                  model_initialization="pretrained", build_optimizer=False,
+                                  provider_torch_dtype=torch.float32)

@@ -99,28 +99,27 @@ def default_lora_config() -> Any:
                       target_modules="all-linear")
 
 
-def pretrained_weights_available(provider: Provider) -> bool:
-    """Whether `initialize_weights(..., "pretrained")` can load this model's weights. This
-    build has no weight loader yet, so never."""
-    del provider
-    return False
-
-
-def initialize_weights(provider: Provider, chunks: list[Any], model_initialization: str) -> None:
-    """Give the built chunks their starting weights: "random" keeps the seeded initialisation
-    of the build; "pretrained" loads the model's Hugging Face weights."""
+def prepare_weights(provider: Provider, model_initialization: str) -> Any:
+    """Check where the starting weights come from before anything is built: for "pretrained"
+    the provider's local checkpoint folder, checked against its geometry (a shipped config
+    name has no weights and is an error); None for "random"."""
     if model_initialization == "random":
+        return None
+    from art.megatron.weights import prepare_pretrained
+
+    return prepare_pretrained(provider)
+
+
+def initialize_weights(chunks: list[Any], prepared: Any) -> None:
+    """Give the built chunks their starting weights: with a prepared checkpoint each rank
+    loads its shards of it (every rank raises if any fails); without, the seeded random
+    initialisation of the build stays."""
+    if prepared is None:
         return
-    raise ValueError(_no_pretrained_message(provider))
+    from art.megatron.weights import load_into
 
-
-def _no_pretrained_message(provider: Provider) -> str:
-    source = provider.geometry.source or provider.geometry.name
-    return (
-        f"model_initialization='pretrained': no weights can be loaded for "
-        f"{provider.geometry.name} (config from {source}); this build initialises weights "
-        "at random only. Pass model_initialization='random' to build_training_runtime"
-    )
+    for chunk in chunks:
+        load_into(chunk, prepared)
 
 
 def build_training_runtime(
@@ -186,14 +185,13 @@ def build_runtime_for_provider(
     elif provider.lora_config is not None or lora_config is not None:
         raise ValueError("trainable_parameter_mode='base_model' trains the base weights; do not "
                          "pass a LoRA config (or use trainable_parameter_mode='lora')")
-    if model_initialization == "pretrained" and not pretrained_weights_available(provider):
-        raise ValueError(_no_pretrained_message(provider))
+    prepared = prepare_weights(provider, model_initialization)
     state = provider.initialize_distributed()
     if print_env:
         print(provider.settings)
         print(provider.describe())
     model = provider.build_model(seed=seed)
-    initialize_weights(provider, [model], model_initialization)
+    initialize_weights([model], prepared)
     chunks: list[Any] = [model]
     if wrap_ddp:
         chunks = [_wrap_ddp(model)]

@@ -24,7 +24,8 @@ def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
     moe = save_hf_model("qwen3_moe", tmp_path / "moe")
     for folder in (qwen3, llama, moe):
         sequences = token_sequences(256)
-        torch.save({"sequences": sequences, "logprobs": hf_logprobs(folder, sequences)},
+        logprobs = hf_logprobs(folder, sequences)
+        torch.save({"sequences": sequences, "logprobs": logprobs},
                    folder / "reference.pt")
     tp2 = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"}
     cases = [
@@ -45,7 +46,6 @@ def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
         for name, result in row.items():
             label = f"rank {rank} {name}: {result}"
             assert result["logprob_max_abs_diff"] < TOLERANCE, label
-            assert result["live_param_bytes"] == result["shard_bytes"], label
             assert result["priced_weight_bytes"] == result["live_param_bytes"], label
     assert rows[0]["qwen3_moe TP2 ETP1"]["expert_tp"] == 1
     assert rows[0]["qwen3_moe TP2 ETP2"]["expert_tp"] == 2

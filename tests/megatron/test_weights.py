@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_models import hf_logprobs, our_logprobs, save_hf_model, token_sequences
+from _hf_models import (
+    hf_logprobs,
+    our_logprobs,
+    pretrained_runtime,
+    runtime_logprobs,
+    save_hf_model,
+    token_sequences,
+)
 from peft import LoraConfig
 from safetensors.torch import load_file, save_file
 
@@ -52,27 +59,42 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 @pytest.mark.parametrize("family", list(CASES))
 def test_logprobs_match_transformers_and_export_is_bit_identical(megatron_process, folders,
-                                                                  family):
+                                                                  family, monkeypatch):
+    monkeypatch.setenv("ART_TRAINER_RANK_PROBE_LAYERS", "false")
+    monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_GRANULARITY", "none")
     folder = folders[family]
-    provider, prepared, model = _loaded(folder)
-    sequences = token_sequences(provider.geometry.vocab_size)
-    ours = our_logprobs(model, sequences, implementation=provider.implementation,
-                        layout=provider.layout)
+    runtime = pretrained_runtime(folder)
+    sequences = token_sequences(runtime.provider.geometry.vocab_size)
+    ours = runtime_logprobs(runtime, sequences)
     theirs = hf_logprobs(folder, sequences)
     assert _max_diff(ours, theirs) < TOLERANCE
     # Not a trivial pass: the logprobs are far from uniform.
     assert float(torch.cat(theirs).std()) > 0.5
-    exported = hf_state_dict(model, prepared)
+    prepared = prepare_checkpoint(folder, runtime.provider.geometry)
+    exported = hf_state_dict(runtime.model[0], prepared)
     original = load_file(str(folder / "model.safetensors"))
     assert exported is not None and set(exported) == set(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
     # What the planner prices as resident weights is what the load left live.
+    from art.megatron.lora import lora_parameters
     from art.trainer_rank._memory.model import MemoryModel
 
-    priced = next(t.bytes for t in MemoryModel.for_provider(provider).resident_terms()
+    model = runtime.model[0]
+    priced = next(t.bytes for t in MemoryModel.for_provider(runtime.provider).resident_terms()
                   if t.name == "weights")
-    assert priced == sum(p.numel() * p.element_size() for p in model.parameters())
+    lora = {id(p) for p in lora_parameters(model)}
+    assert priced == sum(p.numel() * p.element_size() for p in model.parameters()
+                         if id(p) not in lora)
+
+
+def test_pretrained_with_a_shipped_config_name_is_an_error_before_building():
+    from art.megatron.train import build_training_runtime
+
+    with pytest.raises(CheckpointError, match="shipped config, which has no weights"):
+        build_training_runtime(model_identifier="tiny-qwen3", print_env=False)
+    with pytest.raises(ValueError, match="no-such-folder"):
+        build_training_runtime(model_identifier="/tmp/no-such-folder", print_env=False)
 
 
 def test_adapter_loads_in_peft_and_merged_export_loads_in_transformers(megatron_process,
