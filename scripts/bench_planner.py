@@ -52,18 +52,11 @@ def _quantiles(values: list[float]) -> tuple[float, float, float, float]:
 
 
 def _accuracy_cells() -> list[Any]:
-    """B's quick matrix plus the dimensions it leaves out: LoRA ranks 1 and 64, three more
-    recompute policies (TP=1; the TP=2 cells come from scripts/calibrate.py under torchrun)."""
-    from art.trainer_rank._memory.calibration import Cell, default_matrix
+    """Seeded off-grid rows on the small geometry, every recompute policy, LoRA ranks 1, 8
+    and 64 (TP=1; the TP=2 cells come from scripts/calibrate.py under torchrun)."""
+    from _calibration.cells import off_grid_matrix
 
-    cells = list(default_matrix(quick=True))
-    for policy in ("selective core_attn+mlp", "selective layernorm", "full block 2"):
-        for grad in (True, False):
-            cells.append(Cell("gqa-128", policy, 8, 1, (256, 512), "logprobs", grad))
-    for policy in ("selective default", "full uniform 1"):
-        for rank in (1, 64):
-            cells.append(Cell("gqa-128", policy, rank, 1, (256, 512), "logprobs", True))
-    return cells
+    return off_grid_matrix(2, rows_per_model=2, geometries=("gqa-128",), max_tokens=2000)
 
 
 def _run_calibration(path: Path) -> None:
@@ -72,7 +65,7 @@ def _run_calibration(path: Path) -> None:
     import subprocess
     import tempfile
 
-    from art.trainer_rank._memory.calibration import run_cells
+    from _calibration.harness import run_cells
 
     results = run_cells(_accuracy_cells(),
                         progress=lambda line: print(f"calibration: {line}", flush=True))

@@ -26,28 +26,37 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 TARGET = (1.00, 1.05)
 
 
-def tp2_cells(quick: bool):
-    from art.trainer_rank._memory.calibration import Cell
+def tp1_cells(quick: bool, seed: int) -> list:
+    from _calibration.cells import off_grid_matrix
+
+    if quick:
+        return off_grid_matrix(seed, rows_per_model=2, geometries=("gqa-128",),
+                               policies=("none", "selective core_attn+mlp", "full uniform 2"),
+                               max_tokens=1500)
+    return off_grid_matrix(seed, rows_per_model=5)
+
+
+def tp2_cells(quick: bool, seed: int) -> list:
+    from _calibration.cells import off_grid_matrix
 
     policies = ("none", "selective default", "full uniform 1") if quick else (
-        "none", "selective default", "full uniform 1", "full uniform 2")
-    lengths = ((256, 512),) if quick else ((512,), (512, 512, 512, 512))
-    outs = (("logprobs", True), ("hidden_states", True), ("top_k=20", False)) if not quick \
-        else (("logprobs", True),)
-    return [Cell("gqa-128", p, 8, 2, ln, o, g) for p in policies for ln in lengths
-            for o, g in outs]
+        "none", "selective default", "selective core_attn+mlp", "full uniform 1",
+        "full uniform 2")
+    return off_grid_matrix(seed + 1, rows_per_model=2 if quick else 4, tensor_parallel=2,
+                           geometries=("gqa-128",), policies=policies,
+                           max_tokens=1500 if quick else 3000)
 
 
 def worker(args: argparse.Namespace) -> int:
     """Inside torchrun: every rank measures; rank 0 writes the busiest rank's figures."""
     import torch.distributed as dist
+    from _calibration.harness import run_cells
 
-    from art.trainer_rank._memory.calibration import run_cells
-
-    cells = tp2_cells(args.quick)
+    cells = tp2_cells(args.quick, args.seed)
     results = run_cells(cells, tensor_parallel=2)
     rows = [r.row() for r in results]
     gathered: list = [None] * dist.get_world_size()
@@ -66,14 +75,14 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_tp2(quick: bool) -> list[dict]:
+def run_tp2(quick: bool, seed: int) -> list[dict]:
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp2.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={free_port()}", "--master_addr=127.0.0.1", __file__,
-               "--worker-out", str(out)] + (["--quick"] if quick else [])
+               "--worker-out", str(out), "--seed", str(seed)] + (["--quick"] if quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -87,8 +96,8 @@ def run_tp2(quick: bool) -> list[dict]:
 def summarize(rows: list[dict]) -> str:
     lo, hi = TARGET
     lines = ["# Memory model calibration (CPU, real Megatron-Core runs)", ""]
-    ratios = [r["ratio"] for r in rows]
-    inside = sum(lo <= x <= hi for x in ratios)
+    inside = sum(lo <= r["ratio"] <= hi for r in rows)
+    d_inside = sum(lo <= r["default_ratio"] <= hi for r in rows)
     low = min(rows, key=lambda r: r["ratio"])
     high = max(rows, key=lambda r: r["ratio"])
     d_low = min(rows, key=lambda r: r["default_ratio"])
@@ -96,25 +105,30 @@ def summarize(rows: list[dict]) -> str:
 
     def name(r: dict) -> str:
         return (f"{r['geometry']} / {r['policy']} / LoRA r{r['lora_rank']} / "
-                f"TP{r['tensor_parallel']} / {r['lengths']} tok / {r['outputs']} / "
-                f"{'grad' if r['grad'] else 'no grad'}")
+                f"TP{r['tensor_parallel']} / {_lengths(r)} / {r['outputs']} / "
+                f"{'grad, ' + r['loss'] + ' loss' if r['grad'] else 'no grad'}")
 
     lines += [
+        "Cells are seeded random packed rows (one sequence or many, never within 4% of a "
+        "probe point), so the probe is judged between its sample points, not on them. "
         "Ratio = predicted / measured dynamic peak (bytes allocated inside one micro-batch: "
         "packing, decoder forward, chunked head, caller loss, backward; weights, LoRA grads and "
         "optimizer state are live before and excluded). Predicted = max(forward peak, backward "
         "peak) of the estimate, without the allocator reserve.",
         "",
-        f"- cells: {len(rows)}; inside [{lo:.2f}, {hi:.2f}] with probe coefficients: {inside}",
-        f"- probe: min ratio {low['ratio']:.4f} ({name(low)})",
-        f"- probe: max ratio {high['ratio']:.4f} ({name(high)})",
-        f"- defaults (formulas, no probe): min {d_low['default_ratio']:.3f} ({name(d_low)}); "
-        f"max {d_high['default_ratio']:.3f} ({name(d_high)})",
+        f"- cells: {len(rows)}; packed rows {min(r['packed_tokens'] for r in rows)}-"
+        f"{max(r['packed_tokens'] for r in rows)} tokens",
+        f"- probe coefficients: {inside} of {len(rows)} cells inside [{lo:.2f}, {hi:.2f}]; "
+        f"min {low['ratio']:.4f} ({name(low)}); max {high['ratio']:.4f} ({name(high)})",
+        f"- default formulas (no probe): {d_inside} of {len(rows)} cells inside "
+        f"[{lo:.2f}, {hi:.2f}]; min {d_low['default_ratio']:.4f} ({name(d_low)}); "
+        f"max {d_high['default_ratio']:.4f} ({name(d_high)})",
         "",
         "## Per policy",
         "",
-        "| policy | cells | probe min | probe max | defaults min | defaults max |",
-        "|---|---|---|---|---|---|",
+        "| policy | cells | probe min | probe max | probe inside | defaults min | "
+        "defaults max | defaults inside |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     policies: dict[str, list[dict]] = {}
     for r in rows:
@@ -122,19 +136,30 @@ def summarize(rows: list[dict]) -> str:
     for pol, rs in policies.items():
         lines.append(
             f"| {pol} | {len(rs)} | {min(x['ratio'] for x in rs):.4f} | "
-            f"{max(x['ratio'] for x in rs):.4f} | {min(x['default_ratio'] for x in rs):.3f} | "
-            f"{max(x['default_ratio'] for x in rs):.3f} |")
+            f"{max(x['ratio'] for x in rs):.4f} | "
+            f"{sum(lo <= x['ratio'] <= hi for x in rs)} | "
+            f"{min(x['default_ratio'] for x in rs):.4f} | "
+            f"{max(x['default_ratio'] for x in rs):.4f} | "
+            f"{sum(lo <= x['default_ratio'] <= hi for x in rs)} |")
     lines += ["", "## Every cell", "",
-              "| geometry | policy | LoRA r | TP | lengths | outputs | grad | measured MiB | "
+              "| geometry | policy | LoRA r | TP | row | outputs | grad | loss | measured MiB | "
               "predicted MiB | ratio | defaults ratio | peak at |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['geometry']} | {r['policy']} | {r['lora_rank']} | {r['tensor_parallel']} | "
-            f"{r['lengths']} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
+            f"{_lengths(r)} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
+            f"{r['loss'] if r['grad'] else '-'} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
-            f"{r['ratio']:.4f} | {r['default_ratio']:.3f} | {r['peak_at']} |")
+            f"{r['ratio']:.4f} | {r['default_ratio']:.4f} | {r['peak_at']} |")
     return "\n".join(lines) + "\n"
+
+
+def _lengths(row: dict) -> str:
+    """A packed row as 'N tok' (one sequence) or 'N tok in k seqs'."""
+    parts = str(row["lengths"]).split("+")
+    total = sum(int(p) for p in parts)
+    return f"{total} tok" if len(parts) == 1 else f"{total} tok in {len(parts)} seqs"
 
 
 def plot(rows: list[dict], path: Path) -> None:
@@ -174,35 +199,48 @@ def plot(rows: list[dict], path: Path) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random packed lengths")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
-    parser.add_argument("--reprice-defaults", metavar="CSV",
-                        help="re-price the default (formula) column of a measured CSV and "
-                             "rewrite the outputs (no model runs)")
+    parser.add_argument("--reprice", metavar="CSV",
+                        help="re-price a measured CSV with the current memory model (both "
+                             "columns; the probe's from <out>/probes) and rewrite the "
+                             "outputs (no model runs)")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.worker_out:
         return worker(args)
-    if args.reprice_defaults:
-        from art.trainer_rank._memory.calibration import reprice_defaults
+    probe_dir = str(Path(args.out) / "probes")
+    if args.reprice:
+        from _calibration.harness import reprice
 
-        with open(args.reprice_defaults, newline="") as f:
-            rows = [reprice_defaults(_typed(r)) for r in csv.DictReader(f)]
+        with open(args.reprice, newline="") as f:
+            rows = [reprice(_typed(r), probe_dir) for r in csv.DictReader(f)]
         write_outputs(rows, Path(args.out), None, args.quick)
         return 0
 
+    from _calibration.harness import run_cells
+
     from art.megatron.distributed import initialize_distributed
-    from art.trainer_rank._memory.calibration import default_matrix, run_cells
 
     start = time.time()
     rows: list[dict] = []
     if 2 in args.tp:
-        rows += run_tp2(args.quick)
+        rows += run_tp2(args.quick, args.seed)
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
         initialize_distributed()
-        results = run_cells(default_matrix(quick=args.quick),
+        partial = Path(args.out) / "calibration.partial.jsonl"
+        partial.parent.mkdir(parents=True, exist_ok=True)
+        partial.write_text("")
+
+        def keep(result) -> None:  # rows so far, for a look while the matrix runs
+            with partial.open("a") as f:
+                f.write(json.dumps(result.row()) + "\n")
+
+        results = run_cells(tp1_cells(args.quick, args.seed), probe_dir=probe_dir,
+                            on_result=keep,
                             progress=lambda m: print(m, flush=True))
         rows = [r.row() for r in results] + rows
     write_outputs(rows, Path(args.out), time.time() - start, args.quick)

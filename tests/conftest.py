@@ -10,6 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "scripts"))  # the calibration harness lives beside its script
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 

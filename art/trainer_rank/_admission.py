@@ -66,7 +66,9 @@ class Pricing:
     """One candidate priced: the memory model's estimate and the profile's prediction."""
 
     estimate: Any  # the memory model's Estimate
-    profile_dynamic_bytes: int | None  # measured-line prediction + the allocator reserve
+    # The model's dynamic peak corrected by the profile + the allocator reserve; None when
+    # the profile has nothing to say for this row.
+    profile_dynamic_bytes: int | None
     recompute: EffectiveRecompute
     # Outputs of earlier sub-forwards of a split, still held while this one runs.
     held_bytes: int = 0
@@ -76,16 +78,20 @@ class Pricing:
         return int(self.estimate.dynamic_bytes) + self.held_bytes
 
     @property
+    def model_peak_bytes(self) -> int:
+        """The model's dynamic peak without the allocator reserve: what a profile corrects."""
+        return (int(self.estimate.dynamic_bytes) - int(self.estimate.reserve_bytes)
+                + self.held_bytes)
+
+    @property
     def dynamic_bytes(self) -> int:
-        return max(self.model_dynamic_bytes, (self.profile_dynamic_bytes or 0) + self.held_bytes)
+        if self.profile_dynamic_bytes is None:
+            return self.model_dynamic_bytes
+        return self.profile_dynamic_bytes + self.held_bytes
 
     @property
     def source(self) -> str:
-        if self.profile_dynamic_bytes is not None and (
-            self.profile_dynamic_bytes > self.model_dynamic_bytes
-        ):
-            return "profile"
-        return "model"
+        return "model" if self.profile_dynamic_bytes is None else "model x profile correction"
 
     @property
     def peak_bytes(self) -> int:
@@ -211,8 +217,10 @@ class Admission:
             hit = self._priced[key] = (model.estimate(shape), shape,
                                        self.signature(recompute, grad, outputs))
         estimate, shape, sig = hit
-        profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window)
-        profile_dynamic = None if profile is None else profile + int(estimate.reserve_bytes)
+        reserve = int(estimate.reserve_bytes)
+        profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window,
+                                        int(estimate.dynamic_bytes) - reserve)
+        profile_dynamic = None if profile is None else profile + reserve
         return Pricing(estimate, profile_dynamic, recompute), shape, sig
 
     def _model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
@@ -328,16 +336,14 @@ class Admission:
     def _growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
         """Where the profile has seen the memory model under-predict, sizes may grow only to
         the edge of the trust window (largest size seen x trust_window), each step measured,
-        instead of jumping to what the model alone would admit. None: no cap."""
+        instead of jumping to what the corrected model alone would admit (the error may grow
+        with the size). None: no cap."""
         profile = self.profiles.get(sig)
         if profile is None or not profile.observations:
             return None
-        tokens, measured = max(profile.observations)
-        estimate = self.price_lengths((tokens,), outputs, grad)[0].estimate
-        model_peak = int(estimate.dynamic_bytes) - int(estimate.reserve_bytes)
-        if measured <= model_peak:
+        if profile.correction()[0] <= 1.0:
             return None
-        return int(tokens * self.policy.trust_window)
+        return int(max(t for t, _, _ in profile.observations) * self.policy.trust_window)
 
     def _does_not_fit(
         self,

@@ -504,7 +504,8 @@ class TrainerRank:
                 f"the caller's loss/backward ran out of memory at {measured} bytes (usable "
                 f"{usable}) for items {plan.indices}"
             )
-            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable)
+            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
+                                      plan.pricing.model_peak_bytes)
             if snapshot is None:
                 raise TrainerRankMemoryError(
                     f"forward_micro_batches: the caller's backward for items {plan.indices} ran "
@@ -527,7 +528,8 @@ class TrainerRank:
         if measure_caller:
             # A split's signature and size are its largest sub-forward's: nothing is kept
             # between sub-forwards without grad, so the measured peak is that one's.
-            self.profiles.observe(plan.signature, plan.shape.packed_tokens, measured)
+            self.profiles.observe(plan.signature, plan.shape.packed_tokens, measured,
+                                  plan.pricing.model_peak_bytes)
         return None
 
     def _save_profiles(self) -> None:
@@ -540,13 +542,15 @@ class TrainerRank:
         self, plan: Plan, failed_sub: tuple[int, ...] | None, usable: int, exc: BaseException
     ) -> None:
         if failed_sub is not None and len(plan.sub_forwards) > 1:
-            _, shape, sig = self.admission.price(
+            pricing, shape, sig = self.admission.price(
                 [plan.leaves[i] for i in failed_sub], plan.shape.grad_enabled,
                 plan.pricing.recompute,
             )
-            self.profiles.record_miss(sig, shape.packed_tokens, usable)
+            self.profiles.record_miss(sig, shape.packed_tokens, usable,
+                                      pricing.model_peak_bytes)
         else:
-            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable)
+            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
+                                      plan.pricing.model_peak_bytes)
         if exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
         logger.warning(

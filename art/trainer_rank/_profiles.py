@@ -1,11 +1,22 @@
-"""Learned memory profiles: measured dynamic peaks per signature, a curve through them (chords
-between observed sizes), a trust window around the sizes observed, and atomic, versioned JSON
-persistence under an advisory lock.
+"""Learned memory profiles: how far the memory model is off, per signature, and atomic,
+versioned JSON persistence under an advisory lock.
 
 A signature names everything that changes bytes per token: topology, the effective recompute
-key, grad mode, the output mix and the adapter shape. Admission uses max(memory model,
-profile) inside the trust window; outside it only the memory model speaks, because peaks
-measured on small micro-batches say little about an s^2 term at ten times the size.
+key, grad mode, the output mix and the adapter shape. A profile never prices a micro-batch by
+itself: it keeps, for each micro-batch that ran, the measured dynamic peak next to what the
+memory model predicted for that very row, and learns the correction measured / predicted
+(its worst recent value and its spread). A new row, split into sequences however it is, is
+priced by the memory model and then corrected, never by a tokens -> bytes curve through other
+rows (one long sequence says little about 64 short ones: the model knows the difference).
+
+The correction only ever raises the price (a profile that under-states memory, from another
+run or a corrupt file, cannot admit more than the model does) and applies inside the trust
+window around the sizes measured: a ratio seen on small rows says little about an s^2 term at
+ten times the size, where the admission grows step by step instead. A run-time miss (an OOM at
+a known usable limit) says measured / predicted exceeded limit / predicted for that row and
+anything larger: a floor on the correction at any size, which ages out after
+`MISS_AGE_OBSERVATIONS` later micro-batches ran, so one miss does not decline that size
+forever.
 """
 
 from __future__ import annotations
@@ -13,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import json
+import math
 import os
 import tempfile
 import warnings
@@ -20,11 +32,11 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from art.trainer_rank._memory.probe import Fit
-
-PROFILE_FILE_VERSION = 1
+PROFILE_FILE_VERSION = 2
 ENV_PROFILE_PATH = "ART_TRAINER_RANK_PROFILE_PATH"
 MAX_OBSERVATIONS = 64
+# A miss stops raising the price after this many later micro-batches of its signature ran.
+MISS_AGE_OBSERVATIONS = 16
 
 
 def signature(
@@ -43,85 +55,64 @@ def signature(
 
 @dataclass
 class Profile:
-    """Observations for one signature. observations: (packed_tokens, measured dynamic bytes)
-    of micro-batches that ran; misses: (packed_tokens, bytes it was known to exceed) of
-    micro-batches that ran out of memory."""
+    """Observations for one signature. observations: (packed_tokens, measured dynamic bytes,
+    the memory model's predicted dynamic bytes for that row) of micro-batches that ran;
+    misses: (packed_tokens, bytes it was known to exceed, predicted bytes, the number of
+    observations made before it) of micro-batches that ran out of memory."""
 
-    observations: list[tuple[int, int]] = field(default_factory=list)
-    misses: list[tuple[int, int]] = field(default_factory=list)
+    observations: list[tuple[int, int, int]] = field(default_factory=list)
+    misses: list[tuple[int, int, int, int]] = field(default_factory=list)
+    observed_total: int = 0  # observations ever made (ages the misses)
 
-    def observe(self, packed_tokens: int, dynamic_bytes: int) -> None:
-        self.observations.append((int(packed_tokens), int(dynamic_bytes)))
+    def observe(self, packed_tokens: int, dynamic_bytes: int, predicted_bytes: int) -> None:
+        self.observations.append((int(packed_tokens), int(dynamic_bytes),
+                                  max(1, int(predicted_bytes))))
         del self.observations[:-MAX_OBSERVATIONS]
+        self.observed_total += 1
 
-    def record_miss(self, packed_tokens: int, exceeded_bytes: int) -> None:
-        self.misses.append((int(packed_tokens), int(exceeded_bytes)))
+    def record_miss(self, packed_tokens: int, exceeded_bytes: int,
+                    predicted_bytes: int) -> None:
+        self.misses.append((int(packed_tokens), int(exceeded_bytes),
+                            max(1, int(predicted_bytes)), self.observed_total))
         del self.misses[:-MAX_OBSERVATIONS]
 
     @property
     def has_observations(self) -> bool:
         return bool(self.observations)
 
-    def curve(self) -> Fit:
-        """The measured peaks as a curve: through the largest peak seen at each size and
-        chords between neighbouring sizes (the probe's `Fit`, used inside the observed range).
+    def ratios(self) -> list[float]:
+        return [measured / predicted for _, measured, predicted in self.observations]
 
-        Peaks are convex in the packed length (a maximum of polynomials in s with
-        non-negative s^2 terms: CPU attention scores grow with s^2), and a convex curve lies
-        on or below its chords, so between observations the prediction is a safe and tight
-        bound; a straight line fitted through all of them lay 39-64% above the truth between
-        its points (bench/RESULTS.md). Cached until the observations change."""
-        if not self.observations:
-            raise ValueError("curve: no observations")
-        stamp = (len(self.observations), self.observations[0], self.observations[-1])
-        cached = self.__dict__.get("_curve")
-        if cached is not None and cached[0] == stamp:
-            return cached[1]
-        peaks: dict[int, int] = {}
-        for tokens, peak in self.observations:
-            peaks[tokens] = max(peak, peaks.get(tokens, 0))
-        sizes = sorted(peaks)
-        curve = Fit.fit(sizes, [peaks[t] for t in sizes])
-        self.__dict__["_curve"] = (stamp, curve)
-        return curve
-
-    def _beyond(self, curve: Fit, packed_tokens: int) -> int:
-        """Past the largest size seen. Only a lower bound is knowable from the points (a convex
-        curve rises above every chord's extension); admission takes the larger of this and the
-        memory model, which prices the curvature. The slope is the secant over the whole
-        observed range: noise between two close sizes cannot blow it up, as a quadratic or the
-        last chord through them would (and did: 168 MiB predicted for a 27 MiB item)."""
-        ts, vs = curve.tokens, curve.values
-        if len(ts) == 1:
-            # One size seen: proportional growth is the only slope it offers.
-            return int(vs[0] * packed_tokens / ts[0] + 0.5)
-        slope = max(0.0, (vs[-1] - vs[0]) / (ts[-1] - ts[0]))
-        return int(vs[-1] + slope * (packed_tokens - ts[-1]) + 0.5)
+    def correction(self) -> tuple[float, float]:
+        """(worst measured / predicted seen, spread = max - min of it); (1.0, 0.0) when
+        nothing was observed."""
+        ratios = self.ratios()
+        if not ratios:
+            return 1.0, 0.0
+        return max(ratios), max(ratios) - min(ratios)
 
     def window(self, trust_window: float) -> tuple[float, float]:
-        sizes = [t for t, _ in self.observations]
+        sizes = [t for t, _, _ in self.observations]
         return min(sizes) / trust_window, max(sizes) * trust_window
 
-    def predict(self, packed_tokens: int, trust_window: float) -> int | None:
-        """Predicted dynamic bytes, or None when the size is outside what the profile covers."""
-        predicted: int | None = None
+    def live_misses(self) -> list[tuple[int, int, int, int]]:
+        return [m for m in self.misses if self.observed_total - m[3] < MISS_AGE_OBSERVATIONS]
+
+    def predict(self, packed_tokens: int, trust_window: float, model_bytes: int) -> int | None:
+        """The corrected dynamic bytes for a row the memory model prices at `model_bytes`, or
+        None when the profile has nothing to say about it."""
+        factor: float | None = None
         if self.observations:
             low, high = self.window(trust_window)
             if low <= packed_tokens <= high:
-                curve = self.curve()
-                first_tokens, last_tokens = curve.tokens[0], curve.tokens[-1]
-                if packed_tokens <= first_tokens:
-                    # Peaks grow with the row: the smallest size seen bounds everything below.
-                    predicted = int(curve.values[0])
-                elif packed_tokens > last_tokens:
-                    predicted = self._beyond(curve, packed_tokens)
-                else:
-                    predicted = curve.at(packed_tokens)
-        # A miss at T bytes proves that anything at least as large needs more than that.
-        floor = max((b + 1 for t, b in self.misses if t <= packed_tokens), default=None)
-        if floor is not None:
-            predicted = floor if predicted is None else max(predicted, floor)
-        return predicted
+                factor = max(1.0, self.correction()[0])
+        # A miss at limit L for a row predicted at P proves measured / predicted > L / P for
+        # that row, and for any larger one until it ages out.
+        floors = [(exceeded + 1) / predicted for tokens, exceeded, predicted, _ in
+                  self.live_misses() if tokens <= packed_tokens]
+        if floors:
+            factor = max(floors) if factor is None else max(factor, max(floors))
+        return None if factor is None else int(math.ceil(model_bytes * factor))
 
 
 class ProfileStore:
@@ -140,15 +131,21 @@ class ProfileStore:
         profile = self.profiles.get(sig)
         return profile is not None and profile.has_observations
 
-    def observe(self, sig: str, packed_tokens: int, dynamic_bytes: int) -> None:
-        self.profiles.setdefault(sig, Profile()).observe(packed_tokens, dynamic_bytes)
+    def observe(self, sig: str, packed_tokens: int, dynamic_bytes: int,
+                predicted_bytes: int) -> None:
+        self.profiles.setdefault(sig, Profile()).observe(packed_tokens, dynamic_bytes,
+                                                         predicted_bytes)
 
-    def record_miss(self, sig: str, packed_tokens: int, exceeded_bytes: int) -> None:
-        self.profiles.setdefault(sig, Profile()).record_miss(packed_tokens, exceeded_bytes)
+    def record_miss(self, sig: str, packed_tokens: int, exceeded_bytes: int,
+                    predicted_bytes: int) -> None:
+        self.profiles.setdefault(sig, Profile()).record_miss(packed_tokens, exceeded_bytes,
+                                                             predicted_bytes)
 
-    def predict(self, sig: str, packed_tokens: int, trust_window: float) -> int | None:
+    def predict(self, sig: str, packed_tokens: int, trust_window: float,
+                model_bytes: int) -> int | None:
         profile = self.profiles.get(sig)
-        return None if profile is None else profile.predict(packed_tokens, trust_window)
+        return None if profile is None else profile.predict(packed_tokens, trust_window,
+                                                            model_bytes)
 
     def save(self) -> None:
         """Merge with what is on disk (another process may have learned too), then replace the
@@ -168,11 +165,13 @@ class ProfileStore:
             obs = old.observations + [o for o in profile.observations if o not in seen]
             seen_miss = set(old.misses)
             misses = old.misses + [m for m in profile.misses if m not in seen_miss]
-            merged[sig] = Profile(obs[-MAX_OBSERVATIONS:], misses[-MAX_OBSERVATIONS:])
+            merged[sig] = Profile(obs[-MAX_OBSERVATIONS:], misses[-MAX_OBSERVATIONS:],
+                                  max(old.observed_total, profile.observed_total))
         payload = {
             "version": PROFILE_FILE_VERSION,
             "profiles": {
-                sig: {"observations": p.observations, "misses": p.misses}
+                sig: {"observations": p.observations, "misses": p.misses,
+                      "observed_total": p.observed_total}
                 for sig, p in sorted(merged.items())
             },
         }
@@ -202,18 +201,18 @@ def _locked(path: Path) -> Iterator[None]:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
-def _pairs(raw: object, what: str) -> list[tuple[int, int]]:
+def _rows(raw: object, what: str, width: int) -> list[tuple[int, ...]]:
     if not isinstance(raw, list):
         raise ValueError(f"{what} is not a list")
     out = []
-    for pair in raw:
+    for row in raw:
         if (
-            not isinstance(pair, list)
-            or len(pair) != 2
-            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in pair)
+            not isinstance(row, list)
+            or len(row) != width
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in row)
         ):
-            raise ValueError(f"{what} holds {pair!r}, not [tokens, bytes]")
-        out.append((pair[0], pair[1]))
+            raise ValueError(f"{what} holds {row!r}, not {width} non-negative integers")
+        out.append(tuple(row))
     return out
 
 
@@ -232,8 +231,9 @@ def _read(path: Path, *, warn: bool = True) -> dict[str, Profile]:
             raise ValueError("'profiles' is not an object")
         return {
             str(sig): Profile(
-                _pairs(entry.get("observations", []), f"{sig}.observations"),
-                _pairs(entry.get("misses", []), f"{sig}.misses"),
+                _rows(entry.get("observations", []), f"{sig}.observations", 3),  # type: ignore[arg-type]
+                _rows(entry.get("misses", []), f"{sig}.misses", 4),  # type: ignore[arg-type]
+                int(entry.get("observed_total", 0)),
             )
             for sig, entry in raw.items()
         }

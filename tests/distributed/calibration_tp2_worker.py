@@ -7,7 +7,8 @@ import os
 import sys
 from pathlib import Path
 
-from art.trainer_rank._memory.calibration import Cell, run_cells
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _calibration.harness import Cell, run_cells  # noqa: E402
 
 PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 

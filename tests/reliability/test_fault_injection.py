@@ -109,11 +109,12 @@ def test_profile_of_another_model_or_lying_profile_cannot_cause_an_oom(fuzz_mode
     _, shape, own_sig = probe.admission.price(items[0].leaves, True)
     other_sig = own_sig.replace(provider.geometry.name, "Qwen3-32B")
     # Another model's entry, and a profile for this very signature claiming ~1 byte per token
-    # at every size: admission takes the max of memory model and profile, so a lie that
-    # under-states memory cannot admit more than the model does.
+    # at every size (1/1000 of the model): a profile only ever raises the model's price, so a
+    # lie that under-states memory cannot admit more than the model does.
     payload = {"version": PROFILE_FILE_VERSION, "profiles": {
-        other_sig: {"observations": [[100, 5]], "misses": []},
-        own_sig: {"observations": [[t, t] for t in (8, 64, 512, 4096)], "misses": []},
+        other_sig: {"observations": [[100, 5, 5]], "misses": []},
+        own_sig: {"observations": [[t, t, 1000 * t] for t in (8, 64, 512, 4096)],
+                  "misses": []},
     }}
     path.write_text(json.dumps(payload))
     tight = max(probe.admission.price(item.leaves, True)[0].model_dynamic_bytes

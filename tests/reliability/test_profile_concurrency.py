@@ -25,8 +25,8 @@ def _writer(path: str, writer: int, start: float) -> None:
     store = ProfileStore(path)
     for i in range(SAVES_PER_WRITER):
         # Distinct signatures per writer; a few shared ones both write to.
-        store.observe(f"writer{writer}|sig{i % 25}", 64 + i, 1000 * (i + 1))
-        store.observe("shared|sig", 32 * (writer + 1), 500 + i)
+        store.observe(f"writer{writer}|sig{i % 25}", 64 + i, 1000 * (i + 1), 900 * (i + 1))
+        store.observe("shared|sig", 32 * (writer + 1), 500 + i, 500)
         store.save()
 
 
@@ -71,19 +71,19 @@ def test_concurrent_writers_never_corrupt_the_file(tmp_path):
 def test_half_written_file_and_stray_temp_files_are_ignored(tmp_path):
     path = tmp_path / "profiles.json"
     good = ProfileStore(path)
-    good.observe("sig", 128, 4096)
+    good.observe("sig", 128, 4096, 4000)
     good.save()
     text = path.read_text()
     # A crashed writer's temp file next to the real one: never read.
     (tmp_path / "profiles.json.abc123.tmp").write_text(text[: len(text) // 2])
-    assert ProfileStore(path).profiles["sig"].observations == [(128, 4096)]
+    assert ProfileStore(path).profiles["sig"].observations == [(128, 4096, 4000)]
     # A file cut in half (a writer that did not use the atomic path): ignored, with a warning
     # naming the file, and replaced by the next save.
     path.write_text(text[: len(text) // 2])
     with pytest.warns(RuntimeWarning, match="ignoring memory profile file"):
         torn = ProfileStore(path)
     assert torn.profiles == {}
-    torn.observe("sig2", 64, 100)
+    torn.observe("sig2", 64, 100, 90)
     torn.save()
     assert set(ProfileStore(path).profiles) == {"sig2"}
     assert os.path.getsize(path) > 0 and Path(str(path)).read_text().startswith("{")

@@ -88,7 +88,8 @@ def items(*groups):
 def warm(adm: Admission, grad: bool) -> None:
     """One observation for the signature, as a measured first micro-batch leaves behind."""
     pricing, shape, sig = adm.price(items(10)[0].leaves, grad)
-    adm.profiles.observe(sig, shape.packed_tokens, 10)
+    adm.profiles.observe(sig, shape.packed_tokens, pricing.model_peak_bytes,
+                         pricing.model_peak_bytes)
 
 
 def test_cold_start_runs_the_smallest_item_first_under_a_cap():
@@ -112,29 +113,34 @@ def test_warm_admits_the_largest_set_of_whole_items_that_fits():
     assert [it.index for it in plan2.items] == [2]
 
 
-def test_profile_above_model_wins_inside_the_trust_window_only():
+def test_profile_correction_raises_the_model_inside_the_trust_window_only():
     adm = admission(trust_window=2.0)
     _, shape, sig = adm.price(items(100)[0].leaves, True)
-    adm.profiles.observe(sig, 100, 30_000)  # measured 3x the model
+    adm.profiles.observe(sig, 100, 30_000, 10_000)  # measured 3x the model
     pricing, _, _ = adm.price(items(150)[0].leaves, True)
-    assert pricing.source == "profile" and pricing.dynamic_bytes == 45_000
+    assert pricing.source == "model x profile correction" and pricing.dynamic_bytes == 45_000
     outside, _, _ = adm.price(items(300)[0].leaves, True)
     assert outside.source == "model" and outside.dynamic_bytes == 30_000
+    over = admission(trust_window=2.0)
+    _, _, sig = over.price(items(100)[0].leaves, True)
+    for tokens in (100, 120, 150):  # the model over-predicts by 20%: never priced below it
+        over.profiles.observe(sig, tokens, tokens * 80, tokens * 100)
+    assert over.price(items(150)[0].leaves, True)[0].dynamic_bytes == 15_000
 
 
 def test_where_the_model_under_predicted_sizes_grow_by_the_trust_window_only():
     adm = admission(trust_window=2.0)
     _, _, sig = adm.price(items(100)[0].leaves, True)
-    adm.profiles.observe(sig, 100, 15_000)  # the model said 10_000 at 100 tokens
+    adm.profiles.observe(sig, 100, 15_000, 10_000)  # the model said 10_000
     plan = adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000)
     assert plan.decision == ADMITTED and [it.index for it in plan.items] == [0, 1]
     assert plan.shape.packed_tokens <= 200 and "growing at most x2" in plan.note
-    adm.profiles.observe(sig, 190, 28_000)
+    adm.profiles.observe(sig, 190, 28_000, 19_000)
     assert adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000
                          ).shape.packed_tokens == 220  # the cap moved to 380
     exact = admission()
     _, _, sig = exact.price(items(100)[0].leaves, True)
-    exact.profiles.observe(sig, 100, 9_000)  # the model over-predicts: no cap
+    exact.profiles.observe(sig, 100, 9_000, 10_000)  # the model over-predicts: no cap
     assert [it.index for it in exact.plan_next(items(150, 40, 30, 500), grad=True,
                                                usable_bytes=100_000).items] == [0, 1, 2, 3]
 
@@ -206,6 +212,6 @@ def test_a_recorded_miss_shrinks_what_is_admitted(usable):
     warm(adm, False)
     first = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
     tokens = first.shape.packed_tokens
-    adm.profiles.record_miss(first.signature, tokens, usable)
+    adm.profiles.record_miss(first.signature, tokens, usable, first.pricing.model_peak_bytes)
     again = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
     assert again.decision == DECLINED or again.shape.packed_tokens < tokens

@@ -7,6 +7,8 @@ import torch
 from art.trainer_rank._memory.measure import StorageMeter
 
 SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
+# The production points' spacing (about 1.5x apart), stopping where test rows stop.
+SLICE_PROBE_TOKENS = (48, 64, 96, 128, 192, 256, 384)
 
 
 def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
@@ -28,30 +30,60 @@ def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
     del view
 
 
-def test_probe_and_harness_agree_within_target(megatron_process):
-    from art.trainer_rank._memory.calibration import Cell, run_cells
+def test_off_grid_cells_priced_within_target_by_probe_and_by_default_formulas(
+        megatron_process):
+    """Seeded random rows between the probe points (one sequence or many), mlp recompute, a
+    two-layer full unit, grad and no grad, the RL caller loss: the probe prices every cell
+    within [1.00, 1.05] of the measured peak, the default formulas every row of 128 tokens
+    or more (below that their layer backward working set is still up to ~7% high: see
+    bench/calibration/calibration.md), and never below it."""
+    from _calibration.cells import off_probe_points, test_slice
+    from _calibration.harness import run_cells
 
-    cells = [
-        Cell("gqa-128", "none", 8, 1, (96, 160), "logprobs", True),
-        Cell("gqa-128", "none", 8, 1, (96, 160), "logprobs", False),
-        Cell("gqa-128", "selective default", 8, 1, (256,), "hidden_states", True),
-        Cell("gqa-128", "full uniform 2", 8, 1, (128, 128), "top_k=20", True),
-    ]
-    results = run_cells(cells, probe_tokens=SMALL_PROBE_TOKENS)
+    cells = test_slice(SLICE_PROBE_TOKENS)
+    assert all(off_probe_points(sum(c.lengths), SLICE_PROBE_TOKENS) for c in cells)
+    assert any(len(c.lengths) > 1 for c in cells) and any(c.loss == "rl" for c in cells)
+    results = run_cells(cells, probe_tokens=SLICE_PROBE_TOKENS)
     for r in results:
-        assert 1.0 <= r.ratio <= 1.05, (r.cell, r.measured_bytes, r.predicted_bytes)
-        assert r.measured_bytes > 0
+        assert 1.0 <= r.ratio <= 1.05, ("probe", r.cell, r.measured_bytes, r.predicted_bytes)
+        high = 1.05 if sum(r.cell.lengths) >= 128 else 1.07
+        assert 1.0 <= r.default_ratio <= high, (
+            "defaults", r.cell, r.measured_bytes, r.predicted_default_bytes)
         assert r.reserve_bytes == 0  # CPU: the virtual limit counts live bytes exactly
 
 
+def test_profile_after_a_long_sequence_does_not_over_price_many_short_ones(megatron_process):
+    """A profile learns measured / predicted, so a row of many short sequences is priced by
+    the memory model and corrected, not off the long sequence's peak."""
+    from _calibration.harness import POLICY_BY_NAME, CalibrationModel, Cell
+    from _calibration.harness import calibration_geometries as geometries
+
+    from art.trainer_rank._profiles import Profile
+
+    long_row = Cell("gqa-128", "selective default", 8, 1, (372,), "logprobs", True)
+    short_row = Cell("gqa-128", "selective default", 8, 1, (9,) * 20 + (6,), "logprobs",
+                     True)
+    built = CalibrationModel(geometries()["gqa-128"], POLICY_BY_NAME["selective default"],
+                             lora_rank=8, tensor_parallel=1, cells=[long_row],
+                             probe_tokens=SLICE_PROBE_TOKENS)
+    profile = Profile()
+    seen = built.measure(long_row)
+    profile.observe(sum(long_row.lengths), seen.measured_bytes, seen.predicted_bytes)
+    short = built.measure(short_row)
+    price = profile.predict(sum(short_row.lengths), 2.0, short.predicted_bytes)
+    assert price is not None
+    assert 1.0 <= price / short.measured_bytes <= 1.05, (price, short.measured_bytes)
+
+
 def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
-    from art.trainer_rank._memory import probe as probe_module
-    from art.trainer_rank._memory.calibration import (
+    from _calibration.harness import (
         POLICY_BY_NAME,
         CalibrationModel,
         Cell,
         calibration_geometries,
     )
+
+    from art.trainer_rank._memory import probe as probe_module
     from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 
     geometry = calibration_geometries()["gqa-128"]
@@ -82,7 +114,7 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
 
 def test_moe_layers_probe_and_measure_within_target(megatron_process):
     """MoE layers (local spec, SequentialMLP experts with LoRA) are probed like dense ones."""
-    from art.trainer_rank._memory.calibration import POLICY_BY_NAME, CalibrationModel, Cell
+    from _calibration.harness import POLICY_BY_NAME, CalibrationModel, Cell
 
     from _tiny import tiny_moe
 
@@ -113,8 +145,9 @@ def test_fit_is_exact_at_probe_points_and_never_below_a_convex_peak():
 
 
 def test_probe_for_provider_feeds_memory_model_for_provider(megatron_process):
-    from art.trainer_rank._memory.calibration import POLICY_BY_NAME, CalibrationModel, Cell
-    from art.trainer_rank._memory.calibration import calibration_geometries as geometries
+    from _calibration.harness import POLICY_BY_NAME, CalibrationModel, Cell
+    from _calibration.harness import calibration_geometries as geometries
+
     from art.trainer_rank._memory.model import MemoryModel
     from art.trainer_rank._memory.probe import probe_for_provider
     from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest

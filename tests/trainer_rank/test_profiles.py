@@ -1,4 +1,5 @@
-"""Learned profiles: chord curve, trust window, misses, atomic versioned persistence."""
+"""Learned profiles: a correction of the memory model, trust window, misses that age out,
+atomic versioned persistence."""
 
 from __future__ import annotations
 
@@ -7,65 +8,52 @@ import warnings
 
 import pytest
 
-from art.trainer_rank._profiles import PROFILE_FILE_VERSION, Profile, ProfileStore, signature
+from art.trainer_rank._profiles import (
+    MISS_AGE_OBSERVATIONS,
+    PROFILE_FILE_VERSION,
+    Profile,
+    ProfileStore,
+    signature,
+)
 
 
-def test_curve_is_exact_at_observations_and_tight_between_them_on_a_convex_peak():
-    # A convex peak, like the CPU attention scores' s^2: 10 kB + 20 B/token + 0.05 B/token^2.
-    def peak(t: int) -> int:
-        return int(10_000 + 20 * t + 0.05 * t * t)
-
+def test_profile_is_a_correction_of_the_model_not_a_curve_through_other_rows():
     p = Profile()
-    for t in (128, 256, 512, 1024):
-        p.observe(t, peak(t))
-    p.observe(256, peak(256) - 500)  # a smaller repeat at one size: the largest counts
-    for t in (128, 256, 512, 1024):
-        assert p.predict(t, 2.0) == peak(t)
-    for t in range(130, 1024, 37):
-        predicted = p.predict(t, 2.0)
-        assert predicted >= peak(t)  # never below the convex truth between observations
-        assert predicted <= 1.10 * peak(t)  # and tight (a straight line was 1.39-1.64x)
-    # Below the smallest size: the smallest size's peak (peaks grow with the row).
-    assert p.predict(64, 2.0) == peak(128)
-    # Past the largest, inside the trust window: the secant over the observed range.
-    secant = (peak(1024) - peak(128)) / (1024 - 128)
-    assert p.predict(2048, 2.0) == round(peak(1024) + secant * 1024)
+    # A long single sequence measured 2% above what the model predicted for it.
+    p.observe(2048, 102_000_000, 100_000_000)
+    assert p.correction() == (1.02, 0.0)
+    # A differently split row of half the size: the model prices it (here 30 MB: short
+    # sequences) and the profile corrects that; it is never priced off the 2,048-token peak.
+    assert p.predict(1024, 2.0, 30_000_000) == 30_600_000
+    # Outside the trust window the profile says nothing: the model alone speaks.
+    assert p.predict(5000, 2.0, 300_000_000) is None
 
 
-def test_extrapolation_is_not_blown_up_by_noise_between_close_sizes():
+def test_correction_takes_the_worst_ratio_and_reports_its_spread_and_never_lowers():
     p = Profile()
-    for t, b in [(100, 1_000_000), (290, 2_000_000), (300, 2_400_000)]:
-        p.observe(t, b)
-    # The last chord's slope (40 kB/token) would predict 14.4 MB at 600 tokens; the secant
-    # over the whole range (7 kB/token) gives 4.5 MB.
-    assert p.predict(600, 2.0) == 2_400_000 + 7_000 * 300
+    for tokens, measured, predicted in ((100, 1_050, 1_000), (200, 1_900, 2_000),
+                                        (300, 3_150, 3_000)):
+        p.observe(tokens, measured, predicted)
+    worst, spread = p.correction()
+    assert worst == 1.05 and abs(spread - 0.1) < 1e-12
+    assert p.predict(250, 2.0, 2_000) == 2_100
+    over = Profile()
+    over.observe(100, 500, 1_000)  # the model over-predicts 2x: the price stays the model's
+    assert over.predict(100, 2.0, 1_000) == 1_000
 
 
-def test_curve_is_refit_only_when_observations_change():
+def test_miss_is_a_floor_for_larger_rows_and_ages_out():
     p = Profile()
-    p.observe(100, 1_000)
-    p.observe(200, 2_500)
-    first = p.curve()
-    assert p.curve() is first
-    p.observe(300, 4_000)
-    assert p.curve() is not first and p.predict(300, 2.0) == 4_000
-
-
-def test_single_size_is_proportional_and_trust_window_bounds_use():
-    p = Profile()
-    p.observe(100, 5_000)
-    assert p.predict(100, 2.0) == 5_000
-    assert p.predict(200, 2.0) == 10_000
-    assert p.predict(201, 2.0) is None and p.predict(49, 2.0) is None
-
-
-def test_miss_is_a_floor_for_larger_sizes():
-    p = Profile()
-    p.record_miss(300, 9_000)
-    assert p.predict(299, 2.0) is None
-    assert p.predict(300, 2.0) == 9_001
-    p.observe(280, 1_000)
-    assert p.predict(310, 2.0) == 9_001
+    p.record_miss(300, 9_000, 6_000)  # ran out at 9,000 usable where the model said 6,000
+    assert p.predict(299, 2.0, 5_000) is None
+    assert p.predict(300, 2.0, 6_000) == 9_001
+    assert p.predict(600, 2.0, 12_000) == 18_002  # the ratio carries to larger rows
+    for _ in range(MISS_AGE_OBSERVATIONS - 1):
+        p.observe(100, 1_000, 1_000)
+    assert p.predict(300, 2.0, 6_000) == 9_001
+    p.observe(100, 1_000, 1_000)
+    # After enough later micro-batches the miss no longer declines that size.
+    assert p.predict(300, 2.0, 6_000) is None
 
 
 def test_persistence_round_trip_merges_and_is_versioned(tmp_path):
@@ -73,18 +61,18 @@ def test_persistence_round_trip_merges_and_is_versioned(tmp_path):
     sig = signature(topology="t", recompute_key="selective-abc", grad_enabled=True,
                     outputs_key="logprobs", adapter="r1")
     a = ProfileStore(path)
-    a.observe(sig, 64, 1_000)
+    a.observe(sig, 64, 1_000, 900)
     a.save()
     b = ProfileStore(path)
-    assert b.has_profile(sig) and b.predict(sig, 64, 2.0) == 1_000
-    b.observe(sig, 128, 1_900)
-    a.record_miss(sig, 512, 50_000)
+    assert b.has_profile(sig) and b.predict(sig, 64, 2.0, 900) == 1_000
+    b.observe(sig, 128, 1_900, 2_000)
+    a.record_miss(sig, 512, 50_000, 40_000)
     b.save()
     a.save()  # merges with b's observation instead of clobbering it
     data = json.loads(path.read_text())
     assert data["version"] == PROFILE_FILE_VERSION
-    assert data["profiles"][sig]["observations"] == [[64, 1000], [128, 1900]]
-    assert data["profiles"][sig]["misses"] == [[512, 50000]]
+    assert data["profiles"][sig]["observations"] == [[64, 1000, 900], [128, 1900, 2000]]
+    assert data["profiles"][sig]["misses"] == [[512, 50000, 40000, 1]]
     assert not list(path.parent.glob("*.tmp"))
 
 
@@ -104,7 +92,7 @@ def test_corrupt_or_mismatched_file_is_ignored_with_a_warning(tmp_path, content)
         store = ProfileStore(path)
     assert store.profiles == {}
     assert any("ignoring memory profile file" in str(w.message) for w in caught)
-    store.observe("s", 10, 10)
+    store.observe("s", 10, 10, 10)
     store.save()
     assert json.loads(path.read_text())["version"] == PROFILE_FILE_VERSION
 
@@ -116,7 +104,7 @@ def _save_many(path: str, writer: int, start: float) -> None:
         pass
     store = ProfileStore(path)
     for i in range(40):
-        store.observe(f"w{writer}|s{i}", 64 + i, 1_000 + i)
+        store.observe(f"w{writer}|s{i}", 64 + i, 1_000 + i, 1_000)
         store.save()
 
 
@@ -139,4 +127,4 @@ def test_concurrent_saves_keep_both_writers_entries(tmp_path):
     final = ProfileStore(path).profiles
     for w in range(2):
         for i in range(40):
-            assert final[f"w{w}|s{i}"].observations == [(64 + i, 1_000 + i)], (w, i)
+            assert final[f"w{w}|s{i}"].observations == [(64 + i, 1_000 + i, 1_000)], (w, i)

@@ -87,20 +87,31 @@ def _norm_block(d: Dims, s: int, name: str, fused_into_next: bool, saves_out: bo
         internal = rows * FP32
     else:
         # torch's composite rms_norm: fp32 upcast of the input (bf16/fp16 only), the squared
-        # mean and rsqrt per row, and the normalised fp32 rows the weight multiply keeps.
+        # mean and rsqrt per row, and the normalised fp32 rows the weight multiply keeps when
+        # the weight trains (with LoRA it is frozen and the multiply keeps nothing).
         upcast = rows * g.hidden_size * FP32 if b < FP32 else 0.0
-        internal = upcast + rows * FP32 + rows * g.hidden_size * FP32
+        normalised = 0.0 if d.lora_rank else rows * g.hidden_size * FP32
+        internal = upcast + rows * FP32 + normalised
     out = rows * g.hidden_size * b
     return Block(name, "layernorm", internal, out, saves_out, temp=rows * g.hidden_size * FP32)
 
 
+# LoRA adapters per fused Megatron linear: one A/B pair per HF projection in it.
+LORA_PROJECTIONS = {"linear_qkv": 3, "linear_fc1": 2}
+
+
 def _lora_saved(d: Dims, s: int, target: str, column: bool, in_features_local: float) -> float:
-    """What a LoRA adapter on `target` keeps: its input when the frozen base would not, and
-    the rank-r intermediate. Column-parallel targets see the all-gathered (full) row."""
+    """What a LoRA adapter on `target` keeps besides its input: the rank intermediate of
+    every projection ([s, projections x r], one storage the B matmuls keep whole) and, when
+    the linear fuses several projections, their A weights concatenated each forward (a new
+    tensor the A matmul keeps)."""
     if not d.lora_rank or target not in d.lora_targets:
         return 0.0
-    rows = float(s) if column else float(s)
-    return rows * d.lora_rank * d.dtype_bytes + 0.0 * in_features_local
+    projections = LORA_PROJECTIONS.get(target, 1)
+    saved = float(s) * projections * d.lora_rank * d.dtype_bytes
+    if projections > 1:
+        saved += projections * d.lora_rank * d.geometry.hidden_size * d.dtype_bytes
+    return saved
 
 
 def _lora_temp(d: Dims, target: str, output_bytes: float) -> float:
@@ -127,8 +138,9 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
     if d.implementation.swiglu_fused:
         act_internal = 0.0  # the fused kernel keeps its input (fc1's output, saved below)
     else:
-        # silu(x1) * x2: x1, x2 are views of fc1's output (kept whole) plus silu(x1).
-        act_internal = act_out
+        # silu(x1) * x2: x1, x2 are views of fc1's output (kept whole); silu(x1) and one more
+        # activation-sized storage are kept besides (measured with saved-tensor hooks).
+        act_internal = 2 * act_out
     return [
         Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1", True, 0), fc1_out, True,
               temp=_lora_temp(d, "linear_fc1", fc1_out),
@@ -193,9 +205,20 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     qk_norm = 0.0
     if g.qk_layernorm:
         # Per-head norm: torch keeps fp32 rows (see the block norm), fused keeps rstd only.
-        per_row = g.head_dim * FP32 if impl.norm == "torch" else FP32
+        per_row = g.head_dim * FP32 if impl.norm == "torch" and not d.lora_rank else FP32
+        if impl.norm == "torch" and b < FP32:
+            per_row += g.head_dim * FP32  # the fp32 upcast of each head's row
         qk_norm = float(s) * (heads + g.num_query_groups / tp) * per_row
-    rope = Block("qk-norm + rope", None, qk_norm, rope_q + rope_k, True,
+        # q comes out of the fused GQA layout [groups, (q heads, k, v)] as a copy, which the
+        # q-norm keeps as its input (k is a view of the QKV buffer, kept with it).
+        qk_norm += rope_q
+    if impl.spec != "te":
+        # Unfused RoPE builds cos and sin of the table per call, for q and for k, and its
+        # multiplies keep them: 4 x [s, rotary dim] fp32.
+        qk_norm += 4 * float(s) * g.head_dim * FP32
+    # The rotated q and k are kept only by flash attention or a core-attention checkpoint
+    # (its inputs); unfused attention keeps its own reshaped copies instead.
+    rope = Block("qk-norm + rope", None, qk_norm, rope_q + rope_k, impl.attention == "flash",
                  temp=rope_q + rope_k)
     if impl.attention == "flash":
         # Flash attention keeps q, k, v (inputs) plus the output and fp32 softmax statistics.
@@ -209,7 +232,8 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
         repeated = float(s) * q_width * b * 2 if g.num_query_groups != g.num_attention_heads else 0
         scores = heads * float(s) * float(s) * b
         probs = heads * float(s) * float(s) * max(b, FP32 if b < FP32 else b)
-        core_internal = repeated + probs + (scores if b < FP32 else 0.0)
+        # The query's contiguous copy (GQA reshape) is the first bmm's saved input.
+        core_internal = repeated + probs + (scores if b < FP32 else 0.0) + rope_q
         # Plus the contiguous copies of the query (GQA reshape) and of the context (permute).
         core_temp = scores + 2 * float(s) * q_width * b
         # Backward: the probabilities' gradient, the softmax backward's output and the masked
@@ -222,8 +246,9 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     if g.gated_attention_output:
         blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True))
     proj_out = d.hidden_tokens(s) * g.hidden_size * b
+    # The projection's output only feeds the residual add, which keeps nothing.
     blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj", False, 0), proj_out,
-                        True, temp=_lora_temp(d, "linear_proj", proj_out), grad_temp=ctx))
+                        False, temp=_lora_temp(d, "linear_proj", proj_out), grad_temp=ctx))
     return blocks
 
 
@@ -312,13 +337,24 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     # experts included.
     if "moe" in modules:
         modules = modules | {"moe_act", "shared_experts"}
+    segments = _checkpoint_segments(blocks, modules)
     kept_parts: list[float] = []
-    for blk in blocks:
-        recomputed = blk.module is not None and blk.module in modules
-        without_output = recomputed and blk.module == "layernorm"
-        part = 0.0 if recomputed else blk.internal
-        if blk.output_saved and not without_output:
-            part += blk.output
+    for idx, blk in enumerate(blocks):
+        seg = segments[idx]
+        without_output = seg is not None and blk.module == "layernorm"
+        if seg is not None and not without_output:
+            # Inside an ordinary checkpoint nothing is kept: only the segment's output
+            # survives, when a block after the segment saves it.
+            last = idx + 1 == len(blocks) or segments[idx + 1] != seg
+            part = blk.output if last and blk.output_saved else 0.0
+        else:
+            part = 0.0 if seg is not None else blk.internal
+            starts_checkpoint = (idx + 1 < len(blocks) and segments[idx + 1] is not None
+                                 and segments[idx + 1] != seg
+                                 and blocks[idx + 1].module != "layernorm")
+            # The checkpoint keeps its input; a norm recomputed without output frees it.
+            if (blk.output_saved or starts_checkpoint) and not without_output:
+                part += blk.output
         kept_parts.append(part)
     # The final block's output is the layer output, excluded from kept.
     kept_parts[-1] -= 0.0 if not blocks[-1].output_saved else blocks[-1].output
@@ -332,16 +368,37 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
         peak_f = max(peak_f, live)
         so_far += part
 
-    # Backward, blocks in reverse: kept up to here + recomputed internals of this block +
+    # Backward, blocks in reverse: kept up to here + what the checkpoint rebuilt for this
+    # block's segment (every block of the segment up to this one, as if not recomputed) +
     # incoming grad, the residual-stream grad, the grad of its input, its grad temporaries.
     peak_b = 0.0
     remaining = kept - x
-    for blk, part in zip(reversed(blocks), reversed(kept_parts)):
-        recomputed = blk.module is not None and blk.module in modules
-        rebuilt = blk.internal + (blk.output if recomputed else 0.0) if recomputed else 0.0
+    for idx in reversed(range(len(blocks))):
+        blk, part, seg = blocks[idx], kept_parts[idx], segments[idx]
+        rebuilt = 0.0
+        if seg is not None:
+            for j in range(idx, -1, -1):
+                if segments[j] != seg:
+                    break
+                rebuilt += blocks[j].internal + blocks[j].output
         grads = 2 * x + blk.output + blk.grad_temp
         peak_b = max(peak_b, remaining + x + rebuilt + grads)
         remaining -= part
     backward = peak_b - kept
     return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), True,
                      int(largest))
+
+
+def _checkpoint_segments(blocks: list[Block], modules: frozenset[str]) -> list[int | None]:
+    """For each block, the id of the recompute checkpoint covering it (None: not recomputed).
+    Consecutive blocks of one recomputed module form one checkpoint."""
+    out: list[int | None] = []
+    seg = 0
+    for idx, blk in enumerate(blocks):
+        if blk.module is None or blk.module not in modules:
+            out.append(None)
+            continue
+        if idx == 0 or blocks[idx - 1].module != blk.module or out[-1] is None:
+            seg += 1
+        out.append(seg)
+    return out

@@ -37,6 +37,8 @@ from art.trainer_rank._memory.request import LoraShape, MicroBatchShape, OutputR
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 HEAD_CHUNK_TOKENS_DEFAULT = 2048
 INT64 = 8
+# The head backward's per-token side tensors: masks, clamped ids, fp32 per-token weights.
+HEAD_BOOKKEEPING_BYTES_PER_TOKEN = 32
 # LoRA training state per trainable parameter: fp32 Adam moments (2 x 4 bytes).
 ADAM_STATE_BYTES = 8
 
@@ -308,6 +310,21 @@ class MemoryModel:
                     x = unit_cost.output
                     i += n
                     continue
+                # Formulas: the unit's input stays referenced by the checkpoint while its
+                # later layers run.
+                members = layers[i:i + n]
+                costs = [self._layer_cost(j, frozenset(), s, False) for j, _ in members]
+                probe_used |= any(u for _, u in costs)
+                for k, (cost, _) in enumerate(costs):
+                    peak = kept_total + x_in + cost.forward + (x_in if k else 0.0)
+                    if peak > fwd_layers_peak:
+                        fwd_layers_peak = peak
+                        fwd_peak_where = f"layer {index + k + 1} (no grad, checkpoint unit)"
+                units.append(dict(kind="layer", start=index, kept=0, input=x,
+                                  costs=[costs[-1][0]]))
+                x = costs[-1][0].output
+                i += n
+                continue
             modules = lr.selective_modules if grad else frozenset()
             cost, used = self._layer_cost(index, modules, s, grad)
             probe_used |= used
@@ -516,16 +533,19 @@ def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> d
     grad = batch.grad_enabled
     rows = s  # the decoder output is gathered to the full row on every TP rank
     hidden_row = rows * g.hidden_size * b
+    # The final norm's weight is frozen, so its multiply keeps nothing: the inverse rms per
+    # row, plus torch's fp32 upcast of the input in low precision.
     norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
-                                   if model.implementation.norm == "torch" else 0)
+                                   if model.implementation.norm == "torch" and b < FP32 else 0)
     uses_head = bool(out.target_logprobs or out.top_k or out.logits)
     vocab_local = g.vocab_size / tp
     chunk = min(model.head_chunk_tokens, rows)
     # One chunk: [chunk, vocab/TP] logits in the model dtype, upcast to fp32 (a copy only in
-    # low precision; shift and exp run in place on it), the shard's top-k.
+    # low precision; shift and exp run in place on it); top-k: the shard's values and ids,
+    # gathered over TP, their top-k and the ids gathered at it.
     upcast = chunk * vocab_local * FP32 if b < FP32 else 0.0
-    chunk_fwd = (chunk * vocab_local * b + upcast + chunk * out.top_k * (FP32 + INT64) * tp
-                 if uses_head else 0.0)
+    top_k = chunk * out.top_k * ((FP32 + INT64) * (tp + 1) + INT64)
+    chunk_fwd = chunk * vocab_local * b + upcast + top_k if uses_head else 0.0
     held = hidden_row
     if out.target_logprobs:
         held += rows * FP32
@@ -534,7 +554,8 @@ def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> d
     if out.logits:
         held += rows * g.vocab_size * FP32
     saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
-    forward = held + saved_head + chunk_fwd + (norm_internal if grad else 0.0)
+    bookkeeping = rows * HEAD_BOOKKEEPING_BYTES_PER_TOKEN if uses_head else 0.0
+    forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
     note = f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}"
     backward = 0.0
     if grad:
@@ -545,13 +566,16 @@ def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> d
             forward += rows * g.hidden_size * FP32 if b < FP32 else 0.0
         if out.logits:
             caller += rows * g.vocab_size * FP32
-        # Head backward, per chunk: the logits rebuilt (model dtype + fp32), the softmax
-        # gradient cast back to the model dtype for the matmul, the chunk's input gradient;
-        # plus the zero-initialised gradient of the whole hidden row and the norm's output
-        # gradient for the top layer.
-        chunk_bwd = (chunk * vocab_local * (2 * b) + upcast + chunk * g.hidden_size * b
+        # Head backward, per chunk: the logits rebuilt (the softmax and its gradient run in
+        # place on them; in low precision an fp32 copy and the gradient cast back for the
+        # matmul), the chunk's input gradient; plus the zero-initialised gradient of the whole
+        # hidden row and per-token bookkeeping (target masks, clamped ids, fp32 weights).
+        low = FP32 + b if b < FP32 else 0
+        chunk_bwd = (chunk * vocab_local * (b + low) + chunk * g.hidden_size * b
                      if uses_head else 0.0)
-        grads = hidden_row + d_hidden_local(model, s)
+        # The caller's gradient of the top-k log-probs and its fp32 sum over k.
+        top_k_grads = rows * out.top_k * FP32 * 2
+        grads = hidden_row + bookkeeping + top_k_grads
         backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
     return {"kept": held, "forward": forward, "backward": backward, "note": note}
 

@@ -25,6 +25,7 @@ in memory and, when a directory is given, as JSON files.
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import weakref
@@ -42,14 +43,18 @@ from art.trainer_rank._memory.model import mode_key
 from art.trainer_rank._memory.request import OutputRequest
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
-# so a few small counts do not predict large ones: measured on a hidden-256 layer, a quadratic
-# through 128/256/384 under-predicts the forward peak at 768 by ~20%, one through 512/768/1024
-# over-predicts 2048 by ~10%. The points therefore span the sizes the estimates are used for.
-PROBE_TOKENS: tuple[int, ...] = (128, 256, 384, 512, 768, 1024, 1536, 2048)
-PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 2048, 4096, 8192, 16384, 32768)
+# so a few small counts do not predict large ones; the points span the sizes the estimates are
+# used for, about 1.5x apart: between neighbours the curve is interpolated, and the wider the
+# gap the looser the chord where two local quadratics disagree.
+PROBE_TOKENS: tuple[int, ...] = (32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
+PROBE_TOKENS_CUDA: tuple[int, ...] = (1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384,
+                                      24576, 32768)
 # Unfused attention on GPU keeps [heads, s, s] scores: stay where one layer fits easily.
-PROBE_TOKENS_CUDA_UNFUSED: tuple[int, ...] = (512, 1024, 2048, 4096, 6144, 8192)
+PROBE_TOKENS_CUDA_UNFUSED: tuple[int, ...] = (512, 768, 1024, 1536, 2048, 3072, 4096, 6144, 8192)
 WINDOW = 3
+# Two neighbouring three-point quadratics further apart than this (relative to the chord)
+# mean the winning op changes between the points: the chord is used there.
+KINK_TOLERANCE = 0.005
 PROBED_MODULES = frozenset({"core_attn", "mlp", "layernorm"})
 
 
@@ -75,15 +80,22 @@ class Poly:
 
 @dataclass(frozen=True)
 class Fit:
-    """A measured curve: exact at the probe points, chords between them, quadratic beyond.
+    """A measured curve: exact at the probe points, local quadratics between them, the
+    quadratic through the last three points beyond.
 
     The peak of a layer is a maximum over its ops of polynomials in s (which op wins changes
     with s: a linear-in-s projection at small counts, the s^2 scores at large ones), so one
-    quadratic fitted on a few points mispredicts other counts in both directions. A maximum of
-    quadratics with non-negative s^2 terms is convex, and a chord of a convex curve lies on or
-    above it: between probe points the straight line is a safe, tight bound. Beyond the last
-    point the quadratic through the last three points (never below the last chord's line)
-    extrapolates; below the first, the quadratic through the first three.
+    quadratic fitted on all points mispredicts other counts in both directions. Between two
+    neighbouring points the curve is the larger of the quadratics through the two three-point
+    windows that contain both (at the ends: the one that does and its neighbour), when they
+    agree (exact wherever one op's polynomial wins across both windows), never above the
+    chord; where they disagree, the chord: a maximum of quadratics with non-negative s^2
+    terms is convex, so the chord bounds it from above, but a chord alone lies up to
+    (t2 - t1)^2 / 4 x c2 above a pure s^2 term (7% off-grid between 128 and 256 tokens).
+    Beyond the last point the
+    quadratic through the last three points (never below the last chord's line)
+    extrapolates; below the first, the quadratic through the first three, between the first
+    chord's extension (convex: a lower bound) and the first point (growing: an upper bound).
     """
 
     tokens: tuple[int, ...]
@@ -94,7 +106,11 @@ class Fit:
     def at(self, s: float) -> int:
         ts, vs = self.tokens, self.values
         if s <= ts[0]:
-            return self.head.at(s) if len(ts) >= 3 else int(round(vs[0]))
+            if len(ts) < 3:
+                return int(round(vs[0]))
+            # Peaks grow with the row: the first point bounds everything below it.
+            return int(round(min(vs[0], max(self.head.at(s), vs[0] - (ts[0] - s) * (
+                (vs[1] - vs[0]) / (ts[1] - ts[0]))))))
         if s >= ts[-1]:
             if len(ts) < 2:
                 return int(round(vs[-1]))
@@ -102,11 +118,22 @@ class Fit:
             line = vs[-1] + slope * (s - ts[-1])
             quad = self.tail.at(s) if len(ts) >= 3 else line
             return int(round(max(line, quad)))
-        for i in range(len(ts) - 1):
-            if ts[i] <= s <= ts[i + 1]:
-                frac = (s - ts[i]) / (ts[i + 1] - ts[i])
-                return int(round(vs[i] + frac * (vs[i + 1] - vs[i])))
-        raise AssertionError("unreachable: s inside the probe range")
+        i = bisect.bisect_right(ts, s) - 1
+        i = min(i, len(ts) - 2)
+        frac = (s - ts[i]) / (ts[i + 1] - ts[i])
+        chord = vs[i] + frac * (vs[i + 1] - vs[i])
+        # The windows containing the interval; at either end, where only one does, the
+        # neighbouring window (extrapolated one interval) stands in for the missing one.
+        windows = [j for j in (i - 1, i) if 0 <= j and j + 3 <= len(ts)]
+        if len(windows) == 1:
+            windows.append(windows[0] + (1 if windows[0] == i else -1))
+        local = [_lagrange(ts[j:j + 3], vs[j:j + 3], s) for j in windows
+                 if 0 <= j and j + 3 <= len(ts)]
+        if len(local) < 2 or abs(local[0] - local[1]) > KINK_TOLERANCE * chord:
+            # The two disagree: another op takes over the peak near here, where a quadratic
+            # through the switch would dip below the truth.
+            return int(round(chord))
+        return int(round(min(chord, max(local))))
 
     @classmethod
     def fit(cls, tokens: Iterable[int], values: Iterable[float]) -> Fit:
@@ -114,6 +141,14 @@ class Fit:
         head = Poly.fit(ts[:WINDOW], vs[:WINDOW]) if len(ts) >= WINDOW else Poly()
         tail = Poly.fit(ts[-WINDOW:], vs[-WINDOW:]) if len(ts) >= WINDOW else Poly()
         return cls(ts, vs, head, tail)
+
+
+def _lagrange(ts: tuple[int, ...], vs: tuple[float, ...], s: float) -> float:
+    """The quadratic through three points, evaluated at s."""
+    (t0, t1, t2), (v0, v1, v2) = ts, vs
+    return (v0 * (s - t1) * (s - t2) / ((t0 - t1) * (t0 - t2))
+            + v1 * (s - t0) * (s - t2) / ((t1 - t0) * (t1 - t2))
+            + v2 * (s - t0) * (s - t1) / ((t2 - t0) * (t2 - t1)))
 
 
 @dataclass(frozen=True)

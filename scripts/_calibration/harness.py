@@ -3,7 +3,7 @@
 One cell = one (geometry, recompute policy, LoRA rank, layout) model and one micro-batch
 (packed lengths, outputs, grad). It runs exactly the trainer's compute path: P's
 `pack_sequences` -> `decoder_hidden_states` -> `compute_heads` -> the caller loss
-(`probe.caller_loss`) -> backward, inside the meter (`measure.py`), starting from the state
+(the cell's, `losses.py`) -> backward, inside the meter (`measure.py`), starting from the state
 before the micro-batch (weights, LoRA grads and optimizer state already live; Megatron's
 attention score buffer cleared, so the micro-batch pays for it as a first call would).
 
@@ -21,64 +21,22 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from _calibration.cells import (
+    LORA_TARGETS,
+    POLICY_BY_NAME,
+    Cell,
+    Policy,
+    calibration_geometries,
+)
+from _calibration.losses import LOSS_BY_NAME
 
-from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
+from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.megatron.recompute import RecomputePolicy
 from art.trainer_rank._memory.measure import meter_for, release_score_buffer
 from art.trainer_rank._memory.model import MemoryModel
-from art.trainer_rank._memory.probe import (
-    caller_loss,
-    modes_for,
-    probe,
-)
+from art.trainer_rank._memory.probe import modes_for, probe
 from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
-
-LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
-
-
-Policy = RecomputePolicy
-
-
-POLICIES: tuple[Policy, ...] = (
-    Policy("none", None),
-    Policy("selective default", "selective"),
-    Policy("selective core_attn+mlp", "selective", modules=("core_attn", "mlp")),
-    Policy("selective mlp", "selective", modules=("mlp",)),
-    Policy("selective layernorm", "selective", modules=("layernorm",)),
-    Policy("full uniform 1", "full", "uniform", 1),
-    Policy("full uniform 2", "full", "uniform", 2),
-    Policy("full block 2", "full", "block", 2),
-)
-POLICY_BY_NAME = {p.name: p for p in POLICIES}
-
-
-def calibration_geometries() -> dict[str, ModelGeometry]:
-    """Two small GQA geometries (qk-norm, SwiGLU, RoPE), sized for 2 shared CPU cores."""
-    def make(name: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int):
-        return geometry_from_hf_dict(dict(
-            model_type="qwen3", num_hidden_layers=4, hidden_size=hidden, intermediate_size=ffn,
-            num_attention_heads=heads, num_key_value_heads=groups, head_dim=hidden // heads,
-            vocab_size=vocab, max_position_embeddings=4096, tie_word_embeddings=False,
-        ), name=name)
-
-    return {
-        "gqa-128": make("gqa-128", 128, 8, 4, 384, 1024),
-        "gqa-256": make("gqa-256", 256, 8, 2, 704, 2048),
-    }
-
-
-@dataclass(frozen=True)
-class Cell:
-    geometry: str
-    policy: str
-    lora_rank: int
-    tensor_parallel: int
-    lengths: tuple[int, ...]
-    outputs: str
-    grad: bool
-    dtype: str = "float32"
 
 
 @dataclass
@@ -90,6 +48,7 @@ class CellResult:
     predicted_default_bytes: int  # the same with default (formula) coefficients
     reserve_bytes: int
     peak_at: str
+    probe_key: str
     seconds: float
 
     @property
@@ -113,6 +72,7 @@ class CellResult:
             "default_ratio": round(self.default_ratio, 4),
             "reserve_bytes": self.reserve_bytes,
             "peak_at": self.peak_at,
+            "probe_key": self.probe_key,
             "seconds": round(self.seconds, 2),
         }
 
@@ -123,7 +83,8 @@ class CalibrationModel:
     def __init__(self, geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                  tensor_parallel: int, dtype: str = "float32",
                  implementation: Implementation | None = None,
-                 cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None
+                 cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None,
+                 probe_dir: str | None = None
                  ) -> None:
         from peft import LoraConfig
 
@@ -158,7 +119,7 @@ class CalibrationModel:
         self.coefficients = probe(
             self.model, geometry=geometry, layout=self.layout,
             implementation=self.implementation, dtype=dtype, lora_rank=lora_rank,
-            modes=modes, outputs=outputs, tokens=probe_tokens,
+            modes=modes, outputs=outputs, tokens=probe_tokens, cache_dir=probe_dir,
         )
         self.memory = self.memory_default.with_coefficients(self.coefficients)
 
@@ -174,7 +135,7 @@ class CalibrationModel:
         torch.manual_seed(seed)
         measured, measured_forward = run_micro_batch(
             self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
-            self.device)
+            self.device, loss_name=cell.loss)
         batch = micro_batch_shape(cell.lengths, outputs, cell.grad, self.layout,
                                   self.implementation)
         est = self.memory.estimate(batch)
@@ -184,6 +145,7 @@ class CalibrationModel:
             predicted_bytes=max(est.forward_peak_bytes, est.backward_peak_bytes),
             predicted_default_bytes=max(default.forward_peak_bytes, default.backward_peak_bytes),
             reserve_bytes=est.reserve_bytes, peak_at=est.peak_at,
+            probe_key=self.coefficients.key,
             seconds=time.perf_counter() - start,
         )
 
@@ -201,7 +163,7 @@ def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool
 
 def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, grad: bool,
                     layout: ParallelLayout, implementation: Implementation,
-                    device: torch.device) -> tuple[int, int]:
+                    device: torch.device, loss_name: str = "synthetic") -> tuple[int, int]:
     """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path."""
     from art.trainer_rank._forward import decoder_hidden_states, unwrap_model
     from art.trainer_rank._heads import HeadOutputs, compute_heads
@@ -225,7 +187,7 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                     model, hidden, target_tokens=targets if outputs.target_logprobs else None,
                     top_k=outputs.top_k, logits=outputs.logits)
             if grad:
-                loss = caller_loss(outputs, heads, hidden)
+                loss = LOSS_BY_NAME[loss_name](outputs, heads, hidden)
         if device.type == "cuda":
             meter._update()
         forward_peak = meter.peak_bytes
@@ -238,39 +200,14 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
     return int(meter.peak_bytes), int(forward_peak)
 
 
-def default_matrix(quick: bool = False) -> list[Cell]:
-    """The calibration matrix (TP=1 here; the torchrun worker adds TP=2 cells)."""
-    geometries = ("gqa-128",) if quick else ("gqa-128", "gqa-256")
-    lengths_sets: tuple[tuple[int, ...], ...] = (
-        ((384,), (256, 512)) if quick else ((128,), (2048,), (256, 768), (512, 512, 512, 512))
-    )
-    grad_outputs = ("logprobs", "top_k=20", "logits", "hidden_states")
-    nograd_outputs = ("logprobs", "logits") if not quick else ("logprobs",)
-    cells: list[Cell] = []
-    for geo in geometries:
-        for policy in POLICIES:
-            ranks = (1, 8, 64) if policy.name in ("selective default", "full uniform 1") \
-                and geo == "gqa-128" else (8,)
-            if quick:
-                ranks = (8,)
-            for rank in ranks:
-                for lengths in lengths_sets:
-                    outs = grad_outputs if rank == 8 else ("logprobs",)
-                    for out in outs:
-                        cells.append(Cell(geo, policy.name, rank, 1, lengths, out, True))
-                    if rank == 8:
-                        for out in nograd_outputs:
-                            cells.append(Cell(geo, policy.name, rank, 1, lengths, out, False))
-    if quick:
-        keep = {"none", "selective default", "full uniform 1"}
-        cells = [c for c in cells if c.policy in keep]
-    return cells
-
-
 def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
               progress: Callable[[str], None] | None = None,
-              probe_tokens: tuple[int, ...] | None = None) -> list[CellResult]:
-    """Group cells by model, build each model once, probe it, measure its cells."""
+              probe_tokens: tuple[int, ...] | None = None,
+              probe_dir: str | None = None,
+              on_result: Callable[[CellResult], None] | None = None) -> list[CellResult]:
+    """Group cells by model, build each model once, probe it, measure its cells. With
+    `probe_dir` every probe's measured points are kept there as JSON, so `reprice` can
+    re-price both columns after a change to the model without running anything."""
     cells = list(cells)
     geometries = calibration_geometries()
     groups: dict[tuple[str, str, int, str], list[Cell]] = {}
@@ -280,10 +217,12 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
     for (geo, policy, rank, dtype), group in groups.items():
         model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
                                  tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
-                                 probe_tokens=probe_tokens)
+                                 probe_tokens=probe_tokens, probe_dir=probe_dir)
         for cell in group:
             result = model.measure(cell)
             results.append(result)
+            if on_result:
+                on_result(result)
             if progress:
                 progress(f"{geo} {policy} r{rank} {cell.lengths} {cell.outputs} "
                          f"{'grad' if cell.grad else 'nograd'}: measured "
@@ -313,17 +252,31 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
                        lora=LoraShape(cell.lora_rank, LORA_TARGETS), dtype=cell.dtype)
 
 
-def reprice_defaults(row: dict[str, Any]) -> dict[str, Any]:
-    """Re-run the default (formula) prediction for a measured CSV row."""
+def reprice(row: dict[str, Any], probe_dir: str | None = None) -> dict[str, Any]:
+    """Re-price a measured CSV row with the current memory model: the default column always,
+    the probe column too when the probe's JSON is in `probe_dir`."""
+    from pathlib import Path
+
+    from art.trainer_rank._memory.probe import ProbeCoefficients
+
     cell = Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
                 int(row["tensor_parallel"]),
                 tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
-                str(row["grad"]) in ("True", "true", "1"), row.get("dtype", "float32"))
+                str(row["grad"]) in ("True", "true", "1"), row.get("dtype", "float32"),
+                row.get("loss", "synthetic"))
     model = default_memory_model(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
                               model.layout, model.implementation)
     est = model.estimate(batch)
     predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
     measured = int(row["measured_bytes"])
-    return dict(row) | {"predicted_default_bytes": predicted,
-                        "default_ratio": round(predicted / max(1, measured), 4)}
+    out = dict(row) | {"predicted_default_bytes": predicted,
+                       "default_ratio": round(predicted / max(1, measured), 4)}
+    path = Path(probe_dir or "") / f"probe-{row.get('probe_key', '')}.json"
+    if probe_dir and path.is_file():
+        coefficients = ProbeCoefficients.from_json(path.read_text())
+        est = model.with_coefficients(coefficients).estimate(batch)
+        probed = max(est.forward_peak_bytes, est.backward_peak_bytes)
+        out |= {"predicted_bytes": probed, "ratio": round(probed / max(1, measured), 4),
+                "peak_at": est.peak_at}
+    return out

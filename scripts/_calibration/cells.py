@@ -1,0 +1,147 @@
+"""Calibration cells: geometries, recompute policies and the seeded off-grid matrix.
+
+A cell is one (geometry, recompute policy, LoRA rank, TP size) model and one micro-batch
+(packed lengths, outputs, grad, caller loss). Lengths are drawn from a seeded generator, never
+typed in, and a packed row never lands within `PROBE_POINT_MARGIN` of a probe point: at its
+points the probe is exact by construction, so cells there would measure nothing about it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
+from art.megatron.recompute import RecomputePolicy
+from art.trainer_rank._memory.probe import PROBE_TOKENS
+
+LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+# A packed row within 4% of a probe point is redrawn.
+PROBE_POINT_MARGIN = 0.04
+# CPU: unfused attention keeps [heads, S, S] fp32 scores per layer and three such tensors in
+# its backward, so rows stop at 4k tokens on a shared 2-core machine with ~20 GiB.
+MIN_TOKENS, MAX_TOKENS = 100, 4096
+GRAD_OUTPUTS = ("logprobs", "top_k=20", "logits", "hidden_states", "logprobs,top_k=8")
+NOGRAD_OUTPUTS = ("logprobs", "logits", "top_k=20")
+LOSSES = ("synthetic", "rl")
+
+Policy = RecomputePolicy
+
+POLICIES: tuple[Policy, ...] = (
+    Policy("none", None),
+    Policy("selective default", "selective"),
+    Policy("selective core_attn+mlp", "selective", modules=("core_attn", "mlp")),
+    Policy("selective mlp", "selective", modules=("mlp",)),
+    Policy("selective layernorm", "selective", modules=("layernorm",)),
+    Policy("full uniform 1", "full", "uniform", 1),
+    Policy("full uniform 2", "full", "uniform", 2),
+    Policy("full block 2", "full", "block", 2),
+)
+POLICY_BY_NAME = {p.name: p for p in POLICIES}
+
+
+def calibration_geometries() -> dict[str, ModelGeometry]:
+    """Small geometries (qk-norm, SwiGLU, RoPE) sized for 2 shared CPU cores: two GQA shapes
+    and an MQA one (one KV group, where K and V are smallest next to Q)."""
+    def make(name: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int):
+        return geometry_from_hf_dict(dict(
+            model_type="qwen3", num_hidden_layers=4, hidden_size=hidden, intermediate_size=ffn,
+            num_attention_heads=heads, num_key_value_heads=groups, head_dim=hidden // heads,
+            vocab_size=vocab, max_position_embeddings=8192, tie_word_embeddings=False,
+        ), name=name)
+
+    return {
+        "gqa-128": make("gqa-128", 128, 8, 4, 384, 1024),
+        "gqa-256": make("gqa-256", 256, 8, 2, 704, 2048),
+        "mqa-192": make("mqa-192", 192, 6, 1, 512, 1536),
+    }
+
+
+@dataclass(frozen=True)
+class Cell:
+    geometry: str
+    policy: str
+    lora_rank: int
+    tensor_parallel: int
+    lengths: tuple[int, ...]
+    outputs: str
+    grad: bool
+    dtype: str = "float32"
+    loss: str = "synthetic"  # the caller loss: "synthetic" or "rl" (see losses.py)
+
+
+def off_probe_points(total: int, probe_tokens: tuple[int, ...] = PROBE_TOKENS) -> bool:
+    return all(abs(total - t) > PROBE_POINT_MARGIN * t for t in probe_tokens)
+
+
+def draw_lengths(rng: random.Random, *, low: int = MIN_TOKENS, high: int = MAX_TOKENS,
+                 multiple: int = 1, probe_tokens: tuple[int, ...] = PROBE_TOKENS
+                 ) -> tuple[int, ...]:
+    """One packed row: a log-uniform total in [low, high] off the probe points, as one
+    sequence (half the rows) or split at random into 2-48 sequences of >= 8 tokens. With
+    `multiple` > 1 (TP with sequence parallel pads rows) the total is a multiple of it."""
+    while True:
+        total = int(round(low * (high / low) ** rng.random()))
+        total = max(low, total - total % multiple)
+        if off_probe_points(total, probe_tokens):
+            break
+    if rng.random() < 0.5 or total < 32:
+        return (total,)
+    pieces = rng.randint(2, min(48, total // 8))
+    cuts = sorted(rng.sample(range(8, total - 7), pieces - 1)) if pieces > 1 else []
+    lengths, last = [], 0
+    for cut in cuts + [total]:
+        if cut - last >= 8:
+            lengths.append(cut - last)
+            last = cut
+    lengths[-1] += total - sum(lengths)
+    rng.shuffle(lengths)
+    return tuple(lengths)
+
+
+def off_grid_matrix(seed: int = 0, *, rows_per_model: int = 6, tensor_parallel: int = 1,
+                    geometries: tuple[str, ...] = ("gqa-128", "gqa-256", "mqa-192"),
+                    policies: tuple[str, ...] = tuple(POLICY_BY_NAME),
+                    max_tokens: int = MAX_TOKENS) -> list[Cell]:
+    """Every geometry x policy (LoRA rank 8), plus ranks 1 and 64 for two policies, each model
+    measuring `rows_per_model` seeded rows with grad and half as many without, outputs and
+    caller losses rotating."""
+    rng = random.Random(seed)
+    cells: list[Cell] = []
+    for geo in geometries:
+        for policy in policies:
+            ranks = [8]
+            if policy in ("selective default", "full uniform 1") and geo == geometries[0]:
+                ranks += [1, 64]
+            for rank in ranks:
+                n = rows_per_model if rank == 8 else max(2, rows_per_model // 3)
+                for i in range(n):
+                    lengths = draw_lengths(rng, high=max_tokens, multiple=tensor_parallel)
+                    outputs = GRAD_OUTPUTS[rng.randrange(len(GRAD_OUTPUTS))]
+                    loss = LOSSES[i % 2] if "logprobs" in outputs else "synthetic"
+                    cells.append(Cell(geo, policy, rank, tensor_parallel, lengths, outputs,
+                                      True, loss=loss))
+                for _ in range(n // 2):
+                    lengths = draw_lengths(rng, high=max_tokens, multiple=tensor_parallel)
+                    outputs = NOGRAD_OUTPUTS[rng.randrange(len(NOGRAD_OUTPUTS))]
+                    cells.append(Cell(geo, policy, rank, tensor_parallel, lengths, outputs,
+                                      False))
+    return cells
+
+
+def test_slice(probe_tokens: tuple[int, ...], seed: int = 0) -> list[Cell]:
+    """A few seeded off-grid cells for the test suite: one small model, the policies whose
+    pricing differs most (none, mlp recompute, a full unit of two layers), grad and no grad."""
+    rng = random.Random(seed)
+    cells: list[Cell] = []
+    for policy in ("none", "selective core_attn+mlp", "full uniform 2"):
+        for outputs, grad, loss in (("logprobs", True, "rl"), ("hidden_states", True,
+                                                               "synthetic"),
+                                    ("logprobs", False, "synthetic")):
+            lengths = draw_lengths(rng, low=probe_tokens[1], high=probe_tokens[-1],
+                                   probe_tokens=probe_tokens)
+            cells.append(Cell("gqa-128", policy, 8, 1, lengths, outputs, grad, loss=loss))
+    return cells
+
+
+test_slice.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
