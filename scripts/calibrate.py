@@ -30,14 +30,20 @@ sys.path.insert(0, str(ROOT / "scripts"))
 TARGET = (1.00, 1.05)
 
 
-def tp1_cells(quick: bool, seed: int) -> list:
+def tp1_cells(args: argparse.Namespace) -> list:
     from _calibration.cells import off_grid_matrix
 
-    if quick:
-        return off_grid_matrix(seed, rows_per_model=2, geometries=("gqa-128",),
+    if args.quick:
+        return off_grid_matrix(args.seed, rows_per_model=2, geometries=("gqa-128",),
                                policies=("none", "selective core_attn+mlp", "full uniform 2"),
                                max_tokens=1500)
-    return off_grid_matrix(seed, rows_per_model=5)
+    cells = off_grid_matrix(args.seed, rows_per_model=args.rows_per_model,
+                            max_tokens=args.max_tokens)
+    if args.geometries:
+        cells = [c for c in cells if c.geometry in args.geometries]
+    if args.policies:
+        cells = [c for c in cells if c.policy in args.policies]
+    return cells
 
 
 def tp2_cells(quick: bool, seed: int) -> list:
@@ -200,6 +206,11 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random packed lengths")
+    parser.add_argument("--rows-per-model", type=int, default=5,
+                        help="seeded rows with grad per model (half as many without)")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="largest packed row")
+    parser.add_argument("--geometries", nargs="*", help="only these geometries (TP=1)")
+    parser.add_argument("--policies", nargs="*", help="only these recompute policies (TP=1)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
     parser.add_argument("--reprice", metavar="CSV",
@@ -239,7 +250,7 @@ def main() -> int:
             with partial.open("a") as f:
                 f.write(json.dumps(result.row()) + "\n")
 
-        results = run_cells(tp1_cells(args.quick, args.seed), probe_dir=probe_dir,
+        results = run_cells(tp1_cells(args), probe_dir=probe_dir,
                             on_result=keep,
                             progress=lambda m: print(m, flush=True))
         rows = [r.row() for r in results] + rows
@@ -270,7 +281,7 @@ def write_outputs(rows: list[dict], out: Path, seconds: float | None, quick: boo
     wall = f"wall time: {seconds:.0f} s; " if seconds is not None else ""
     (out / "calibration.md").write_text(
         summary.replace("\n\n## Per policy", f"\n- {wall}command: `.venv/bin/python "
-                        f"scripts/calibrate.py{' --quick' if quick else ''}`\n\n## Per policy",
+                        f"scripts/calibrate.py {' '.join(sys.argv[1:])}`\n\n## Per policy",
                         1))
     plot(rows, out / "calibration.png")
     print(summary.split("## Per policy")[0])

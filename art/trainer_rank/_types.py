@@ -210,7 +210,7 @@ class MicroBatchStats:
     recompute_summary: str = ""  # the recompute this micro-batch ran with
     grad_enabled: bool = True
     term_table: str = ""  # the memory model's itemised estimate
-    predicted_source: str = "model"  # "model" or "profile" (whichever was larger)
+    predicted_source: str = "model"  # "model" or "model x profile correction"
     measured_peak_bytes: int | None = None  # dynamic peak, forward through caller backward
     retries: int = 0  # how many times these items were re-run after an OOM
     note: str = ""

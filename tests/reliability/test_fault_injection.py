@@ -55,7 +55,7 @@ def test_ooms_at_random_points_are_recovered(fuzz_model, grad):
 
 def _valid_payload(signature: str) -> dict:
     return {"version": PROFILE_FILE_VERSION,
-            "profiles": {signature: {"observations": [[64, 10_000]], "misses": []}}}
+            "profiles": {signature: {"observations": [[64, 10_000, 9_000]], "misses": []}}}
 
 
 BROKEN_FILES = {
@@ -129,6 +129,6 @@ def test_profile_of_another_model_or_lying_profile_cannot_cause_an_oom(fuzz_mode
     assert all(s.retries == 0 for s in trainer.stats_history)
     assert all(s.measured_peak_bytes <= tight for s in trainer.stats_history)
     saved = json.loads(path.read_text())["profiles"]
-    assert other_sig in saved and saved[other_sig]["observations"] == [[100, 5]]
+    assert other_sig in saved and saved[other_sig]["observations"] == [[100, 5, 5]]
     zero_grads(model)
     COUNTS["foreign or lying profiles"] += 2

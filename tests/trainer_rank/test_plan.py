@@ -56,11 +56,23 @@ def test_seed_case_selective_does_not_fit_and_full_does(gpus: int, tp: int) -> N
     assert selective.peak_bytes > H200 > full.peak_bytes
     assert selective.peak_bytes > 3 * full.peak_bytes
     rec = result.recommended
-    assert rec is not None and rec.policy.name == "full"
+    # On four GPUs selective+mlp (less recompute than full) fits at TP4 and is preferred.
+    expected = "full" if gpus == 2 else "selective+mlp"
+    assert rec is not None and rec.policy.name == expected
+    assert rec.fits and rec.layout.tensor_parallel * rec.layout.context_parallel <= gpus
     summary = next(line for line in result.layout_summaries()
                    if line.startswith(f"TP{tp}" + (":" if gpus == tp else " DP")))
     assert "selective does not fit" in summary and "full fits" in summary
     assert "GiB/rank" in summary
+
+
+def test_seed_case_mlp_recompute_is_priced_below_selective() -> None:
+    """With fused SwiGLU (the TE build) an mlp checkpoint keeps only its input: fc1's output
+    is no longer counted as kept, so selective+mlp is clearly cheaper than selective."""
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200, lora_rank=1)
+    selective = result.cell("selective", 2).peak_bytes
+    with_mlp = result.cell("selective+mlp", 2).peak_bytes
+    assert with_mlp < 0.8 * selective, (with_mlp / 2**30, selective / 2**30)
 
 
 def test_seed_case_tp4_per_rank_below_tp2() -> None:
@@ -98,7 +110,9 @@ def test_json_has_the_documented_keys() -> None:
             assert cell["estimate"]["peak_bytes"] == cell["peak_bytes"]
             assert cell["headroom_bytes"] == cell["limit_bytes"] - cell["peak_bytes"]
     rec = data["recommended"]
-    assert rec["policy"] == "full" and rec["env"]["ART_MEGATRON_RECOMPUTE_GRANULARITY"] == "full"
+    assert rec["policy"] == "selective+mlp"  # four GPUs: it fits at TP4 (see above)
+    assert rec["env"]["ART_MEGATRON_RECOMPUTE_GRANULARITY"] == "selective"
+    assert rec["env"]["ART_MEGATRON_RECOMPUTE_MODULES"] == "core_attn,mlp"
     assert "peak = resident + dynamic" in rec["term_table"]
 
 
