@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Implementation:
-    """attention: "flash" (fused; keeps q, k, v, out and softmax stats) or "unfused"
+    """attention: "flash" (fused; keeps q, k, v, out and softmax stats: TE's on GPU, on the
+    local spec our segmented flash attention over torch's CPU flash kernels) or "unfused"
     (Megatron's DotProductAttention; keeps s^2 scores and probabilities). norm: "fused"
     (keeps input + fp32 rstd) or "torch" (CPU composite rms_norm keeps fp32 copies).
     spec: "local" (Megatron's local layer spec) or "te" (Transformer Engine spec).
@@ -40,9 +41,10 @@ class Implementation:
         return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}"
 
     @classmethod
-    def cpu_local(cls) -> Implementation:
-        """What Megatron's local spec builds on CPU (no TE, no apex, no flash attention)."""
-        return cls(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
+    def cpu_local(cls, attention: str = "unfused") -> Implementation:
+        """Megatron's local spec on CPU (no TE, no apex); attention "unfused" (Megatron's
+        DotProductAttention) or "flash" (segmented flash attention, see packed_attention)."""
+        return cls(spec="local", attention=attention, norm="torch", swiglu_fused=False,
                    device="cpu")
 
     @classmethod

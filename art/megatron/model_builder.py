@@ -153,9 +153,23 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=N
     spec = gpt_layer_specs.get_gpt_layer_local_spec(
         num_experts=num_experts, qk_layernorm=geometry.qk_layernorm, normalization="RMSNorm"
     )
+    if implementation.attention == "flash":
+        spec = _with_segmented_flash_attention(spec)
     if config is None or not config.sequence_parallel:
         return spec
     return _sequence_parallel_local_block_spec(spec, config)
+
+
+def _with_segmented_flash_attention(spec):
+    """The local spec with Megatron's unfused DotProductAttention replaced by the segmented
+    flash attention (same constructor, no parameters, keeps output + logsumexp only)."""
+    import copy
+
+    from art.megatron.packed_attention import SegmentedFlashAttention
+
+    spec = copy.deepcopy(spec)
+    spec.submodules.self_attention.submodules.core_attention = SegmentedFlashAttention
+    return spec
 
 
 def _sequence_parallel_local_block_spec(spec, config):

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from art.megatron.recompute import EffectiveRecompute
-from art.trainer_rank._items import Item, outputs_union
+from art.trainer_rank._items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 from art.trainer_rank._profiles import ProfileStore, signature
 from art.trainer_rank._types import (
@@ -121,6 +121,21 @@ class Plan:
     def indices(self) -> list[int]:
         return [item.index for item in self.items]
 
+    def group_indices(self, sub: Sequence[int]) -> list[list[int]]:
+        """`sub`'s leaf indices cut where the owning item changes: the groups whose shared
+        prefixes one packed row may lay out once."""
+        owner = [k for k, item in enumerate(self.items) for _ in item.leaves]
+        groups: list[list[int]] = []
+        for i in sub:
+            if groups and owner[groups[-1][-1]] == owner[i]:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
+    def groups(self, sub: Sequence[int]) -> tuple[int, ...]:
+        return tuple(len(group) for group in self.group_indices(sub))
+
 
 @dataclass
 class AdmissionPolicy:
@@ -139,7 +154,8 @@ class Admission:
     recompute: EffectiveRecompute
     topology: str
     adapter: str
-    packed_length: Callable[[Sequence[int]], int]
+    # (sequence lengths, tokens shared as prefixes) -> packed row length
+    packed_length: Callable[..., int]
     full_recompute: EffectiveRecompute | None = None
     # Bytes of the outputs one sub-forward leaves behind (held until the item is yielded);
     # None prices splits as if nothing were held.
@@ -182,7 +198,7 @@ class Admission:
             sequence_lengths_tokens=lengths,
             outputs=outputs_union(leaves),
             grad_enabled=grad,
-            padded_tokens=self.packed_length(lengths),
+            padded_tokens=self.packed_length(lengths, group_shared_tokens(leaves)),
         )
 
     def price(
@@ -191,8 +207,10 @@ class Admission:
         grad: bool,
         recompute: EffectiveRecompute | None = None,
     ) -> tuple[Pricing, MicroBatchShape, str]:
+        """`leaves`: sequences of one item (a split's sub-forward shares their prefixes)."""
         return self.price_lengths(tuple(leaf.num_tokens for leaf in leaves),
-                                  outputs_union(leaves), grad, recompute)
+                                  outputs_union(leaves), grad, recompute,
+                                  shared_tokens=group_shared_tokens(leaves))
 
     def price_items(self, items: Sequence[Item], grad: bool,
                     recompute: EffectiveRecompute | None = None
@@ -200,18 +218,20 @@ class Admission:
         lengths: tuple[int, ...] = ()
         for item in items:
             lengths += item.sequence_lengths_tokens
-        return self.price_lengths(lengths, _union(it.outputs for it in items), grad, recompute)
+        return self.price_lengths(lengths, _union(it.outputs for it in items), grad, recompute,
+                                  shared_tokens=sum(it.shared_tokens for it in items))
 
     def price_lengths(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
-                      recompute: EffectiveRecompute | None = None
+                      recompute: EffectiveRecompute | None = None, shared_tokens: int = 0,
                       ) -> tuple[Pricing, MicroBatchShape, str]:
         recompute = recompute or self.recompute
-        key = (id(recompute), grad, lengths, outputs)
+        key = (id(recompute), grad, lengths, outputs, shared_tokens)
         hit = self._priced.get(key)
         if hit is None:
             model = self._model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
-                                    grad_enabled=grad, padded_tokens=self.packed_length(lengths))
+                                    grad_enabled=grad,
+                                    padded_tokens=self.packed_length(lengths, shared_tokens))
             if len(self._priced) > 8192:  # an Estimate holds its terms: bound the memory
                 self._priced.clear()
             hit = self._priced[key] = (model.estimate(shape), shape,
@@ -296,15 +316,18 @@ class Admission:
         chosen = [first]
         lengths = first.sequence_lengths_tokens
         outputs = first.outputs
+        shared = first.shared_tokens
         misfits = 0
         for item in queue[1:]:
             cand_lengths = lengths + item.sequence_lengths_tokens
-            if cap_tokens is not None and self.packed_length(cand_lengths) > cap_tokens:
+            cand_shared = shared + item.shared_tokens
+            if cap_tokens is not None and self.packed_length(
+                    cand_lengths, cand_shared) > cap_tokens:
                 too_big = True
             else:
                 cand_outputs = _union((outputs, item.outputs))
                 candidate, cand_shape, cand_sig = self.price_lengths(
-                    cand_lengths, cand_outputs, grad)
+                    cand_lengths, cand_outputs, grad, shared_tokens=cand_shared)
                 too_big = candidate.dynamic_bytes > usable_bytes
             if too_big:
                 misfits += 1
@@ -313,7 +336,7 @@ class Admission:
                 continue
             misfits = 0
             chosen.append(item)
-            lengths, outputs = cand_lengths, cand_outputs
+            lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = candidate, cand_shape, cand_sig
         chosen.sort(key=lambda it: it.index)
         leaves_count = sum(len(it.leaves) for it in chosen)

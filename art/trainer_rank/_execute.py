@@ -14,7 +14,7 @@ from art.megatron.layout import ParallelLayout
 from art.trainer_rank._forward import decoder_hidden_states
 from art.trainer_rank._heads import compute_heads
 from art.trainer_rank._items import outputs_union
-from art.trainer_rank._packing import IGNORE_INDEX, pack_sequences, pack_values, unpack
+from art.trainer_rank._packing import IGNORE_INDEX, pack_sequences, pack_targets, unpack
 from art.trainer_rank._types import ForwardInput, ForwardOutput, TopK
 
 
@@ -27,13 +27,16 @@ def run_sub_forward(
     device: torch.device,
     head_chunk_tokens: int,
     checkpoint: str | None = None,
+    groups: Sequence[int] | None = None,
 ) -> list[ForwardOutput]:
-    """One packed forward over `leaves` under the caller's grad mode."""
+    """One packed forward over `leaves` under the caller's grad mode. `groups`: consecutive
+    leaves per indivisible group (their shared prefixes are laid out once); None = none."""
     batch = pack_sequences(
         [leaf.input_tokens for leaf in leaves],
         implementation=implementation,
         layout=layout,
         device=device,
+        groups=groups,
     )
     wanted = outputs_union(leaves)
     # K targets per position: the widest request; narrower ones are padded with IGNORE_INDEX.
@@ -41,16 +44,30 @@ def run_sub_forward(
     hidden = decoder_hidden_states(model, batch)
     targets = None
     if wanted.target_logprobs:
-        targets = pack_values([_target_columns(leaf, columns) for leaf in leaves], batch,
-                              fill=IGNORE_INDEX).to(device=device, dtype=torch.long)
+        targets = pack_targets([_target_columns(leaf, columns).to(device) for leaf in leaves],
+                               batch)
     heads = None
     if wanted.target_logprobs or wanted.top_k or wanted.logits:
         heads = compute_heads(
-            model, hidden, target_tokens=targets, top_k=wanted.top_k, logits=wanted.logits,
-            chunk_tokens=head_chunk_tokens,
+            model, hidden, target_tokens=None if targets is None else targets.row_targets,
+            top_k=wanted.top_k, logits=wanted.logits, chunk_tokens=head_chunk_tokens,
         )
     per_hidden = unpack(hidden, batch) if wanted.hidden_states else None
-    per_logprobs = unpack(heads.target_logprobs, batch) if heads and targets is not None else None
+    per_logprobs = None
+    if heads is not None and targets is not None:
+        per_logprobs = unpack(heads.target_logprobs, batch)
+        if targets.extra_rows.numel():
+            # Shared rows whose sequences want different targets: score just those rows
+            # again with the other targets (a gather of E rows, not the whole row).
+            extra = compute_heads(
+                model, hidden.index_select(0, targets.extra_rows),
+                target_tokens=targets.extra_targets, chunk_tokens=head_chunk_tokens,
+            ).target_logprobs
+            for i, override in enumerate(targets.overrides):
+                if override is not None:
+                    positions, picks = override
+                    per_logprobs[i] = per_logprobs[i].index_put(
+                        (positions,), extra.index_select(0, picks))
     per_top_values = per_top_tokens = per_logits = None
     if heads is not None and wanted.top_k:
         per_top_values = unpack(heads.top_k_logprobs, batch)

@@ -5,7 +5,8 @@ This drives the GPTModel's parts (embedding, rotary table, decoder) directly ins
 the model's own output layer is never called; and on the local spec Megatron builds the rotary
 table for positions 0..S-1 of the whole row, ignoring position_ids, which would rotate a
 packed sequence as if it started at its offset. Here the table is indexed by position_ids, so
-every sequence sees exactly the angles it sees alone. With the TE spec Megatron's THD rotary
+every sequence sees exactly the angles it sees alone, a completion laid out after a shared
+prefix included (its positions continue from the prefix). With the TE spec Megatron's THD rotary
 path restarts positions per sequence from cu_seqlens itself.
 """
 
@@ -53,7 +54,7 @@ def _check_single_stage(inner: Any) -> None:
 def _rotary(inner: Any, batch: PackedBatch, decoder_input: Tensor) -> Tensor | None:
     if getattr(inner, "position_embedding_type", None) != "rope":
         return None
-    if batch.packed_seq_params is not None:
+    if getattr(batch.packed_seq_params, "qkv_format", None) == "thd":
         seq_len = inner.rotary_pos_emb.get_rotary_seq_len(
             None, inner.decoder, decoder_input, inner.config, batch.packed_seq_params
         )

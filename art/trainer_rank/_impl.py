@@ -30,12 +30,23 @@ from art.trainer_rank._device_memory import (
 )
 from art.trainer_rank._escalation import full_recompute
 from art.trainer_rank._execute import detached_output, run_sub_forward
-from art.trainer_rank._items import Item, deal_to_ranks, fingerprint, make_items, rebuild
+from art.trainer_rank._items import (
+    Item,
+    deal_to_ranks,
+    fingerprint,
+    group_shared_tokens,
+    make_items,
+    rebuild,
+)
 from art.trainer_rank._lockstep import in_lockstep
 from art.trainer_rank._memory.measure import release_score_buffer
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
-from art.trainer_rank._packing import check_layout_supported, packed_length_tokens
+from art.trainer_rank._packing import (
+    check_layout_supported,
+    packed_length_tokens,
+    shares_prefixes,
+)
 from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
 from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._types import (
@@ -156,6 +167,7 @@ class TrainerRank:
             targets = [targets] if isinstance(targets, str) else sorted(targets)
             adapter = f"r{lora.r}:{','.join(targets)}"
 
+        share = shares_prefixes(provider.implementation, layout)
         self.admission = Admission(
             memory_model=memory_model,
             profiles=self.profiles,
@@ -164,7 +176,8 @@ class TrainerRank:
             topology=f"{provider.geometry.name}|{provider.implementation.key}|"
             f"{replace(layout, data_parallel=1).summary}|{provider.dtype}",
             adapter=adapter,
-            packed_length=lambda lengths: packed_length_tokens(lengths, layout),
+            packed_length=lambda lengths, shared=0: packed_length_tokens(
+                lengths, layout, shared if share else 0),
             full_recompute=full,
             held_output_bytes=lambda shape: held_output_bytes(
                 shape, provider.geometry, provider.dtype),
@@ -458,7 +471,7 @@ class TrainerRank:
                             run_sub_forward(
                                 self.model, [leaves[i] for i in sub],
                                 implementation=self.implementation, layout=self.layout,
-                                device=self.device,
+                                device=self.device, groups=plan.groups(sub),
                                 head_chunk_tokens=self.options.head_chunk_tokens,
                                 checkpoint=self.active_checkpoint,
                             )
@@ -566,7 +579,11 @@ class TrainerRank:
             local_count=len(plan.items),
             # A split reports every sub-forward's packed tokens; its prices are its largest's.
             packed_tokens=sum(
-                self.admission.packed_length([plan.leaves[i].num_tokens for i in sub])
+                self.admission.packed_length(
+                    [plan.leaves[i].num_tokens for i in sub],
+                    sum(group_shared_tokens([plan.leaves[i] for i in group])
+                        for group in plan.group_indices(sub)),
+                )
                 for sub in plan.sub_forwards
             ),
             logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from art.trainer_rank._memory.request import OutputRequest
+from art.trainer_rank._prefix_tree import shared_tokens
 from art.trainer_rank._types import ForwardInput
 
 MAX_NESTING_LEVELS = 4  # the top-level list plus up to three levels of groups, as upstream
@@ -37,6 +38,17 @@ class Item:
         object.__setattr__(self, "outputs", outputs_union(self.leaves))
         if not self.no_grad_leaves:
             object.__setattr__(self, "no_grad_leaves", (False,) * len(self.leaves))
+
+    @property
+    def shared_tokens(self) -> int:
+        """Tokens its sequences share as prefixes (laid out once where attention takes a
+        tree); computed from the token ids on first use."""
+        cached = self.__dict__.get("_shared_tokens")
+        if cached is None:
+            cached = shared_tokens([leaf.input_tokens for leaf in self.leaves]) if len(
+                self.leaves) > 1 else 0
+            object.__setattr__(self, "_shared_tokens", cached)
+        return cached
 
     @property
     def is_group(self) -> bool:
@@ -93,6 +105,13 @@ def make_items(inputs: Iterable[Any], *, call_no_grad: bool = False) -> list[Ite
         flags = tuple(call_no_grad if leaf.no_grad is None else leaf.no_grad for leaf in leaves)
         items.append(Item(index=i, value=value, leaves=tuple(leaves), no_grad_leaves=flags))
     return items
+
+
+def group_shared_tokens(leaves: Sequence[ForwardInput]) -> int:
+    """Tokens the sequences of one group share as prefixes (see _prefix_tree)."""
+    if len(leaves) < 2:
+        return 0
+    return shared_tokens([leaf.input_tokens for leaf in leaves])
 
 
 def grad_mode(items: Sequence[Item], no_grad: bool | None) -> bool:

@@ -1,13 +1,17 @@
 """Sequences of one micro-batch -> one packed row (and back).
 
-Every sequence keeps its own positions (0, 1, ...) and attends only to itself: the local spec
-(CPU, unfused attention) gets a block-diagonal causal bool mask, the Transformer Engine spec
-gets `PackedSeqParams` with cu_seqlens (THD format) instead, so no S x S mask exists on GPU.
-The row is padded to what the parallel layout needs: a multiple of TP when sequence parallel
-scatters it over the TP ranks, and, with context parallelism, every sequence to a multiple of
-2 x CP (the load-balanced split gives each CP rank two chunks of every sequence). Padding is
-one extra pseudo-sequence at the end with its own causal block, so it never touches a real
-token and never produces NaN rows; `unpack` drops it.
+Every sequence keeps its own positions (0, 1, ...) and attends only to itself and, inside an
+indivisible group (a GRPO group's rollouts), to the prefix it shares with its siblings: the
+group's prefix tree (see _prefix_tree) is laid out once, prefix then completions, each
+completion's positions continuing from the prefix so RoPE sees the angles of the unshared
+sequence. Which rows attend to which is the row's `AttentionLayout`: the local spec's segmented
+flash attention takes it as is, Megatron's unfused attention gets its dense bool mask, and the
+Transformer Engine spec gets `PackedSeqParams` with cu_seqlens (THD, no tree: sequences are not
+shared there). The row is padded to what the parallel layout needs: a multiple of TP when
+sequence parallel scatters it over the TP ranks, and, with context parallelism, every sequence
+to a multiple of 2 x CP (the load-balanced split gives each CP rank two chunks of every
+sequence). Padding is one extra pseudo-sequence at the end with its own causal block, so it
+never touches a real token and never produces NaN rows; `unpack` drops it.
 """
 
 from __future__ import annotations
@@ -20,8 +24,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from art.megatron.attention_layout import AttentionLayout, AttentionSegment, KeySpan
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
+from art.trainer_rank._prefix_tree import build_prefix_tree, validate_group
 
 IGNORE_INDEX = -100  # target value that produces no log-probability (0.0) and no gradient
 PAD_TOKEN_ID = 0  # padding is masked away from every real token, so its id does not matter
@@ -30,17 +36,35 @@ PAD_TOKEN_ID = 0  # padding is masked away from every real token, so its id does
 @dataclass(frozen=True)
 class PackedBatch:
     tokens: Tensor  # [1, S] long, S = padded_tokens
-    position_ids: Tensor  # [1, S] long, restarting at 0 for every sequence
-    attention_mask: Tensor | None  # bool [1, 1, S, S], True = masked (local spec)
-    packed_seq_params: Any | None  # megatron PackedSeqParams (TE spec)
+    position_ids: Tensor  # [1, S] long: each sequence's own positions (0, 1, ...)
+    attention_mask: Tensor | None  # bool [1, 1, S, S], True = masked (unfused attention)
+    # The AttentionLayout (segmented flash attention) or PackedSeqParams (TE spec, THD).
+    packed_seq_params: Any | None
     sequence_lengths_tokens: tuple[int, ...]
-    offsets: tuple[int, ...]  # start of each sequence in the row
+    offsets: tuple[int, ...]  # row of each sequence's first token
     logical_tokens: int
     padded_tokens: int  # S
+    attention_layout: AttentionLayout | None = None
+    # The row spans holding each sequence's tokens, in order (one span unless it shares).
+    pieces: tuple[tuple[KeySpan, ...], ...] = ()
 
     @property
     def sequences(self) -> int:
         return len(self.sequence_lengths_tokens)
+
+    shared_tokens: int = 0  # logical tokens laid out once for several sequences
+
+    def sequence_pieces(self, index: int) -> tuple[KeySpan, ...]:
+        if self.pieces:
+            return self.pieces[index]
+        return (KeySpan(self.offsets[index], self.sequence_lengths_tokens[index]),)
+
+    def sequence_rows(self, index: int) -> Tensor:
+        """[n_i] long: the packed row of each token of sequence `index`."""
+        return torch.cat([
+            torch.arange(span.start, span.end, device=self.tokens.device)
+            for span in self.sequence_pieces(index)
+        ])
 
 
 def row_multiple_tokens(layout: ParallelLayout) -> int:
@@ -62,14 +86,25 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def packed_length_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout) -> int:
+def packed_length_tokens(
+    sequence_lengths_tokens: Sequence[int], layout: ParallelLayout, shared_tokens: int = 0
+) -> int:
     """The padded row length `pack_sequences` produces, without building anything.
 
+    `shared_tokens`: rows the groups' prefix trees save (`Item.shared_tokens`, summed); only
+    layouts whose attention takes a tree share (see `shares_prefixes`), and those have CP=1.
     The memory model prices `MicroBatchShape.padded_tokens` with this.
     """
     per_sequence = sequence_multiple_tokens(layout)
     total = sum(_round_up(int(n), per_sequence) for n in sequence_lengths_tokens)
-    return _round_up(total, row_multiple_tokens(layout))
+    return _round_up(total - shared_tokens, row_multiple_tokens(layout))
+
+
+def shares_prefixes(implementation: Implementation, layout: ParallelLayout) -> bool:
+    """Whether a group's shared prefix is laid out once: the built attention must take a
+    tree layout (the local spec: segmented flash, or unfused with its dense mask); TE's THD
+    attention cannot, and context parallel splits whole sequences."""
+    return implementation.spec == "local" and layout.context_parallel == 1
 
 
 def check_layout_supported(implementation: Implementation, layout: ParallelLayout) -> None:
@@ -86,83 +121,125 @@ def check_layout_supported(implementation: Implementation, layout: ParallelLayou
         )
 
 
-def _block_causal_mask(block_lengths: Sequence[int], total: int, device: torch.device) -> Tensor:
-    """bool [1, 1, S, S], True = masked: causal inside each block, nothing across blocks."""
-    block_id = torch.repeat_interleave(
-        torch.arange(len(block_lengths), device=device),
-        torch.tensor(list(block_lengths), device=device),
-    )
-    if block_id.numel() != total:
-        raise AssertionError(f"blocks cover {block_id.numel()} tokens, row has {total}")
-    positions = torch.arange(total, device=device)
-    allowed = (block_id[:, None] == block_id[None, :]) & (positions[None, :] <= positions[:, None])
-    return (~allowed).view(1, 1, total, total)
-
-
 def pack_sequences(
     sequences: Sequence[Tensor],
     *,
     implementation: Implementation,
     layout: ParallelLayout,
     device: torch.device | str = "cpu",
+    groups: Sequence[int] | None = None,
 ) -> PackedBatch:
-    """Pack 1-D token tensors into one row with per-sequence positions and isolation."""
+    """Pack 1-D token tensors into one row with per-sequence positions and isolation.
+
+    `groups`: how many consecutive sequences form each indivisible group (its prefix tree is
+    laid out once when the implementation takes trees); None = every sequence on its own.
+    """
     if len(sequences) == 0:
         raise ValueError("pack_sequences needs at least one sequence, got none")
     check_layout_supported(implementation, layout)
+    validate_group(sequences)
     device = torch.device(device)
+    sizes = list(groups) if groups is not None else [1] * len(sequences)
+    if sum(sizes) != len(sequences) or min(sizes) < 1:
+        raise ValueError(
+            f"pack_sequences: groups {sizes} must be positive and cover the {len(sequences)} "
+            "sequences"
+        )
+    share = shares_prefixes(implementation, layout)
     per_sequence = sequence_multiple_tokens(layout)
-    lengths: list[int] = []
-    pieces: list[Tensor] = []
+    lengths = [int(s.numel()) for s in sequences]
+    tokens: list[Tensor] = []
     positions: list[Tensor] = []
-    offsets: list[int] = []
-    blocks: list[int] = []  # causal blocks: each (padded) sequence, then the trailing pad
+    segments: list[AttentionSegment] = []
+    pieces: list[list[KeySpan]] = [[] for _ in sequences]
     cursor = 0
-    for index, sequence in enumerate(sequences):
-        if sequence.dim() != 1 or sequence.numel() == 0:
-            raise ValueError(
-                f"sequence {index} must be a non-empty 1-D token tensor, got shape "
-                f"{tuple(sequence.shape)}"
-            )
-        if sequence.dtype.is_floating_point or sequence.dtype == torch.bool:
-            raise ValueError(f"sequence {index} must hold integer token ids, got {sequence.dtype}")
-        length = int(sequence.numel())
-        padded = _round_up(length, per_sequence)
-        lengths.append(length)
-        offsets.append(cursor)
-        pieces.append(sequence.to(device=device, dtype=torch.long))
-        positions.append(torch.arange(length, device=device))
-        if padded > length:
-            # CP pads inside the sequence's own block: TE's THD kernels see these
-            # tokens through cu_seqlens_*_padded and skip them.
-            pieces.append(torch.full((padded - length,), PAD_TOKEN_ID, device=device))
-            positions.append(torch.arange(length, padded, device=device))
-        blocks.append(padded)
-        cursor += padded
+    first = 0
+    shared = 0
+    for size in sizes:
+        members = [s.to(device=device, dtype=torch.long) for s in sequences[first:first + size]]
+        roots = build_prefix_tree(members) if share and size > 1 else [None] * size
+        if roots and roots[0] is None:
+            for offset, sequence in enumerate(members):
+                length = int(sequence.numel())
+                padded = _round_up(length, per_sequence)
+                tokens.append(sequence)
+                positions.append(torch.arange(length, device=device))
+                if padded > length:
+                    # CP pads inside the sequence's own block: TE's THD kernels see these
+                    # tokens through cu_seqlens_*_padded and skip them.
+                    tokens.append(torch.full((padded - length,), PAD_TOKEN_ID, device=device))
+                    positions.append(torch.arange(length, padded, device=device))
+                segments.append(AttentionSegment(cursor, padded))
+                pieces[first + offset].append(KeySpan(cursor, length))
+                cursor += padded
+        else:
+            start = cursor
+            cursor = _lay_out_tree(roots, members, first, cursor, device, tokens, positions,
+                                   segments, pieces)
+            shared += sum(int(m.numel()) for m in members) - (cursor - start)
+        first += size
+    real_end = cursor
     total = _round_up(cursor, row_multiple_tokens(layout))
     if total > cursor:
-        pieces.append(torch.full((total - cursor,), PAD_TOKEN_ID, device=device))
+        tokens.append(torch.full((total - cursor,), PAD_TOKEN_ID, device=device))
         positions.append(torch.arange(total - cursor, device=device))
-        blocks.append(total - cursor)
-    tokens = torch.cat(pieces).view(1, total)
-    position_ids = torch.cat(positions).view(1, total)
+        segments.append(AttentionSegment(cursor, total - cursor))
+    attention_layout = AttentionLayout(total, tuple(segments))
     attention_mask: Tensor | None = None
     packed_seq_params: Any | None = None
     if implementation.spec == "te":
-        packed_seq_params = _thd_params(lengths, blocks, total, cursor, device)
+        blocks = [segment.length for segment in segments]
+        packed_seq_params = _thd_params(lengths, blocks, total, real_end, device)
+    elif implementation.attention == "flash":
+        packed_seq_params = attention_layout
     else:
-        attention_mask = _block_causal_mask(blocks, total, device)
+        attention_mask = attention_layout.dense_mask(device)
+    merged = tuple(_merge_spans(p) for p in pieces)
     return PackedBatch(
-        tokens=tokens,
-        position_ids=position_ids,
+        tokens=torch.cat(tokens).view(1, total),
+        position_ids=torch.cat(positions).view(1, total),
         attention_mask=attention_mask,
         packed_seq_params=packed_seq_params,
         sequence_lengths_tokens=tuple(lengths),
-        offsets=tuple(offsets),
+        offsets=tuple(p[0].start for p in merged),
         logical_tokens=sum(lengths),
         padded_tokens=total,
+        attention_layout=attention_layout,
+        pieces=merged,
+        shared_tokens=shared,
     )
 
+
+def _merge_spans(spans: Sequence[KeySpan]) -> tuple[KeySpan, ...]:
+    """Adjacent spans as one (a parent followed directly by its first child)."""
+    out: list[KeySpan] = []
+    for span in spans:
+        if out and out[-1].end == span.start:
+            out[-1] = KeySpan(out[-1].start, out[-1].length + span.length)
+        else:
+            out.append(span)
+    return tuple(out)
+
+
+def _lay_out_tree(roots, members, first, cursor, device, tokens, positions, segments,
+                  pieces) -> int:  # type: ignore[no-untyped-def]
+    """Nodes in preorder; each node's segment sees its ancestors' spans (merged when
+    adjacent) and itself causally; positions continue from the node's depth."""
+    context: dict[int, tuple[KeySpan, ...]] = {}
+    stack = [(root, ()) for root in reversed(roots)]
+    while stack:
+        node, ancestors = stack.pop()
+        span = KeySpan(cursor, node.length)
+        source = members[node.source]
+        tokens.append(source[node.depth:node.depth + node.length])
+        positions.append(torch.arange(node.depth, node.depth + node.length, device=device))
+        segments.append(AttentionSegment(cursor, node.length, ancestors))
+        for m in node.members:
+            pieces[first + m].append(span)
+        context[id(node)] = _merge_spans((*ancestors, span))
+        stack.extend((child, context[id(node)]) for child in reversed(node.children))
+        cursor += node.length
+    return cursor
 
 def _thd_params(
     lengths: Sequence[int],
@@ -203,31 +280,37 @@ def _cumsum(values: Sequence[int]) -> list[int]:
 
 
 def unpack(values: Tensor, batch: PackedBatch) -> list[Tensor]:
-    """values [S, ...] in packed order -> one tensor per sequence, padding dropped (views)."""
+    """values [S, ...] in packed order -> one tensor per sequence, padding dropped: a view for
+    a sequence held in one span, a concatenation (its shared rows, then its own) otherwise."""
     if values.shape[0] != batch.padded_tokens:
         raise ValueError(
             f"unpack expects values with {batch.padded_tokens} rows (the packed row), got shape "
             f"{tuple(values.shape)}"
         )
-    return [
-        values[start : start + length]
-        for start, length in zip(batch.offsets, batch.sequence_lengths_tokens)
-    ]
+    out = []
+    for index in range(batch.sequences):
+        spans = batch.sequence_pieces(index)
+        parts = [values[span.start : span.end] for span in spans]
+        out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
+    return out
 
 
 def next_token_targets(batch: PackedBatch) -> Tensor:
     """[S] long: each position's next token within its own sequence; the last token of every
-    sequence and all padding get IGNORE_INDEX, so no target ever crosses a sequence boundary."""
-    targets = torch.full_like(batch.tokens[0], IGNORE_INDEX)
-    for start, length in zip(batch.offsets, batch.sequence_lengths_tokens):
-        targets[start : start + length - 1] = batch.tokens[0, start + 1 : start + length]
-    return targets
+    sequence and all padding get IGNORE_INDEX, so no target ever crosses a sequence boundary.
+    On a shared row the first sequence's target is kept (see `pack_targets` for the rest)."""
+    per_sequence = []
+    for index in range(batch.sequences):
+        own = batch.tokens[0, batch.sequence_rows(index)]
+        per_sequence.append(torch.cat([own[1:], own.new_full((1,), IGNORE_INDEX)]))
+    return pack_targets(per_sequence, batch).row_targets
 
 
 def pack_values(
     per_sequence: Sequence[Tensor], batch: PackedBatch, *, fill: float | int = IGNORE_INDEX
 ) -> Tensor:
-    """The inverse of `unpack`: per-sequence [n_i, ...] values -> [S, ...], `fill` elsewhere."""
+    """The inverse of `unpack`: per-sequence [n_i, ...] values -> [S, ...], `fill` elsewhere.
+    A shared row takes the first sequence's value (targets: see `pack_targets`)."""
     if len(per_sequence) != batch.sequences:
         raise ValueError(
             f"pack_values got {len(per_sequence)} tensors for a batch of {batch.sequences} "
@@ -237,12 +320,58 @@ def pack_values(
     out = torch.full(
         (batch.padded_tokens, *first.shape[1:]), fill, dtype=first.dtype, device=first.device
     )
-    for index, (values, start, length) in enumerate(
-        zip(per_sequence, batch.offsets, batch.sequence_lengths_tokens)
-    ):
+    for index in reversed(range(batch.sequences)):
+        values, length = per_sequence[index], batch.sequence_lengths_tokens[index]
         if values.shape[0] != length:
             raise ValueError(
                 f"pack_values: sequence {index} has {length} tokens but {values.shape[0]} values"
             )
-        out[start : start + length] = values.to(out.device)
+        out[batch.sequence_rows(index).to(out.device)] = values.to(out.device)
     return out
+
+
+@dataclass(frozen=True)
+class PackedTargets:
+    """Targets of a packed row. A shared row has one hidden state but each sequence its own
+    target there (at the end of a shared prompt, the next token is each completion's first):
+    the row holds the first sequence's; every other target that differs is an extra
+    (row, target) pair, scored on a gathered copy of just those rows."""
+
+    row_targets: Tensor  # [S] or [S, k] long
+    extra_rows: Tensor  # [E] long
+    extra_targets: Tensor  # [E] or [E, k] long
+    # per sequence: (its positions that use an extra pair, the pairs' indices)
+    overrides: tuple[tuple[Tensor, Tensor] | None, ...]
+
+
+def pack_targets(per_sequence: Sequence[Tensor], batch: PackedBatch) -> PackedTargets:
+    row_targets = pack_values(per_sequence, batch, fill=IGNORE_INDEX).long()
+    extra_rows: list[Tensor] = []
+    extra_targets: list[Tensor] = []
+    overrides: list[tuple[Tensor, Tensor] | None] = []
+    count = 0
+    for index, targets in enumerate(per_sequence):
+        if batch.shared_tokens == 0:
+            overrides.append(None)
+            continue
+        rows = batch.sequence_rows(index).to(row_targets.device)
+        targets = targets.to(row_targets.device).long()
+        mismatch = row_targets[rows] != targets
+        if mismatch.dim() > 1:  # [T, k] targets: a row differs when any column does
+            mismatch = mismatch.any(dim=-1)
+        differ = mismatch.nonzero().flatten()
+        if differ.numel() == 0:
+            overrides.append(None)
+            continue
+        extra_rows.append(rows[differ])
+        extra_targets.append(targets[differ])
+        overrides.append((differ, torch.arange(count, count + differ.numel(),
+                                               device=row_targets.device)))
+        count += differ.numel()
+    return PackedTargets(
+        row_targets=row_targets,
+        extra_rows=torch.cat(extra_rows) if extra_rows else row_targets.new_empty(0),
+        extra_targets=(torch.cat(extra_targets) if extra_targets
+                       else row_targets.new_empty((0, *row_targets.shape[1:]))),
+        overrides=tuple(overrides),
+    )

@@ -9,14 +9,17 @@ from hypothesis import strategies as st
 
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
+from art.trainer_rank._items import make_items
 from art.trainer_rank._packing import (
     IGNORE_INDEX,
     next_token_targets,
     pack_sequences,
+    pack_targets,
     pack_values,
     packed_length_tokens,
     unpack,
 )
+from art.trainer_rank._types import ForwardInput
 
 LOCAL = Implementation.cpu_local()
 TE = Implementation.gpu_te()
@@ -135,3 +138,74 @@ def test_unpack_refuses_values_of_another_length():
     batch = pack_sequences(_seqs(2, 2), implementation=LOCAL, layout=ParallelLayout())
     with pytest.raises(ValueError, match="4 rows"):
         unpack(torch.zeros(5), batch)
+
+
+FLASH = Implementation.cpu_local("flash")
+
+
+def _group(prompt: list[int], *completions: list[int]) -> list[torch.Tensor]:
+    return [torch.tensor(prompt + c) for c in completions]
+
+
+def test_a_group_shares_its_prompt_positions_continue_and_siblings_never_meet():
+    sequences = _group([5, 6, 7], [1, 2], [3], [8, 9, 4])
+    batch = pack_sequences(sequences, implementation=LOCAL, layout=ParallelLayout(),
+                           groups=[3])
+    assert batch.logical_tokens == 15 and batch.padded_tokens == 9 and batch.shared_tokens == 6
+    assert batch.tokens.tolist() == [[5, 6, 7, 1, 2, 3, 8, 9, 4]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 3, 3, 4, 5]]
+    owner = [None, None, None, 0, 0, 1, 2, 2, 2]  # None = the shared prompt
+    mask = batch.attention_mask[0, 0]
+    for q in range(9):
+        for k in range(9):
+            visible = k <= q and (owner[k] is None or owner[k] == owner[q])
+            assert bool(mask[q, k]) is (not visible), (q, k)
+    for got, want in zip(unpack(batch.tokens[0], batch), sequences):
+        assert torch.equal(got, want)
+    # The flash implementation gets the same layout as segments instead of a mask.
+    flash = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(), groups=[3])
+    assert flash.attention_mask is None and flash.packed_seq_params is flash.attention_layout
+    assert torch.equal(flash.attention_layout.dense_mask(), batch.attention_mask)
+    # Without groups (or on the TE spec) nothing is shared.
+    assert pack_sequences(sequences, implementation=LOCAL,
+                          layout=ParallelLayout()).padded_tokens == 15
+    assert pack_sequences(sequences, implementation=TE, layout=ParallelLayout(),
+                          groups=[3]).padded_tokens == 15
+
+
+def test_deeper_shared_parts_nest_and_targets_on_shared_rows_are_kept_per_sequence():
+    sequences = _group([5, 6], [1, 2, 3], [1, 2, 4], [7])
+    batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(),
+                           groups=[3])
+    assert batch.tokens.tolist() == [[5, 6, 1, 2, 3, 4, 7]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 2]]
+    segments = batch.attention_layout.segments
+    assert [(s.start, s.length, [(c.start, c.length) for c in s.context]) for s in segments] == [
+        (0, 2, []), (2, 2, [(0, 2)]), (4, 1, [(0, 4)]), (5, 1, [(0, 4)]), (6, 1, [(0, 2)])
+    ]
+    targets = pack_targets([torch.tensor(s[1:].tolist() + [IGNORE_INDEX]) for s in sequences],
+                           batch)
+    # Row 3 (token 2) is followed by 3 in sequence 0 but by 4 in sequence 1; row 1 by 1 or 7.
+    assert targets.row_targets.tolist() == [6, 1, 2, 3, IGNORE_INDEX, IGNORE_INDEX, IGNORE_INDEX]
+    assert sorted(zip(targets.extra_rows.tolist(), targets.extra_targets.tolist())) == [
+        (1, 7), (3, 4)]
+
+
+def test_the_seed_group_packs_to_32710_tokens():
+    generator = torch.Generator().manual_seed(0)
+    prompt = torch.randint(1, 1000, (5733,), generator=generator)
+    sequences = [
+        torch.cat([prompt, torch.randint(1, 1000, (n - 5733,), generator=generator)])
+        for n in (19222, 19221)
+    ]
+    sequences[1][5733] = sequences[0][5733] + 1  # they part right after the prompt
+    batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(), groups=[2])
+    assert batch.logical_tokens == 38443 and batch.padded_tokens == 32710
+    assert batch.shared_tokens == 5733
+    item = make_items([[ForwardInput(s) for s in sequences]])[0]
+    assert item.shared_tokens == 5733
+    assert packed_length_tokens((19222, 19221), ParallelLayout(), item.shared_tokens) == 32710
+    # Under sequence parallel at TP=2 the row is padded to an even length.
+    sp = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
+    assert pack_sequences(sequences, implementation=FLASH, layout=sp,
+                          groups=[2]).padded_tokens == 32710

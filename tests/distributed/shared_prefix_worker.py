@@ -1,0 +1,50 @@
+"""torchrun worker: shared-prefix packing at TP = WORLD_SIZE equals the unshared forward.
+
+For each attention implementation (segmented flash, unfused with a dense tree mask) and with
+and without sequence parallel, every case of tests/_shared_prefix.py runs shared and unshared
+on this rank's shard of one model. argv: out_dir; writes out_dir/rank<R>.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from art.megatron.distributed import initialize_distributed, shutdown_distributed
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
+
+from _shared_prefix import CASES, compare, group
+from _tiny import tiny_dense
+
+
+def main() -> None:
+    out_dir = sys.argv[1]
+    tp = int(os.environ["WORLD_SIZE"])
+    initialize_distributed(tensor_parallel=tp)
+    rank = int(os.environ["RANK"])
+    geometry = tiny_dense(num_layers=2)
+    results = []
+    variants = [("flash", True, CASES), ("flash", False, CASES[2:3]),
+                ("unfused", True, CASES[3:4])]
+    for attention, sequence_parallel, cases in variants:
+        implementation = Implementation.cpu_local(attention)
+        layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sequence_parallel)
+        config = build_transformer_config(
+            geometry, layout=layout, recompute=RecomputeConfig("selective"), dtype="float32",
+            implementation=implementation,
+        )
+        model = build_gpt_model(geometry, config, implementation=implementation, seed=0)
+        for case in cases:
+            diffs = compare(model, group(case, geometry.vocab_size), implementation, layout)
+            results.append({"attention": attention, "sequence_parallel": sequence_parallel,
+                            "rollouts": case.rollouts, "prompt": case.prompt_tokens, **diffs})
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

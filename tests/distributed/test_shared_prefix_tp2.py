@@ -1,0 +1,30 @@
+"""TP=2 under torchrun (one launch): a group packed as a prefix tree gives the same outputs
+and gradient shards as its sequences run alone, with segmented flash attention (with and
+without sequence parallel) and with the unfused dense tree mask."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from _shared_prefix import CASES
+from _torchrun import run_torchrun
+
+WORKER = Path(__file__).with_name("shared_prefix_worker.py")
+
+
+def test_shared_prefix_equals_unshared_at_tp2(tmp_path):
+    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=300)
+    for rank in (0, 1):
+        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert len(results) == len(CASES) + 2
+        assert any(r["shared_tokens"] > 0 for r in results)
+        for r in results:
+            label = f"rank {rank} {r}"
+            assert r["present"] and r["top_k_tokens_equal"], label
+            for key in ("logprobs", "top_k", "logits", "hidden"):
+                assert r[key] < 1e-5, label
+            assert r["grad"] < 1e-5, label
+            if r["sequence_parallel"]:
+                assert r["packed_tokens"] % 2 == 0, label
+            assert r["packed_tokens"] <= r["logical_tokens"] - r["shared_tokens"] + 1, label
