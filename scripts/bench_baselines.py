@@ -91,6 +91,7 @@ class MicroBatchRunner:
                     self.model, leaves, implementation=self.provider.implementation,
                     layout=self.provider.layout, device=torch.device("cpu"),
                     head_chunk_tokens=self.head_chunk_tokens,
+                    groups=[len(item.leaves) for item in items],  # packed as the trainer packs
                 )
                 loss = sum(-(o.target_logprobs.sum()) for o in outputs
                            if o.target_logprobs is not None)

@@ -31,7 +31,7 @@ from art.trainer_rank._impl import TrainerRank
 from art.trainer_rank._memory.model import MemoryModel
 from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 from art.trainer_rank._options import TrainerRankOptions
-from art.trainer_rank._packing import packed_length_tokens
+from art.trainer_rank._packing import packed_length_tokens, shares_prefixes
 from art.trainer_rank._types import (
     DECLINED,
     ESCALATED,
@@ -111,9 +111,12 @@ def main(argv: list[str] | None = None) -> int:
     layout = provider.layout
     logprobs = OutputRequest(target_logprobs=True)
 
-    def dynamic_bytes(lengths: tuple[int, ...], model: MemoryModel) -> int:
+    share = shares_prefixes(provider.implementation, layout)
+
+    def dynamic_bytes(lengths: tuple[int, ...], model: MemoryModel, shared: int = 0) -> int:
         shape = MicroBatchShape(lengths, outputs=logprobs, grad_enabled=True,
-                                padded_tokens=packed_length_tokens(lengths, layout))
+                                padded_tokens=packed_length_tokens(lengths, layout,
+                                                                   shared if share else 0))
         return int(model.estimate(shape).dynamic_bytes)
 
     largest = max(groups, key=lambda g: g.num_tokens)
@@ -137,9 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     limit = limit_for(memory_model)
     trainer.options = replace(options, test_memory_limit_bytes=limit)
     full = memory_model.with_recompute(provider.recompute_as("full", "uniform", 1))
+    # The oversized pairs share their prompt (_long_group), laid out once where attention
+    # takes a prefix tree: price them as packed.
     oversized = _oversized_groups(
-        spec, limit, lambda lengths, model=memory_model: dynamic_bytes(lengths, model), full,
-        provider)
+        spec, limit, lambda lengths, model=memory_model: dynamic_bytes(
+            lengths, model, _long_prompt_tokens(lengths[0])), full, provider)
     for o in oversized:
         o.index = len(items)
         items.append(_long_group(spec, o.tokens, seed=args.seed + 1 + len(items)))
@@ -228,10 +233,14 @@ def _oversized_groups(spec, limit, dynamic_bytes, full, provider) -> list[Oversi
     return out
 
 
+def _long_prompt_tokens(tokens: int) -> int:
+    return min(64, tokens // 2)
+
+
 def _long_group(spec: WorkloadSpec, tokens: int, seed: int) -> list:
     """Two rollouts of `tokens` tokens each sharing a prompt, requesting target logprobs."""
     g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(0, spec.vocab_size, (min(64, tokens // 2),), generator=g)
+    prompt = torch.randint(0, spec.vocab_size, (_long_prompt_tokens(tokens),), generator=g)
     from art.trainer_rank._workload import RolloutGroup
 
     completions = tuple(

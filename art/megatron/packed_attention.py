@@ -54,21 +54,27 @@ class _SegmentedFlash(torch.autograd.Function):
         for segment in layout.segments:
             rows = slice(segment.start, segment.end)
             q_seg = q[:, :, rows]
-            parts = [
-                _FLASH_FWD(q_seg, k[:, :, span.start : span.end], v[:, :, span.start : span.end],
-                           0.0, causal, scale=scale)
-                for span, causal in _blocks(segment)
-            ]
-            if len(parts) == 1:
-                o[:, :, rows] = parts[0][0]
-                lse[:, :, rows] = parts[0][1]
-                continue
-            merged_lse = torch.logsumexp(torch.stack([p[1] for p in parts]), dim=0)
-            acc = torch.zeros(q_seg.shape, dtype=torch.float32, device=query.device)
-            for part_out, part_lse in parts:
-                acc.addcmul_(part_out.float(), (part_lse - merged_lse).exp_().unsqueeze(-1))
-            o[:, :, rows] = acc
-            lse[:, :, rows] = merged_lse
+            blocks = _blocks(segment)
+            acc: Tensor | None = None  # fp32 running output, merged block by block
+            running_lse: Tensor | None = None
+            for span, causal in blocks:
+                keys = slice(span.start, span.end)
+                part, part_lse = _FLASH_FWD(q_seg, k[:, :, keys], v[:, :, keys], 0.0, causal,
+                                            scale=scale)
+                if len(blocks) == 1:
+                    o[:, :, rows] = part
+                    lse[:, :, rows] = part_lse
+                    break
+                if acc is None or running_lse is None:
+                    acc, running_lse = part.float(), part_lse
+                    continue
+                merged = torch.logaddexp(running_lse, part_lse)
+                acc.mul_((running_lse - merged).exp_().unsqueeze(-1))
+                acc.addcmul_(part.float(), (part_lse - merged).exp_().unsqueeze(-1))
+                running_lse = merged
+            if acc is not None and running_lse is not None:
+                o[:, :, rows] = acc
+                lse[:, :, rows] = running_lse
         ctx.layout = layout
         ctx.scale = scale
         flat = out.view(s, b, heads * dim)

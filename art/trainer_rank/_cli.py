@@ -60,8 +60,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     batch.add_argument("--sequences", type=_lengths,
                        help="packed sequence lengths in tokens, comma separated")
     batch.add_argument("--tokens", type=int, help="one sequence of this many tokens")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="the --sequences are one group (a prompt's rollouts) sharing their first "
+                        "TOKENS tokens: the packed row holds them once (prefix-tree packing)")
     p.add_argument("--packed-tokens", type=int, default=0,
-                   help="tokens in the packed row when it differs from the sum (prefix sharing)")
+                   help="tokens in the packed row when it differs from the sum (prefer "
+                        "--shared-prefix, which derives it from the group's shape)")
     p.add_argument("--outputs", default="logprobs",
                    help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
                         "(default logprobs)")
@@ -94,6 +98,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worst-case-routing", action="store_true",
                    help="MoE: price every token routed to this rank's experts")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def workload_batch(args: argparse.Namespace):
+    """The MicroBatchShape the workload flags describe: a group of --sequences sharing
+    --shared-prefix tokens packs to sum - (n - 1) x prefix tokens (the prefix once)."""
+    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+
+    lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
+    prefix = getattr(args, "shared_prefix", 0) or 0
+    if args.packed_tokens < 0:
+        raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
+    if prefix < 0 or prefix > min(lengths):
+        raise ValueError(
+            f"--shared-prefix must be between 0 and the shortest sequence ({min(lengths)} "
+            f"tokens), got {prefix}"
+        )
+    packed = args.packed_tokens
+    if prefix:
+        if len(lengths) < 2:
+            raise ValueError("--shared-prefix needs a group: give --sequences with 2 or more")
+        shared = sum(lengths) - (len(lengths) - 1) * prefix
+        if packed and packed != shared:
+            raise ValueError(
+                f"--packed-tokens {packed} contradicts --shared-prefix {prefix} ({len(lengths)} "
+                f"sequences of {sum(lengths)} tokens pack to {shared}); give one of them"
+            )
+        packed = shared
+    return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
+                           grad_enabled=not args.no_grad, padded_tokens=packed)
 
 
 def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None):
@@ -160,13 +193,10 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
 
 
 def run(args: argparse.Namespace) -> int:
-    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 
     try:
         model = build_memory_model(args)
-        lengths = args.sequences or (args.tokens,)
-        batch = MicroBatchShape(tuple(lengths), outputs=OutputRequest.parse(args.outputs),
-                                grad_enabled=not args.no_grad, padded_tokens=args.packed_tokens)
+        batch = workload_batch(args)
         estimate = model.estimate(batch)
     except ValueError as exc:
         print(f"estimate: {exc}", file=sys.stderr)

@@ -566,13 +566,9 @@ def add_arguments(parser: Any) -> None:
 
 
 def batch_from_args(args: Any) -> MicroBatchShape:
-    from art.trainer_rank._memory.request import OutputRequest
+    from art.trainer_rank._cli import workload_batch
 
-    lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
-    if args.packed_tokens < 0:
-        raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
-    return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
-                           grad_enabled=not args.no_grad, padded_tokens=args.packed_tokens)
+    return workload_batch(args)
 
 
 def implementation_from_args(args: Any) -> Implementation:

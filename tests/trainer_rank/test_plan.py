@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import io
 import json
-from contextlib import redirect_stdout
+from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
@@ -34,7 +34,7 @@ SEED_BATCH = MicroBatchShape(
 )
 H200 = int(GPU_MEMORY_GIB["H200"] * GIB)
 SEED_ARGS = ["plan", "--model", "Qwen3.5-27B", "--sequences", "19222,19221",
-             "--packed-tokens", "32710", "--outputs", "hidden_states", "--lora-rank", "1",
+             "--shared-prefix", "5733", "--outputs", "hidden_states", "--lora-rank", "1",
              "--gpu", "H200"]
 
 
@@ -88,6 +88,17 @@ def test_seed_case_cli_text_names_the_decision() -> None:
     assert "recommended: full recompute" in text
     assert "ART_MEGATRON_RECOMPUTE_GRANULARITY=full" in text
     assert "peak = resident + dynamic" in text  # the term table of the choice
+
+
+def test_the_group_shape_gives_the_packed_row_and_contradictions_are_refused() -> None:
+    shared = json.loads(run_cli([*SEED_ARGS, "--gpus", "2", "--json"])[1])
+    bare = [a if a != "--shared-prefix" else "--packed-tokens" for a in SEED_ARGS]
+    bare[bare.index("--packed-tokens") + 1] = "32710"
+    assert json.loads(run_cli([*bare, "--gpus", "2", "--json"])[1])["cells"] == shared["cells"]
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc, _ = run_cli([*SEED_ARGS, "--gpus", "2", "--packed-tokens", "30000"])
+    assert rc == 2 and "contradicts --shared-prefix 5733" in err.getvalue()
 
 
 def test_json_has_the_documented_keys() -> None:
