@@ -64,6 +64,7 @@ class _SegmentedFlash(torch.autograd.Function):
                 if len(blocks) == 1:
                     o[:, :, rows] = part
                     lse[:, :, rows] = part_lse
+                    del part, part_lse
                     break
                 if acc is None or running_lse is None:
                     acc, running_lse = part.float(), part_lse
@@ -72,6 +73,7 @@ class _SegmentedFlash(torch.autograd.Function):
                 acc.mul_((running_lse - merged).exp_().unsqueeze(-1))
                 acc.addcmul_(part.float(), (part_lse - merged).exp_().unsqueeze(-1))
                 running_lse = merged
+                del part, part_lse  # one block's output live at a time
             if acc is not None and running_lse is not None:
                 o[:, :, rows] = acc
                 lse[:, :, rows] = running_lse

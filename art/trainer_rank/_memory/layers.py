@@ -184,6 +184,24 @@ def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     return blocks
 
 
+def _segmented_flash_costs(d: Dims, s: int, q_bytes: float, kv_bytes: float
+                           ) -> tuple[float, float, float]:
+    """(kept, forward transient, backward transient) of the segmented flash attention
+    (art.megatron.packed_attention) on the local spec. Kept: the fp32 logsumexp per head and
+    token (q, k, v and the output are the neighbouring blocks'). Forward: one block's output
+    and logsumexp, plus an fp32 running output when a segment sees a prefix. Backward: dq, dk,
+    dv accumulators (fp32 for 16-bit models, then cast back) and one block's gradients. A
+    segment is priced as the whole row: an upper bound (it is one sequence or tree node)."""
+    heads = d.geometry.num_attention_heads / d.tp
+    b = d.dtype_bytes
+    acc = FP32 / b if b < FP32 else 1.0
+    lse = float(s) * heads * FP32
+    qkv_grads = q_bytes + 2 * kv_bytes
+    forward = q_bytes * (1.0 + (FP32 / b)) + 2 * lse
+    backward = qkv_grads * acc + qkv_grads + (qkv_grads if b < FP32 else 0.0) + lse
+    return lse, forward, backward
+
+
 def _attention_blocks(d: Dims, s: int) -> list[Block]:
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     impl = d.implementation
@@ -220,7 +238,9 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     # (its inputs); unfused attention keeps its own reshaped copies instead.
     rope = Block("qk-norm + rope", None, qk_norm, rope_q + rope_k, impl.attention == "flash",
                  temp=rope_q + rope_k)
-    if impl.attention == "flash":
+    if impl.attention == "flash" and impl.spec == "local":
+        core_internal, core_temp, core_grad = _segmented_flash_costs(d, s, rope_q, rope_k)
+    elif impl.attention == "flash":
         # Flash attention keeps q, k, v (inputs) plus the output and fp32 softmax statistics.
         core_internal = float(s) * heads * FP32
         core_temp = 0.0
