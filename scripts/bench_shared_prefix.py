@@ -56,7 +56,7 @@ def workload(args: argparse.Namespace, vocab: int) -> list[list[ForwardInput]]:
             tokens = torch.cat([prompt, torch.randint(1, vocab, (n,), generator=g)])
             targets = torch.cat([tokens[1:], tokens.new_full((1,), -100)])
             targets[: n_prompt - 1] = -100  # score the completion, as RL does
-            leaves.append(ForwardInput(tokens, targets))
+            leaves.append(ForwardInput(input_tokens=tokens, target_tokens=targets))
         groups.append(leaves)
     return groups
 

@@ -58,7 +58,11 @@ def group(case: Case, vocab: int) -> list[ForwardInput]:
         if i % 3 == 1:  # targets that differ from the siblings' on shared rows
             targets = torch.randint(0, vocab, tokens.shape, generator=g)
             targets[0] = -100
-        leaves.append(ForwardInput(tokens, targets, top_k=TOP_K if i % 2 == 0 else None,
+        if i == 3:  # [T, k] targets: the next token and a random one per position
+            targets = torch.stack([targets, torch.randint(0, vocab, tokens.shape, generator=g)],
+                                  dim=1)
+        leaves.append(ForwardInput(input_tokens=tokens, target_tokens=targets,
+                                   top_k=TOP_K if i % 2 == 0 else None,
                                    logits=i % 4 == 0, hidden_states=i % 2 == 1))
     if case.rollouts > 3:
         leaves[2] = leaves[0]  # a duplicate rollout

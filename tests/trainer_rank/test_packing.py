@@ -202,7 +202,7 @@ def test_the_seed_group_packs_to_32710_tokens():
     batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(), groups=[2])
     assert batch.logical_tokens == 38443 and batch.padded_tokens == 32710
     assert batch.shared_tokens == 5733
-    item = make_items([[ForwardInput(s) for s in sequences]])[0]
+    item = make_items([[ForwardInput(input_tokens=s) for s in sequences]])[0]
     assert item.shared_tokens == 5733
     assert packed_length_tokens((19222, 19221), ParallelLayout(), item.shared_tokens) == 32710
     # Under sequence parallel at TP=2 the row is padded to an even length.
