@@ -1,5 +1,6 @@
-"""Tensor-parallel-correct LoRA for Megatron-Core linears, configured by a peft `LoraConfig` and
-saved/loaded in peft's adapter format (adapter_config.json + adapter_model.safetensors).
+"""Tensor-parallel-correct LoRA for Megatron-Core linears, configured by a peft `LoraConfig`;
+several adapters resident per linear (see lora_selection for which one applies), each saved and
+loaded in peft's adapter format by lora_peft.
 
 Naming. Adapters follow the Hugging Face module names, one adapter per HF projection, because
 that is what a peft adapter holds: Megatron's fused `linear_qkv` carries three adapters
@@ -27,108 +28,37 @@ Tensor parallelism (y = W x + s * B A x, s = alpha / r, or alpha / sqrt(r) with 
   with sequence parallel, reduce-scattered to the output's sequence shard, exactly like the
   base output; with sequence parallel B only sees its shard, so its gradient is all-reduced
   with the same weight trick.
-- Expert linears (is_expert): Megatron's token dispatcher does the communication for the
-  base (explicit_expert_comm), so the LoRA path does none on activations: a row-parallel
-  expert's partial B A_shard x_shard is reduced together with the partial base output, and a
-  column-parallel expert's partial input gradient together with the base's. The replicated
-  factor's gradient (A for column, B for row) is all-reduced over the expert-TP group.
-Initialisation follows peft (A kaiming-uniform with a = sqrt(5), B zero), drawn for the full
-unsharded matrix from a generator seeded by (seed, module name) and then sharded, so every TP
-size starts from the same adapter.
+- Expert linears (is_expert): the token dispatcher does the activation communication, so a
+  row-parallel expert's partial LoRA term is reduced with the partial base output, a column
+  one's input gradient with the base's; the replicated factor's gradient (A for column, B for
+  row) is all-reduced over the expert-TP group.
+Initialisation follows peft (A kaiming-uniform, a = sqrt(5); B zero), drawn unsharded from a
+generator seeded by (seed, module name) and then sharded: every TP size starts the same.
 """
 
 from __future__ import annotations
 
-import json
 import math
-import re
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from art.megatron.lora_config import (  # noqa: F401 - the names stay importable from here
+    HF_PROJECTIONS,
+    MEGATRON_TO_HF,
+    lora_scaling,
+    requested_projections,
+    validate_lora_config,
+)
+from art.megatron.lora_selection import DEFAULT_ADAPTER, active_adapter
+
 if TYPE_CHECKING:
     from peft import LoraConfig
-
-    from art.megatron.geometry import ModelGeometry
-
-HF_PROJECTIONS: tuple[str, ...] = (
-    "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
-)
-MEGATRON_TO_HF: dict[str, tuple[str, ...]] = {
-    "linear_qkv": ("q_proj", "k_proj", "v_proj"),
-    "linear_proj": ("o_proj",),
-    "linear_fc1": ("gate_proj", "up_proj"),
-    "linear_fc2": ("down_proj",),
-}
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-PEFT_KEY_PREFIX = "base_model.model.model.layers."
-
-
-def requested_projections(target_modules: Any) -> frozenset[str]:
-    """peft target_modules -> the HF projection names they select. Raises on unknown names."""
-    if target_modules is None:
-        raise ValueError(
-            "LoraConfig.target_modules is None; name the projections, e.g. "
-            "['q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj'] "
-            "or 'all-linear'"
-        )
-    if isinstance(target_modules, str):
-        if target_modules == "all-linear":
-            return frozenset(HF_PROJECTIONS)
-        raise ValueError(
-            f"LoraConfig.target_modules={target_modules!r}: a regular expression is not "
-            "supported; give a list of projection names or 'all-linear'"
-        )
-    selected: set[str] = set()
-    for name in target_modules:
-        if name in HF_PROJECTIONS:
-            selected.add(name)
-        elif name in MEGATRON_TO_HF:
-            selected.update(MEGATRON_TO_HF[name])
-        elif name == "all-linear":
-            selected.update(HF_PROJECTIONS)
-        else:
-            raise ValueError(
-                f"LoRA target module {name!r} is not known; use HF names "
-                f"({', '.join(HF_PROJECTIONS)}) or Megatron names ({', '.join(MEGATRON_TO_HF)})"
-            )
-    if not selected:
-        raise ValueError("LoraConfig.target_modules is empty; nothing would be trained")
-    return frozenset(selected)
-
-
-def lora_scaling(config: LoraConfig) -> float:
-    r = int(config.r)
-    alpha = float(config.lora_alpha)
-    return alpha / math.sqrt(r) if getattr(config, "use_rslora", False) else alpha / r
-
-
-def validate_lora_config(config: LoraConfig, geometry: ModelGeometry | None = None) -> None:
-    """Reject what this LoRA cannot do faithfully, before any model is built."""
-    if int(config.r) < 1:
-        raise ValueError(f"LoraConfig.r must be >= 1, got {config.r}")
-    requested_projections(config.target_modules)
-    if float(getattr(config, "lora_dropout", 0.0) or 0.0) != 0.0:
-        raise ValueError(
-            f"LoraConfig.lora_dropout={config.lora_dropout}: dropout on the LoRA input is not "
-            "supported (it would differ between TP ranks); set it to 0"
-        )
-    if getattr(config, "bias", "none") != "none":
-        raise ValueError(f"LoraConfig.bias={config.bias!r} is not supported; use 'none'")
-    if getattr(config, "use_dora", False):
-        raise ValueError("LoraConfig.use_dora=True (DoRA) is not supported; use plain LoRA")
-    if geometry is not None and geometry.gated_attention_output:
-        raise ValueError(
-            f"{geometry.name} has a gated attention output (q and gate fused in linear_qkv); "
-            "the q_proj LoRA mapping for that layout is not implemented"
-        )
 
 
 @dataclass(frozen=True)
@@ -157,11 +87,29 @@ class _GradAllReduce(torch.autograd.Function):
         return grad, None
 
 
-class LoraLinear(nn.Module):
-    """A Megatron Column/RowParallelLinear plus LoRA adapters for its HF projections.
+class LoraAdapter(nn.Module):
+    """One resident adapter of a LoRA linear: per HF projection `lora_A[proj]`, `lora_B[proj]`
+    (this rank's shards), its rank and scaling. Projections it does not target are absent."""
 
-    Parameters: `lora_A.<proj>` and `lora_B.<proj>` (per-rank shards). The base stays at
-    `.base`, frozen. Forward returns what the base returns: (output, bias).
+    def __init__(self, r: int, scaling: float) -> None:
+        super().__init__()
+        self.r = r
+        self.scaling = scaling
+        self.lora_A = nn.ParameterDict()
+        self.lora_B = nn.ParameterDict()
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.lora_A.keys())
+
+
+class LoraLinear(nn.Module):
+    """A Megatron Column/RowParallelLinear plus resident LoRA adapters for its HF projections.
+
+    Adapters live in `adapters[key]` ("default" is the one the model was built with); the
+    forward applies the one `lora_selection.active_adapter()` names, or none for None.
+    `lora_A`, `lora_B`, `r` and `scaling` read the default adapter. The base stays at `.base`,
+    frozen. Forward returns what the base returns: (output, bias).
     """
 
     def __init__(
@@ -183,8 +131,6 @@ class LoraLinear(nn.Module):
         self.base = base
         self.kind = kind
         self.parts = parts
-        self.r = r
-        self.scaling = scaling
         self.hf_path = hf_path  # e.g. "self_attn" or "mlp.experts.3"
         self.layer_index = layer_index  # 0-based global layer index (HF numbering)
         self.query_groups_local = query_groups_local
@@ -195,26 +141,41 @@ class LoraLinear(nn.Module):
         self.sequence_parallel = bool(getattr(base, "sequence_parallel", False)) and (
             not self.is_expert
         )
-        weight = base.weight
         # Shapes, not attribute names, so Megatron's local linears and its Transformer Engine
         # wrappers read the same: column weight [out/TP, in], row weight [out, in/TP].
-        full_in = int(weight.shape[1]) * (self.tp_size if kind == "row" else 1)
+        self.full_in = int(base.weight.shape[1]) * (self.tp_size if kind == "row" else 1)
         # TE's LayerNormColumnParallelLinear normalises its input inside the base; the LoRA
         # path must see the same normalised input, so it applies that norm itself.
         self.fused_norm = getattr(base, "layer_norm_weight", None) is not None
-        self.lora_A = nn.ParameterDict()
-        self.lora_B = nn.ParameterDict()
-        for part in parts:
-            if not part.present:
+        self.adapters = nn.ModuleDict()
+        self.add_adapter(DEFAULT_ADAPTER, r=r, scaling=scaling,
+                         projections=[p.name for p in parts if p.present], seed=seed)
+
+    # ------------------------------------------------------------------ adapters
+    def add_adapter(self, key: str, *, r: int, scaling: float, projections: Iterable[str],
+                    seed: int = 0, trainable: bool = True) -> LoraAdapter:
+        """A new resident adapter under `key`, initialised as peft does (A kaiming-uniform,
+        B zero) for the projections named (those this linear does not carry are skipped)."""
+        if key in self.adapters:
+            raise ValueError(f"{self.hf_path} layer {self.layer_index}: adapter {key!r} exists")
+        weight = self.base.weight
+        adapter = LoraAdapter(r, scaling)
+        wanted = set(projections)
+        for part in self.parts:
+            if part.name not in wanted:
                 continue
             full_a, full_b = _init_full(
-                r, full_in, part.full_out, seed=seed,
-                key=f"{layer_index}.{hf_path}.{part.name}",
+                r, self.full_in, part.full_out, seed=seed,
+                key=f"{self.layer_index}.{self.hf_path}.{part.name}",
             )
             a, b = self._shard(full_a, full_b)
-            self.lora_A[part.name] = nn.Parameter(a.to(weight.dtype).to(weight.device))
-            self.lora_B[part.name] = nn.Parameter(b.to(weight.dtype).to(weight.device))
-            self._mark(self.lora_A[part.name], self.lora_B[part.name])
+            adapter.lora_A[part.name] = nn.Parameter(a.to(weight.dtype).to(weight.device),
+                                                     requires_grad=trainable)
+            adapter.lora_B[part.name] = nn.Parameter(b.to(weight.dtype).to(weight.device),
+                                                     requires_grad=trainable)
+            self._mark(adapter.lora_A[part.name], adapter.lora_B[part.name])
+        self.adapters[key] = adapter
+        return adapter
 
     def _mark(self, a: nn.Parameter, b: nn.Parameter) -> None:
         """Megatron's parallel attributes. The sharded factor (B of a column linear, A of a
@@ -232,6 +193,31 @@ class LoraLinear(nn.Module):
             if self.is_expert:
                 p.allreduce = False
 
+    def remove_adapter(self, key: str) -> None:
+        if key == DEFAULT_ADAPTER:
+            raise ValueError("the default adapter is part of the model and cannot be removed")
+        del self.adapters[key]
+
+    def adapter(self, key: str) -> LoraAdapter:
+        try:
+            return self.adapters[key]  # type: ignore[return-value]
+        except KeyError:
+            raise KeyError(
+                f"layer {self.layer_index} {self.hf_path}: no resident adapter {key!r} "
+                f"(resident: {sorted(self.adapters.keys())})"
+            ) from None
+
+    @property
+    def lora_A(self) -> nn.ParameterDict:
+        return self.adapter(DEFAULT_ADAPTER).lora_A
+
+    @property
+    def lora_B(self) -> nn.ParameterDict:
+        return self.adapter(DEFAULT_ADAPTER).lora_B
+
+    r = property(lambda self: self.adapter(DEFAULT_ADAPTER).r)
+    scaling = property(lambda self: self.adapter(DEFAULT_ADAPTER).scaling)
+
     # ------------------------------------------------------------------ sharding
     def _shard(self, full_a: torch.Tensor, full_b: torch.Tensor):
         if self.tp_size == 1:
@@ -240,10 +226,12 @@ class LoraLinear(nn.Module):
             return full_a, torch.chunk(full_b, self.tp_size, dim=0)[self.tp_rank].clone()
         return torch.chunk(full_a, self.tp_size, dim=1)[self.tp_rank].clone(), full_b
 
-    def load_full(self, name: str, full_a: torch.Tensor, full_b: torch.Tensor) -> None:
+    def load_full(self, name: str, full_a: torch.Tensor, full_b: torch.Tensor,
+                  *, adapter: str = DEFAULT_ADAPTER) -> None:
         """Copy an unsharded adapter (peft shapes A [r, in], B [out, r]) into this rank."""
         a, b = self._shard(full_a, full_b)
-        pa, pb = self.lora_A[name], self.lora_B[name]
+        holder = self.adapter(adapter)
+        pa, pb = holder.lora_A[name], holder.lora_B[name]
         if a.shape != pa.shape or b.shape != pb.shape:
             raise ValueError(
                 f"layer {self.layer_index} {self.hf_path}.{name}: adapter shards A{tuple(a.shape)}"
@@ -254,10 +242,12 @@ class LoraLinear(nn.Module):
             pa.copy_(a)
             pb.copy_(b)
 
-    def gather_full(self, name: str, *, grad: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """The unsharded (A, B) of one adapter, or of their gradients; a collective over the
-        TP group."""
-        pa, pb = self.lora_A[name], self.lora_B[name]
+    def gather_full(self, name: str, *, grad: bool = False,
+                    adapter: str = DEFAULT_ADAPTER) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unsharded (A, B) of one projection's adapter, or of their gradients; a
+        collective over the TP group."""
+        holder = self.adapter(adapter)
+        pa, pb = holder.lora_A[name], holder.lora_B[name]
         if grad:
             if pa.grad is None or pb.grad is None:
                 raise ValueError(f"layer {self.layer_index} {self.hf_path}.{name} has no grad")
@@ -273,7 +263,13 @@ class LoraLinear(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, x: torch.Tensor, *args: Any, **kwargs: Any):
         output, bias = self.base(x, *args, **kwargs)
-        return output + self.delta(x).to(output.dtype), bias
+        key = active_adapter()
+        if key is None:
+            return output, bias
+        holder = self.adapter(key)
+        if not holder.names:
+            return output, bias
+        return output + self.delta(x, adapter=key).to(output.dtype), bias
 
     def _lora_input(self, x: torch.Tensor) -> torch.Tensor:
         if not self.fused_norm:
@@ -290,13 +286,15 @@ class LoraLinear(nn.Module):
             )
         return torch.nn.functional.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
 
-    def delta(self, x: torch.Tensor) -> torch.Tensor:
-        """The LoRA term, in the layout and sharding of the base's output."""
+    def delta(self, x: torch.Tensor, *, adapter: str = DEFAULT_ADAPTER) -> torch.Tensor:
+        """One adapter's LoRA term, in the layout and sharding of the base's output."""
         from megatron.core.tensor_parallel import mappings
 
-        names = [p.name for p in self.parts if p.present]
-        a = torch.cat([self.lora_A[n] for n in names], dim=0) if len(names) > 1 else (
-            self.lora_A[names[0]]
+        holder = self.adapter(adapter)
+        names = [p.name for p in self.parts if p.name in holder.lora_A]
+        r, scaling = holder.r, holder.scaling
+        a = torch.cat([holder.lora_A[n] for n in names], dim=0) if len(names) > 1 else (
+            holder.lora_A[names[0]]
         )
         distributed = self.tp_size > 1
         x = self._lora_input(x)
@@ -311,15 +309,15 @@ class LoraLinear(nn.Module):
                     )
                 else:
                     u = mappings.copy_to_tensor_model_parallel_region(u, group=self.tp_group)
-            products = dict(zip(names, torch.split(u, self.r, dim=-1)))
+            products = dict(zip(names, torch.split(u, r, dim=-1)))
             pieces = [
-                torch.matmul(products[p.name], self.lora_B[p.name].t()) if p.present
+                torch.matmul(products[p.name], holder.lora_B[p.name].t()) if p.name in products
                 else u.new_zeros(*u.shape[:-1], p.full_out // self.tp_size)
                 for p in self.parts
             ]
-            return self._assemble(pieces) * self.scaling
+            return self._assemble(pieces) * scaling
         u = torch.matmul(x, a.t())
-        b = self.lora_B[names[0]]
+        b = holder.lora_B[names[0]]
         if distributed and not self.is_expert:
             if self.sequence_parallel:
                 u = mappings.reduce_scatter_to_sequence_parallel_region(u, group=self.tp_group)
@@ -328,7 +326,7 @@ class LoraLinear(nn.Module):
                 u = mappings.reduce_from_tensor_model_parallel_region(u, group=self.tp_group)
         elif distributed:
             b = _GradAllReduce.apply(b, self.tp_group)
-        return torch.matmul(u, b.t()) * self.scaling
+        return torch.matmul(u, b.t()) * scaling
 
     def _assemble(self, pieces: list[torch.Tensor]) -> torch.Tensor:
         if len(pieces) == 1:
@@ -350,8 +348,11 @@ class LoraLinear(nn.Module):
         self.base.backward_dw()
 
     def extra_repr(self) -> str:
-        names = ",".join(p.name for p in self.parts if p.present)
-        return f"{self.kind}, {self.hf_path}[{names}], r={self.r}, scaling={self.scaling:g}"
+        adapters = "; ".join(
+            f"{key}[{','.join(a.names)}] r={a.r} scaling={a.scaling:g}"
+            for key, a in self.adapters.items()
+        )
+        return f"{self.kind}, {self.hf_path}: {adapters}"
 
 
 def _tp_group_of(base: nn.Module) -> Any:
@@ -519,128 +520,27 @@ def lora_modules(model: nn.Module) -> list[LoraLinear]:
     return [m for m in model.modules() if isinstance(m, LoraLinear)]
 
 
-def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
-    return [p for m in lora_modules(model) for p in m.parameters() if p.requires_grad]
-
-
-# ---------------------------------------------------------------------- peft files
-def _peft_key(module: LoraLinear, name: str, factor: str) -> str:
-    return f"{PEFT_KEY_PREFIX}{module.layer_index}.{module.hf_path}.{name}.lora_{factor}.weight"
-
-
-def adapter_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Unsharded adapter tensors under peft keys. Collective: every rank must call it; the
-    result holds what this rank's pipeline stage / expert shard owns."""
-    state: dict[str, torch.Tensor] = {}
-    for module in lora_modules(model):
-        for part in module.parts:
-            if not part.present:
-                continue
-            full_a, full_b = module.gather_full(part.name)
-            state[_peft_key(module, part.name, "A")] = full_a.contiguous()
-            state[_peft_key(module, part.name, "B")] = full_b.contiguous()
-    return state
-
-
-def export_adapter(model: nn.Module, directory: str | Path, config: LoraConfig | None = None,
-                   *, base_model_name_or_path: str | None = None) -> Path | None:
-    """Write adapter_config.json + adapter_model.safetensors (peft format) on global rank 0.
-
-    Collective over all ranks (TP gathers, then pipeline stages / expert shards merged).
-    Returns the directory on rank 0, None elsewhere.
-    """
-    from peft import LoraConfig as PeftLoraConfig
-    from safetensors.torch import save_file
-
+def lora_parameters(model: nn.Module, adapter: str | None = DEFAULT_ADAPTER
+                    ) -> list[nn.Parameter]:
+    """Trainable LoRA parameters of one adapter (None: of every resident adapter)."""
     modules = lora_modules(model)
-    if not modules:
-        raise ValueError("the model has no LoRA adapters to export")
-    state = adapter_state_dict(model)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        everything: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(everything, {k: v.cpu() for k, v in state.items()})
-        state = {k: v for part in everything for k, v in part.items()}
-    if dist.is_initialized() and dist.get_rank() != 0:
-        return None
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    present = sorted({k.split(".")[-3] for k in state})
-    base_config = config or getattr(model, "_art_lora_config", None)
-    r, alpha = modules[0].r, None
-    if base_config is not None:
-        alpha = base_config.lora_alpha
-        use_rslora = bool(getattr(base_config, "use_rslora", False))
-    else:
-        alpha, use_rslora = modules[0].scaling * r, False
-    peft_config = PeftLoraConfig(
-        r=r, lora_alpha=alpha, target_modules=present, lora_dropout=0.0, bias="none",
-        use_rslora=use_rslora, task_type="CAUSAL_LM",
-        base_model_name_or_path=base_model_name_or_path,
-    )
-    peft_config.save_pretrained(str(directory))
-    save_file({k: v.cpu().contiguous() for k, v in sorted(state.items())},
-              str(directory / ADAPTER_WEIGHTS_FILE), metadata={"format": "pt"})
-    return directory
+    if adapter is None:
+        return [p for m in modules for p in m.parameters() if p.requires_grad]
+    return [p for m in modules if adapter in m.adapters
+            for p in m.adapters[adapter].parameters() if p.requires_grad]
 
 
-_KEY = re.compile(
-    r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(.+)\.(\w+)\.lora_([AB])\.weight$"
-)
 
 
-def load_adapter(model: nn.Module, directory: str | Path, *, seed: int = 0) -> LoraConfig:
-    """Load a peft adapter directory into `model` (applying LoRA first if it has none).
-
-    Each rank keeps its own shards. Every adapter of this rank's modules must be in the file;
-    keys for layers this rank does not hold (other pipeline stages / experts) are skipped.
-    """
-    from peft import LoraConfig as PeftLoraConfig
-    from safetensors.torch import load_file
-
-    directory = Path(directory)
-    config_path = directory / ADAPTER_CONFIG_FILE
-    if not config_path.is_file():
-        raise FileNotFoundError(f"{config_path} is missing; expected a peft adapter directory")
-    config = PeftLoraConfig.from_pretrained(str(directory))
-    if not lora_modules(model):
-        apply_lora(model, config, seed=seed)
-        model._art_lora_config = config
-    tensors = load_file(str(directory / ADAPTER_WEIGHTS_FILE))
-    parsed: dict[tuple[int, str, str], dict[str, torch.Tensor]] = {}
-    for key, value in tensors.items():
-        match = _KEY.match(key)
-        if not match:
-            raise ValueError(f"{directory}: tensor {key!r} is not a peft LoRA key")
-        layer, path, proj, factor = match.groups()
-        parsed.setdefault((int(layer), path, proj), {})[factor] = value
-    modules = lora_modules(model)
-    expected_scaling = lora_scaling(config)
-    used: set[tuple[int, str, str]] = set()
-    for module in modules:
-        if abs(module.scaling - expected_scaling) > 1e-9 or module.r != int(config.r):
-            raise ValueError(
-                f"{directory}: adapter r={config.r}, alpha={config.lora_alpha} differs from the "
-                f"model's LoRA (r={module.r}, scaling={module.scaling}); rebuild the model"
-            )
-        for part in module.parts:
-            if not part.present:
-                continue
-            key = (module.layer_index, module.hf_path, part.name)
-            if key not in parsed or set(parsed[key]) != {"A", "B"}:
-                raise ValueError(
-                    f"{directory}: no lora_A/lora_B for layer {key[0]} {key[1]}.{key[2]}"
-                )
-            module.load_full(part.name, parsed[key]["A"], parsed[key]["B"])
-            used.add(key)
-    local_layers = {m.layer_index for m in modules}
-    stray = sorted(k for k in parsed if k not in used and k[0] in local_layers)
-    if stray:
-        raise ValueError(
-            f"{directory}: adapters {stray[:4]} match no LoRA module of this model; were they "
-            "trained for other target_modules?"
-        )
-    return config
+# peft adapter files (adapter_config.json + adapter_model.safetensors) live in lora_peft; these
+# names stay importable from here.
+_PEFT_NAMES = ("ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "adapter_config_dict",
+               "adapter_state_dict", "export_adapter", "load_adapter")
 
 
-def adapter_config_dict(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text())
+def __getattr__(name: str) -> Any:
+    if name in _PEFT_NAMES:
+        from art.megatron import lora_peft
+
+        return getattr(lora_peft, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
