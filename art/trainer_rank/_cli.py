@@ -71,6 +71,12 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
                         "(default logprobs)")
     p.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
     p.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
+    p.add_argument("--resident-adapters", type=int, default=0,
+                   help="trainable checkpoint slots loaded beside the runtime's adapter")
+    p.add_argument("--resident-snapshots", type=int, default=0,
+                   help="forward-only checkpoint snapshots resident")
+    p.add_argument("--resident-adapter-rank", type=int, default=0,
+                   help="LoRA rank of the resident slots (default: --lora-rank)")
     p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
                    help="flash: Transformer Engine spec, cu_seqlens, no s^2 term (GPU); "
                         "unfused: local spec with s^2 scores and a bool mask")
@@ -137,7 +143,6 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
     from art.megatron.recompute import resolve_recompute
     from art.megatron.settings import load_settings
     from art.trainer_rank._memory.model import MemoryModel
-    from art.trainer_rank._memory.request import LoraShape
 
     environ = dict(os.environ if env is None else env)
     settings = load_settings(environ)
@@ -183,7 +188,7 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
         norm_fused_into_linear=implementation.norm_fused_into_linear,
         has_shared_experts=geometry.shared_expert_ffn_hidden_size > 0,
     )
-    lora = LoraShape(rank=args.lora_rank) if args.lora_rank else LoraShape(rank=0)
+    lora = lora_shape_from_args(args)
     return MemoryModel(
         geometry, layout=layout, recompute=recompute, implementation=implementation,
         lora=lora, dtype=args.dtype or geometry.dtype,
@@ -265,3 +270,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         handlers[name] = module.run
     args = parser.parse_args(argv)
     return int(handlers[args.command](args))
+
+
+def lora_shape_from_args(args: Any) -> Any:
+    """The LoraShape of --lora-rank and the resident checkpoint slots."""
+    from art.trainer_rank._memory.request import LoraShape
+
+    return LoraShape(rank=max(args.lora_rank, 0),
+                     resident_adapters=getattr(args, "resident_adapters", 0),
+                     resident_snapshots=getattr(args, "resident_snapshots", 0),
+                     resident_adapter_rank=getattr(args, "resident_adapter_rank", 0))

@@ -162,6 +162,8 @@ class PlanResult:
     dtype: str
     alloc_conf: str | None
     cells: tuple[PlanCell, ...]
+    # The LoRA shape priced (resident checkpoint slots included); None: rank lora_rank only.
+    lora: LoraShape | None = None
     # (policy name, TP, CP) that the ART_MEGATRON_* environment selects, when it is in the grid
     current: tuple[str, int, int] | None = None
 
@@ -352,6 +354,7 @@ def memory_model_for(
     dtype: str,
     alloc_conf: str | None,
     factory: MemoryModelFactory | None = None,
+    lora: LoraShape | None = None,
 ) -> tuple[Any, EffectiveRecompute]:
     """The memory model for one cell. The provider validates the layout and resolves the
     policy exactly as a real launch with these ART_MEGATRON_* settings would (ValueError when
@@ -365,7 +368,7 @@ def memory_model_for(
         layout=replace(provider.layout, data_parallel=layout.data_parallel),
         recompute=recompute,
         implementation=implementation,
-        lora=LoraShape(rank=lora_rank),
+        lora=lora or LoraShape(rank=lora_rank),
         dtype=dtype,
         alloc_conf=alloc_conf,
     )
@@ -386,6 +389,7 @@ def plan(
     layouts: Sequence[ParallelLayout] | None = None,
     factory: MemoryModelFactory | None = None,
     current: tuple[str, int, int] | None = None,
+    lora: LoraShape | None = None,
 ) -> PlanResult:
     """Price `batch` under every policy x layout; see the module docstring. `current` marks
     the cell a launch with the caller's settings would use (see `current_cell`)."""
@@ -401,6 +405,7 @@ def plan(
                 memory_model, _ = memory_model_for(
                     geometry, layout, policy, implementation=implementation,
                     lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf, factory=factory,
+                    lora=lora,
                 )
             except ValueError as exc:
                 cells.append(PlanCell(policy, layout, gpu_memory_bytes, unavailable=str(exc)))
@@ -412,7 +417,7 @@ def plan(
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,
-        cells=tuple(cells), current=current,
+        cells=tuple(cells), current=current, lora=lora,
     )
 
 
@@ -509,7 +514,7 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
             memory_model, _ = memory_model_for(
                 result.geometry, layout, cell.policy, implementation=result.implementation,
                 lora_rank=result.lora_rank, dtype=result.dtype,
-                alloc_conf=result.alloc_conf, factory=factory,
+                alloc_conf=result.alloc_conf, factory=factory, lora=result.lora,
             )
             peaks = [memory_model.estimate(scaled_batch(result.batch, n)).peak_bytes / GIB
                      for n in grid]
@@ -585,12 +590,14 @@ def run(args: Any) -> int:
     import os
     import sys
 
+    from art.trainer_rank._cli import lora_shape_from_args
+
     try:
         batch = batch_from_args(args)
         memory_bytes = int(GPU_MEMORY_GIB[args.gpu] * GIB) if args.gpu else args.gpu_memory
         result = plan(
             args.model, batch=batch, gpus=args.gpus, gpu_memory_bytes=memory_bytes,
-            lora_rank=args.lora_rank, dtype=args.dtype,
+            lora_rank=args.lora_rank, dtype=args.dtype, lora=lora_shape_from_args(args),
             implementation=implementation_from_args(args),
             alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), current=current_cell(),
         )

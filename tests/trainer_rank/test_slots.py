@@ -202,3 +202,39 @@ def test_every_slot_misuse_raises_before_any_state_changes(megatron_process, tmp
     _unchanged(store, before)
     assert all(s.param.grad is None for s in factor_sites(model, store.slots[a].key))
     assert grads  # the gradients were there while the misuses ran
+
+
+def test_resident_slots_are_priced_as_the_store_holds_them(megatron_process, tmp_path):
+    """The estimate's resident-adapter terms equal what the store really keeps resident (a
+    trainable slot: factors + grads + fp32 master + 2 moments; a snapshot: factors), and
+    `plan` prices them per cell."""
+    from art.trainer_rank._memory.model import MemoryModel
+    from art.trainer_rank._memory.request import LoraShape, MicroBatchShape
+    from art.trainer_rank._plan import plan
+
+    a = _adapter(tmp_path, "a", 1)
+    model = _provider().build_model(seed=0)
+    store = _store(model)
+    assert store.resident_bytes() == 0
+    store.load(a)
+    one_adapter = store.resident_bytes()
+    store.snapshot(a, "ref")
+    one_snapshot = store.resident_bytes() - one_adapter
+    provider = _provider()
+    base = MemoryModel.for_provider(provider)
+
+    def resident(**slots) -> int:
+        from dataclasses import replace
+
+        lora = replace(base.lora, **slots)
+        return replace(base, lora=lora).estimate(MicroBatchShape((64,))).resident_bytes
+
+    assert resident(resident_adapters=1) - resident() == one_adapter
+    assert resident(resident_snapshots=1) - resident() == one_snapshot
+    assert resident(resident_adapters=3, resident_snapshots=2) - resident() == (
+        3 * one_adapter + 2 * one_snapshot)
+    batch = MicroBatchShape((512,))
+    cells = [plan("Qwen3-8B", batch=batch, gpus=1, gpu_memory_bytes=80 * 2**30,
+                  lora=LoraShape(rank=8, resident_adapters=n)).cells[0] for n in (0, 4)]
+    assert cells[1].estimate.resident_bytes > cells[0].estimate.resident_bytes
+    assert cells[1].max_tokens < cells[0].max_tokens

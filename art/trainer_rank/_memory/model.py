@@ -29,6 +29,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
+from art.trainer_rank._memory.adapters import resident_adapter_terms
 from art.trainer_rank._memory.budget import AllocatorReserve
 from art.trainer_rank._memory.estimate import Estimate, Term
 from art.trainer_rank._memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
@@ -202,6 +203,7 @@ class MemoryModel:
             terms.append(Term("optimizer state (LoRA, Adam)",
                               int(lora_params * ADAM_STATE_BYTES), "resident",
                               f"{lora_params:,} params x 2 fp32 moments"))
+        terms += resident_adapter_terms(g, self.lora, self.layout, b)
         return terms
 
     # ------------------------------------------------------------------ the estimate

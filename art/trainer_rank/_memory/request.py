@@ -72,6 +72,11 @@ class OutputRequest:
 class LoraShape:
     rank: int = 0  # 0 = no adapter
     target_modules: tuple[str, ...] = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+    # Checkpoint slots resident beside the runtime's adapter (each with its own gradients and
+    # fp32 Adam state), and forward-only snapshots; their rank (0: `rank`).
+    resident_adapters: int = 0
+    resident_snapshots: int = 0
+    resident_adapter_rank: int = 0
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,37 @@
+"""Resident terms of checkpoint slots: adapters loaded beside the runtime's own (trainable:
+factors, gradients, fp32 Adam state) and forward-only snapshots (factors only)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from art.trainer_rank._memory.estimate import Term
+
+if TYPE_CHECKING:
+    from art.megatron.geometry import ModelGeometry
+    from art.megatron.layout import ParallelLayout
+    from art.trainer_rank._memory.request import LoraShape
+
+
+def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLayout,
+                            b: int) -> list[Term]:
+    """Checkpoint slots beside the runtime's adapter: a trainable one holds its factors,
+    their gradients and fp32 master + 2 moments; a snapshot only its factors."""
+    rank = lora.resident_adapter_rank or lora.rank
+    if not rank or not (lora.resident_adapters or lora.resident_snapshots):
+        return []
+    from art.trainer_rank._memory.model import _lora_params_per_rank
+
+    per = _lora_params_per_rank(g, replace(lora, rank=rank), layout)
+    terms = []
+    if lora.resident_adapters:
+        n = lora.resident_adapters
+        terms.append(Term("resident adapters (slots)", int(n * per * (2 * b + 12)), "resident",
+                          f"{n} x {per:,} params (r={rank}) x (param + grad {2 * b} B + fp32 "
+                          "master + 2 moments 12 B)"))
+    if lora.resident_snapshots:
+        n = lora.resident_snapshots
+        terms.append(Term("resident snapshots (forward-only)", int(n * per * b), "resident",
+                          f"{n} x {per:,} params (r={rank}) x {b} B"))
+    return terms
