@@ -18,13 +18,9 @@ from art.trainer_rank._types import (
     Unset,
     format_stats_table,
 )
-from art.trainer_rank.slots.checkpoints import (
-    CheckpointManifest,
-    MaterializedCheckpoint,
-    PushedCheckpoint,
-    materialize_lora,
-    validate_checkpoint,
-)
+from art.trainer_rank.slots.files import materialize_lora, validate_checkpoint
+from art.trainer_rank.slots.store import PushedCheckpoint
+from art.trainer_rank.slots.types import CheckpointManifest, MaterializedCheckpoint
 
 __all__ = [
     "AdamParams",

@@ -63,7 +63,7 @@ from art.trainer_rank._types import (
     TrainerRankSlotStateError,
     Unset,
 )
-from art.trainer_rank.slots.checkpoints import PushedCheckpoint
+from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.optimizer_step import (
     GraphLedger,
     dp_reduce,
@@ -71,7 +71,9 @@ from art.trainer_rank.slots.optimizer_step import (
     output_tensors,
     zero_grad,
 )
-from art.trainer_rank.slots.selection import ACTIVE_CHECKPOINT, resolve_checkpoint
+from art.trainer_rank.slots.routing import run_by_adapter
+from art.trainer_rank.slots.saving import SaveQueue
+from art.trainer_rank.slots.store import BUILTIN, SlotStore
 
 if TYPE_CHECKING:
     from art.megatron.train import TrainingRuntime
@@ -87,7 +89,7 @@ def language_model(chunk: Any) -> Any:
     return model
 
 
-class TrainerRank:
+class TrainerRank(SlotMethods):
     """LoRA training and scoring forwards with recompute-aware memory admission."""
 
     def __init__(self, runtime: TrainingRuntime) -> None:
@@ -123,9 +125,15 @@ class TrainerRank:
         self.model = language_model(chunks[0])
         self.optimizer = runtime.optimizer
         self.graphs = GraphLedger()
-        self._pushed: list[str | None] = []
-        self.active_checkpoint: str | None = (
-            ACTIVE_CHECKPOINT if provider.lora_config is not None else None)
+        lora = provider.lora_config
+        self.slots = SlotStore(
+            self.model, has_builtin=lora is not None,
+            base_model_name_or_path=getattr(runtime, "model_identifier", None)
+            or provider.geometry.name,
+            builtin_r=int(lora.r) if lora is not None else 0,
+            builtin_alpha=float(lora.lora_alpha) if lora is not None else 0.0)
+        self.saves = SaveQueue(self.slots)
+        self._grad_slots: set[str] = set()
         memory_model = runtime.memory_model
         try:
             full = provider.recompute_as("full", "uniform", 1)
@@ -215,11 +223,19 @@ class TrainerRank:
         return tp, replace(MemoryModel.for_provider(other),
                            head_chunk_tokens=self.options.head_chunk_tokens)
 
+    @property
+    def active_checkpoint(self) -> str | None:
+        """The slot a forward without its own selection runs with (None: the base model)."""
+        return self.slots.active()
+
     def usable_limit_bytes(self) -> int:
-        """What the next micro-batch may use, the minimum over this replica's TP/CP ranks."""
-        return _agree.min_over_replica(
-            device_usable_bytes(self.device, self.options.test_memory_limit_bytes)
-        )
+        """What the next micro-batch may use, the minimum over this replica's TP/CP ranks.
+        Under a fixed limit (the CPU virtual one) resident checkpoint slots lower it; on a GPU
+        the free memory already reflects them."""
+        usable = device_usable_bytes(self.device, self.options.test_memory_limit_bytes)
+        if self.options.test_memory_limit_bytes is not None:
+            usable -= self.slots.resident_bytes()
+        return _agree.min_over_replica(usable)
 
     def _meter(self, usable: int) -> LiveBytesMeter:
         limit = self.options.test_memory_limit_bytes
@@ -268,7 +284,8 @@ class TrainerRank:
             queue.append(Item(index=-1, value=[item.value for item in grad_items],
                               leaves=tuple(leaf for it in grad_items for leaf in it.leaves),
                               no_grad_leaves=tuple(
-                                  f for it in grad_items for f in it.no_grad_leaves)))
+                                  f for it in grad_items for f in it.no_grad_leaves),
+                              checkpoints=tuple(c for it in grad_items for c in it.checkpoints)))
         results: dict[int, Any] = {}
         # With grad the caller's backward comes after this call returns: not measurable here.
         for mb in self._by_grad_mode(queue, measure_caller=False):
@@ -285,6 +302,8 @@ class TrainerRank:
     def zero_grad(self) -> None:
         """Zero every trainable gradient (DDP buffers and optimizer state's grads)."""
         zero_grad(self.chunks, self.optimizer)
+        self.slots.zero_grad()
+        self._grad_slots.clear()
         self.graphs.clear()
 
     def optim_step(
@@ -300,37 +319,36 @@ class TrainerRank:
         afterwards. Returns grad_norm, learning_rate, update_successful (1.0 / 0.0),
         num_zeros_in_grad and scale_grads. `on_live_graphs="error"` refuses, before changing
         anything, while a caller still holds an output no backward has reached."""
-        if checkpoints is not None:
-            for name in checkpoints:
-                self._resolve_checkpoint(name)
-        return optim_step(
-            chunks=self.chunks, optimizer=self.optimizer, params=params,
-            scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
-        )
-
-    def push_checkpoint(self, path: str | None) -> PushedCheckpoint:
-        """Make `path` the default adapter of forwards until `pop_checkpoint` (or the returned
-        context closes)."""
-        self._pushed.append(self._resolve_checkpoint(path))
-        return PushedCheckpoint(trainer=self, path=self._pushed[-1])
-
-    def pop_checkpoint(self) -> None:
-        if not self._pushed:
-            raise TrainerRankSlotStateError("pop_checkpoint: no pushed checkpoint to pop")
-        self._pushed.pop()
+        names = self._slots_to_step(checkpoints)  # raises before anything changes
+        live = self.graphs.live()
+        if live and on_live_graphs == "error":
+            raise TrainerRankSlotStateError(
+                f"optim_step(on_live_graphs='error'): the caller still holds {len(live)} output "
+                f"group(s) with a graph no backward has reached ({', '.join(live[:4])}); run "
+                "their backward or drop them (del) before stepping. Nothing was changed")
+        loaded = [n for n in names if n != BUILTIN]
+        metrics = self._step_loaded_slots(loaded, params, scale_grads)
+        if BUILTIN in names:
+            metrics.update(optim_step(
+                chunks=self.chunks, optimizer=self.optimizer, params=params,
+                scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
+            ))
+            self._grad_slots.discard(BUILTIN)
+        self.graphs.clear()
+        return metrics
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def _resolve_checkpoint(self, checkpoint: Any) -> str | None:
-        return resolve_checkpoint(self.active_checkpoint, checkpoint)
-
     def _items(self, inputs: Iterable[Any], checkpoint: Any, no_grad: bool | None) -> list[Item]:
-        self._resolve_checkpoint(checkpoint)
+        self.slots.resolve(checkpoint)
         call_no_grad = (not torch.is_grad_enabled()) if no_grad is None else bool(no_grad)
         items = make_items(inputs, call_no_grad=call_no_grad)
+        # Every sequence's slot, resolved now (input's, call's, pushed, loaded): a later push
+        # or load does not change what this call runs with.
+        items = [replace(item, checkpoints=tuple(
+            self.slots.resolve(leaf.checkpoint, checkpoint) for leaf in item.leaves))
+            for item in items]
         for item in items:
-            for leaf in item.leaves:
-                self._resolve_checkpoint(leaf.checkpoint)
             self._check_training_mode(item.grad)
         return items
 
@@ -464,18 +482,26 @@ class TrainerRank:
             failed_sub: tuple[int, ...] | None = None
             try:
                 leaf_outputs: list[ForwardOutput] = []
+                slot_of = [c for item in plan.items for c in item.checkpoints]
                 with torch.set_grad_enabled(grad):
                     for sub in plan.sub_forwards:
                         failed_sub = sub
-                        leaf_outputs.extend(
-                            run_sub_forward(
-                                self.model, [leaves[i] for i in sub],
+                        # Sequences of different slots never share a packed forward.
+                        leaf_outputs.extend(run_by_adapter(
+                            list(sub), [slot_of[i] for i in sub],
+                            lambda part, slot: run_sub_forward(
+                                self.model, [leaves[i] for i in part],
                                 implementation=self.implementation, layout=self.layout,
                                 device=self.device, groups=plan.groups(sub),
                                 head_chunk_tokens=self.options.head_chunk_tokens,
-                                checkpoint=self.active_checkpoint,
-                            )
-                        )
+                                checkpoint=slot,
+                            ),
+                            adapter_key=self.slots.adapter_key,
+                        ))
+                if grad:
+                    flags = [f for item in plan.items for f in item.no_grad_leaves]
+                    self._grad_slots.update(
+                        c for c, f in zip(slot_of, flags) if c is not None and not f)
             except torch.OutOfMemoryError as exc:
                 leaf_outputs = []
                 self._record_oom(plan, failed_sub, usable, exc)

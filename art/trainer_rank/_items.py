@@ -25,6 +25,8 @@ class Item:
     leaves: tuple[ForwardInput, ...]
     # Per leaf: runs without grad (its own no_grad, else the call's). Default: all with grad.
     no_grad_leaves: tuple[bool, ...] = ()
+    # Per leaf: the checkpoint slot it runs with (None: the base model); () until resolved.
+    checkpoints: tuple[str | None, ...] = ()
     # Computed once: admission reads them for every candidate of every decision (summing
     # tensor sizes each time cost ~30 ms per decision at 10,000 pending items).
     sequence_lengths_tokens: tuple[int, ...] = field(init=False, repr=False, compare=False)

@@ -103,9 +103,8 @@ def test_checkpoint_folder_is_validated_and_materialised(tmp_path):
     key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
     save_file({key.format("A"): torch.zeros(2, 8), key.format("B"): torch.zeros(8, 2)},
               str(source / "adapter_model.safetensors"))
-    manifest = validate_checkpoint(source)
-    assert (manifest.r, manifest.lora_alpha, manifest.target_modules) == (2, 4.0, ("q_proj",))
-    assert len(manifest.tensor_names) == 2
+    # A plain peft folder has no checkpoint.json manifest: upstream returns None for it.
+    assert validate_checkpoint(source) is None
     local = materialize_lora(source, tmp_path / "local")
     assert local.path == str(source) and (tmp_path / "local" / "adapter_config.json").is_file()
 

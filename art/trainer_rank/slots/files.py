@@ -21,7 +21,11 @@ from typing import Any
 import torch
 
 from art.megatron.lora_peft import ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, read_adapter_files
-from art.trainer_rank.slots.types import CheckpointManifest, OptimizerConfig
+from art.trainer_rank.slots.types import (
+    CheckpointManifest,
+    MaterializedCheckpoint,
+    OptimizerConfig,
+)
 
 MANIFEST_FILE = "checkpoint.json"
 FORMAT_VERSION = 1
@@ -69,7 +73,8 @@ def validate_checkpoint(path: str | Path, *, require_optimizer: bool = False
     root = Path(path)
     for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
         if not (root / name).is_file():
-            raise FileNotFoundError(f"{root / name} is missing; {root} is not a checkpoint")
+            raise ValueError(f"checkpoint {str(root)!r} has no {name}; a checkpoint holds "
+                             f"{ADAPTER_CONFIG_FILE} and {ADAPTER_WEIGHTS_FILE} (peft)")
     manifest_path = root / MANIFEST_FILE
     if not manifest_path.is_file():
         if require_optimizer:
@@ -146,19 +151,25 @@ def write_checkpoint(directory: Path, *, adapter: dict[str, torch.Tensor], r: in
     return manifest["digest"]
 
 
-def materialize_lora(path: str | Path, output_dir: str | Path, *,
-                     require_optimizer: bool = False, expected_digest: str | None = None) -> None:
+def materialize_lora(path: str | Path, output_dir: str | Path | None = None, *,
+                     require_optimizer: bool = False, expected_digest: str | None = None
+                     ) -> MaterializedCheckpoint:
     """Copy the peft part of a checkpoint (adapter_config.json, adapter_model.safetensors)
-    into the empty or absent `output_dir`, e.g. for an inference server."""
+    into the empty or absent `output_dir` (e.g. a rank-local copy, or for an inference
+    server); returns the logical checkpoint and its local directory. Without `output_dir` it
+    only validates."""
     manifest = validate_checkpoint(path, require_optimizer=require_optimizer)
     if expected_digest is not None:
         actual = manifest["digest"] if manifest is not None else None
         if actual != expected_digest:
             raise ValueError(f"{path}: checkpoint digest {actual} is not the expected "
                              f"{expected_digest}")
+    if output_dir is None:
+        return MaterializedCheckpoint(path=str(path), directory=str(path))
     out = Path(output_dir)
     if out.exists() and any(out.iterdir()):
         raise FileExistsError(f"{out} is not empty; materialize into a new directory")
     out.mkdir(parents=True, exist_ok=True)
     for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE):
         shutil.copy2(Path(path) / name, out / name)
+    return MaterializedCheckpoint(path=str(path), directory=str(out))

@@ -12,23 +12,25 @@ from art.megatron.lora_selection import use_adapter
 T = TypeVar("T")
 
 
-def adapter_groups(keys: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
-    """Positions grouped by adapter key, groups in order of first appearance."""
+def adapter_groups(slots: Sequence[str | None]) -> list[tuple[str | None, list[int]]]:
+    """Positions grouped by slot, groups in order of first appearance."""
     groups: dict[str | None, list[int]] = {}
-    for position, key in enumerate(keys):
-        groups.setdefault(key, []).append(position)
+    for position, slot in enumerate(slots):
+        groups.setdefault(slot, []).append(position)
     return list(groups.items())
 
 
-def run_by_adapter(leaves: Sequence[Any], keys: Sequence[str | None],
-                   run: Callable[[list[Any]], list[T]]) -> list[T]:
-    """`run` once per adapter group (under that adapter); outputs in `leaves` order."""
-    if len(leaves) != len(keys):
-        raise ValueError(f"{len(leaves)} sequences but {len(keys)} adapter keys")
+def run_by_adapter(leaves: Sequence[Any], slots: Sequence[str | None],
+                   run: Callable[[list[Any], str | None], list[T]],
+                   adapter_key: Callable[[str | None], str | None]) -> list[T]:
+    """`run(group, slot)` once per slot group, under that slot's adapter (`adapter_key` maps
+    a slot name to the LoRA adapter key); outputs in `leaves` order."""
+    if len(leaves) != len(slots):
+        raise ValueError(f"{len(leaves)} sequences but {len(slots)} slot selections")
     outputs: list[T | None] = [None] * len(leaves)
-    for key, positions in adapter_groups(keys):
-        with use_adapter(key):
-            results = run([leaves[i] for i in positions])
+    for slot, positions in adapter_groups(slots):
+        with use_adapter(adapter_key(slot)):
+            results = run([leaves[i] for i in positions], slot)
         for position, result in zip(positions, results, strict=True):
             outputs[position] = result
     return outputs  # type: ignore[return-value]

@@ -30,7 +30,8 @@ from art.trainer_rank.slots.types import (
     Unset,
 )
 
-BUILTIN = "<built-in>"
+# The runtime's own adapter (the one build_training_runtime applied) is the slot named "active".
+BUILTIN = "active"
 _READER = ThreadPoolExecutor(max_workers=2, thread_name_prefix="checkpoint-prefetch")
 
 
@@ -111,8 +112,9 @@ class SlotStore:
             name = self._name_of(selection)
             if name not in self.slots:
                 raise TrainerRankSlotStateError(
-                    f"a forward selects checkpoint {name!r}, which is not resident (resident: "
-                    f"{sorted(self.slots)}); load_checkpoint or push_checkpoint it first"
+                    f"checkpoint={name!r} is not a resident slot (resident: "
+                    f"{sorted(self.slots)}); load_checkpoint or push_checkpoint it first, or "
+                    "pass None for the base model"
                 )
             return name
         return self.active()
