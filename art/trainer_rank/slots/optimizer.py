@@ -121,14 +121,15 @@ class SlotOptimizer:
         factor = clip / (norm + 1e-6) if clip > 0 and norm > clip else 1.0
         for master, grad in zip(self.masters, grads):
             master.grad = grad.mul_(factor) if factor != 1.0 else grad
+        eps = float(getattr(params, "eps", ADAM_EPS))
         for group in self.adam.param_groups:
             group["lr"] = float(params.learning_rate)
             group["betas"] = (float(params.beta1), float(params.beta2))
             group["weight_decay"] = float(params.weight_decay)
+            group["eps"] = eps
         self.config = {
             "learning_rate": float(params.learning_rate), "beta1": float(params.beta1),
-            "beta2": float(params.beta2), "eps": ADAM_EPS,
-            "weight_decay": float(params.weight_decay),
+            "beta2": float(params.beta2), "eps": eps, "weight_decay": float(params.weight_decay),
         }
         self.adam.step()
         with torch.no_grad():
