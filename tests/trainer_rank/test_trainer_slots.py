@@ -139,11 +139,18 @@ def test_optim_step_steps_only_named_slots_and_save_load_is_bit_identical(
     assert not (tmp_path / "p").exists()
 
 
-def test_slot_misuse_through_trainer_changes_nothing(megatron_process, runtime_env, tmp_path):
+def test_slot_misuse_through_trainer_changes_nothing(megatron_process, runtime_env, tmp_path,
+                                                     monkeypatch):
+    monkeypatch.setenv("ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES", str(2**30))
     rank = _trainer()
     a = _adapter(rank, tmp_path / "a", seed=1)
+    usable = rank.usable_limit_bytes()
     rank.load_checkpoint(a)
+    after_load, held = rank.usable_limit_bytes(), rank.slots.resident_bytes()
     rank.snapshot_checkpoint(a, "ref")
+    # Each resident slot lowers the limit the planner works with by what it holds.
+    assert usable - after_load == held > 0
+    assert usable - rank.usable_limit_bytes() == rank.slots.resident_bytes() > held
     inputs = _inputs(2)
     for micro in rank.forward_micro_batches(inputs):
         sum(-o.target_logprobs.sum() for o in micro.outputs).backward()
