@@ -534,8 +534,8 @@ def lora_parameters(model: nn.Module, adapter: str | None = DEFAULT_ADAPTER
 
 # peft adapter files (adapter_config.json + adapter_model.safetensors) live in lora_peft; these
 # names stay importable from here.
-_PEFT_NAMES = ("ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "adapter_config_dict",
-               "adapter_state_dict", "export_adapter", "load_adapter")
+_PEFT_NAMES = ("ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "PEFT_KEY_PREFIX",
+               "adapter_config_dict", "adapter_state_dict", "export_adapter", "load_adapter")
 
 
 def __getattr__(name: str) -> Any:
