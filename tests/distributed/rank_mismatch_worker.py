@@ -56,7 +56,7 @@ def main() -> None:
         dtype="float32", implementation=Implementation.cpu_local(),
     )
     trainer = TrainerRank(build_runtime_for_provider(
-        provider, build_optimizer=False, wrap_ddp=False,
+        provider, build_optimizer=False, wrap_ddp=False, trainable_parameter_mode="base_model",
         trainer_options=TrainerRankOptions(test_memory_limit_bytes=256 * 2**20)))
     rank = int(os.environ["RANK"])
     result = {

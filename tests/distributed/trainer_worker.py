@@ -57,7 +57,7 @@ def run(mode: str) -> dict:
     # Small enough that the start-up probe stops at a few hundred tokens (seconds, not tens).
     limit = (32 - 2 * rank) * 2**20
     trainer = TrainerRank(build_runtime_for_provider(
-        provider, build_optimizer=False, wrap_ddp=False,
+        provider, build_optimizer=False, wrap_ddp=False, trainable_parameter_mode="base_model",
         trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
     result: dict = {"rank": rank, "tp": tp, "world": world}
     if mode == "dp":
