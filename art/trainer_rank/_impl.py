@@ -492,7 +492,7 @@ class TrainerRank(SlotMethods):
                             lambda part, slot: run_sub_forward(
                                 self.model, [leaves[i] for i in part],
                                 implementation=self.implementation, layout=self.layout,
-                                device=self.device, groups=plan.groups(sub),
+                                device=self.device, groups=plan.groups(part),
                                 head_chunk_tokens=self.options.head_chunk_tokens,
                                 checkpoint=slot,
                             ),
