@@ -489,7 +489,7 @@ class TrainerRank(SlotMethods):
                         # Sequences of different slots never share a packed forward.
                         leaf_outputs.extend(run_by_adapter(
                             list(sub), [slot_of[i] for i in sub],
-                            lambda part, slot, sub=sub: run_sub_forward(
+                            lambda part, slot: run_sub_forward(
                                 self.model, [leaves[i] for i in part],
                                 implementation=self.implementation, layout=self.layout,
                                 device=self.device, groups=plan.groups(part),
