@@ -111,7 +111,11 @@ def test_slots_select_step_save_and_load_bit_identically(megatron_process, tmp_p
     assert store.active() == BUILTIN
     store.load(a)
     assert store.active() == a and store.resolve(Unset) == a and store.resolve(None) is None
+    task = store.prefetch(b)  # read in a background thread; push then uses what was read
+    task.get_loop().run_until_complete(task)
+    assert b in store._prefetched and b not in store.slots
     with store.push(b):
+        assert b not in store._prefetched
         assert store.active() == b and store.resolve(Unset, a) == a
         with store.push(None):
             assert store.active() is None
