@@ -88,12 +88,15 @@ def build_transformer_config(
         use_cpu_initialization=impl.device == "cpu",
         perform_initialization=True,
         gradient_accumulation_fusion=False,
-        # Fused kernels exist only on GPU; on CPU the torch paths are what is built.
+        # Fused kernels exist only on GPU; on CPU the torch paths are what is built. RoPE
+        # fusion is Transformer Engine's kernel (Megatron-Core 0.16.1 refuses the config
+        # without TE), and the local spec's fused softmax needs Megatron's compiled softmax
+        # extension, which a CUDA machine without TE does not have either: both only with TE.
         bias_activation_fusion=impl.swiglu_fused,
-        masked_softmax_fusion=impl.device == "cuda",
+        masked_softmax_fusion=impl.device == "cuda" and impl.spec == "te",
         persist_layer_norm=False,
         bias_dropout_fusion=impl.device == "cuda",
-        apply_rope_fusion=impl.device == "cuda",
+        apply_rope_fusion=impl.device == "cuda" and impl.spec == "te",
         recompute_granularity=recompute.granularity,
         recompute_method=recompute.method,
         recompute_num_layers=recompute.num_layers,

@@ -43,12 +43,12 @@ from art.trainer_rank._memory.measure import release_score_buffer
 from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._packing import (
-    check_layout_supported,
     packed_length_tokens,
     shares_prefixes,
 )
 from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
 from art.trainer_rank._profiles import ProfileStore
+from art.trainer_rank._runnable import layout_refusal
 from art.trainer_rank._types import (
     COLD_CAPPED,
     DECLINED,
@@ -98,22 +98,9 @@ class TrainerRank(SlotMethods):
         provider = runtime.provider
         self.provider = provider
         layout = provider.layout
-        if layout.pipeline_parallel > 1:
-            raise TrainerRankRuntimeSupportError(
-                f"pipeline parallel size {layout.pipeline_parallel}: TrainerRank runs the whole "
-                "model on each rank; set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
-            )
-        if layout.context_parallel > 1:
-            raise TrainerRankRuntimeSupportError(
-                f"context parallel size {layout.context_parallel}: the compute path returns "
-                "every output for the full sequence on every rank and does not split a packed "
-                "row over CP ranks; set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor "
-                "parallel"
-            )
-        try:
-            check_layout_supported(provider.implementation, layout)
-        except ValueError as exc:
-            raise TrainerRankRuntimeSupportError(str(exc)) from exc
+        refusal = layout_refusal(layout, provider.implementation)
+        if refusal is not None:
+            raise TrainerRankRuntimeSupportError(refusal)
         chunks = list(getattr(runtime, "model", None) or [])
         if len(chunks) != 1:
             raise TrainerRankRuntimeSupportError(

@@ -25,6 +25,7 @@ from art.megatron.provider import Provider
 from art.megatron.recompute import EffectiveRecompute, RecomputePolicy
 from art.megatron.settings import load_settings
 from art.trainer_rank._memory.request import LoraShape, MicroBatchShape
+from art.trainer_rank._runnable import layout_refusal
 
 GIB = 1024**3
 
@@ -99,6 +100,7 @@ class PlanCell:
     estimate: Any | None = None  # the memory model's Estimate
     max_tokens: int | None = None  # largest packed tokens that fit (same sequences, outputs)
     unavailable: str = ""  # why this layout/policy cannot be built for this model
+    not_runnable: str = ""  # why TrainerRank refuses this layout (priced, never recommended)
 
     @property
     def peak_bytes(self) -> int | None:
@@ -111,6 +113,10 @@ class PlanCell:
     @property
     def headroom_bytes(self) -> int | None:
         return None if self.estimate is None else self.limit_bytes - int(self.estimate.peak_bytes)
+
+    @property
+    def runnable(self) -> bool:
+        return not self.unavailable and not self.not_runnable
 
     @property
     def gpus_per_replica(self) -> int:
@@ -126,8 +132,10 @@ class PlanCell:
         assert self.headroom_bytes is not None
         pct = 100.0 * self.headroom_bytes / self.limit_bytes
         if self.fits:
-            return f"fits, {self.headroom_bytes / GIB:.1f} GiB ({pct:.0f}%) free"
-        return f"DOES NOT FIT, {-self.headroom_bytes / GIB:.1f} GiB over"
+            verdict = f"fits, {self.headroom_bytes / GIB:.1f} GiB ({pct:.0f}%) free"
+        else:
+            verdict = f"DOES NOT FIT, {-self.headroom_bytes / GIB:.1f} GiB over"
+        return verdict + ("; TrainerRank cannot run it yet" if self.not_runnable else "")
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -143,6 +151,8 @@ class PlanCell:
             "max_tokens": self.max_tokens,
             "env": self.env,
             "unavailable": self.unavailable or None,
+            "runnable": self.runnable,
+            "not_runnable": self.not_runnable or None,
         }
         if self.estimate is not None:
             out["recompute"] = self.estimate.recompute_summary
@@ -173,7 +183,8 @@ class PlanResult:
 
     @property
     def recommended(self) -> PlanCell | None:
-        fitting = [c for c in self.cells if c.fits]
+        # Only what TrainerRank runs: a layout it refuses at construction is never recommended.
+        fitting = [c for c in self.cells if c.fits and c.runnable]
         if not fitting:
             return None
         return min(
@@ -212,7 +223,9 @@ class PlanResult:
                     continue
                 word = "fits" if c.fits else "does not fit"
                 parts.append(f"{c.policy.name} {word} ({_gib(c.peak_bytes)} GiB/rank)")
-            lines.append(f"{layout_name(layout)}: " + "; ".join(parts))
+            refused = cells[0].not_runnable
+            lines.append(f"{layout_name(layout)}: " + "; ".join(parts) + (
+                f"; TrainerRank cannot run this layout yet ({refused})" if refused else ""))
         return lines
 
     def table(self) -> str:
@@ -264,10 +277,14 @@ class PlanResult:
                           "with `estimate --ep`)"]
         rec = self.recommended
         if rec is None:
+            refused = sorted({layout_name(c.layout) for c in self.cells
+                              if c.fits and c.not_runnable})
             out.append(
-                f"nothing fits on {self.gpus} GPU(s) of {_gib(self.gpu_memory_bytes)} GiB: "
-                "use more or larger GPUs, split the item into smaller items, or request fewer "
-                "outputs (hidden states and logits are the large ones)"
+                ("nothing TrainerRank can run fits" if refused else "nothing fits")
+                + f" on {self.gpus} GPU(s) of {_gib(self.gpu_memory_bytes)} GiB"
+                + (f" (only {', '.join(refused)}, which it cannot run yet)" if refused else "")
+                + ": use more or larger GPUs, split the item into smaller items, or request "
+                "fewer outputs (hidden states and logits are the large ones)"
             )
             return "\n".join(out)
         assert rec.estimate is not None
@@ -413,7 +430,8 @@ def plan(
             estimate = memory_model.estimate(batch)
             usable = gpu_memory_bytes - int(estimate.resident_bytes)
             max_packed = max_packed_tokens(memory_model, batch, usable)
-            cells.append(PlanCell(policy, layout, gpu_memory_bytes, estimate, max_packed))
+            cells.append(PlanCell(policy, layout, gpu_memory_bytes, estimate, max_packed,
+                                  not_runnable=layout_refusal(layout, implementation) or ""))
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,

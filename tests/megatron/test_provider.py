@@ -233,3 +233,23 @@ def test_cli_prints_settings_and_policy(monkeypatch, capsys):
     monkeypatch.setenv("ART_MEGATRON_RECOMPUTE_NUM_LAYERS", "3")
     assert main(["Qwen3.5-27B", "--implementation", "te"]) == 2
     assert "selective recompute does not take" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("model", ["tiny-qwen3", "tiny-llama"])
+def test_cuda_without_transformer_engine_builds_a_valid_config(monkeypatch, model):
+    # What a CUDA machine without TE detects: the local spec on cuda. Megatron-Core 0.16.1
+    # refuses apply_rope_fusion without TE, and the local spec's fused softmax needs a
+    # compiled extension TE-less machines lack: the config must leave both off.
+    from art.megatron import cpu_runtime
+
+    monkeypatch.setattr(cpu_runtime, "cuda_available", lambda: True)
+    monkeypatch.setattr(cpu_runtime, "transformer_engine_available", lambda: False)
+    impl = Implementation.detect()
+    assert (impl.spec, impl.device) == ("local", "cuda")
+    env = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2",
+           "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}
+    config = Provider(model, settings=load_settings(env), implementation=impl).transformer_config()
+    assert not config.apply_rope_fusion and not config.masked_softmax_fusion
+    assert config.bias_dropout_fusion and not config.use_cpu_initialization
+    assert config.tensor_model_parallel_size == 2 and config.sequence_parallel
+    assert config.recompute_granularity == "selective"

@@ -229,3 +229,29 @@ def _te():
     from art.megatron.implementation import Implementation
 
     return Implementation.gpu_te()
+
+
+def test_layouts_trainer_rank_refuses_are_priced_marked_and_never_recommended() -> None:
+    # Context parallel builds with the TE spec, so it is priced, but TrainerRank refuses it
+    # at construction: plan marks it and recommends only what TrainerRank runs.
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200)
+    cp2 = result.cell("full", 1, 2)
+    assert cp2.fits and not cp2.runnable and "context parallel size 2" in cp2.not_runnable
+    assert "TrainerRank cannot run it yet" in cp2.verdict()
+    assert all(c.runnable for c in result.cells if c.layout.context_parallel == 1)
+    rec = result.recommended
+    assert rec is not None and rec.layout.context_parallel == 1
+    assert any("TP1 CP2: " in line and "cannot run this layout yet" in line
+               for line in result.layout_summaries())
+    # When only a refused layout fits, nothing is recommended and the report says why.
+    cp_only = [lo for lo in candidate_layouts(2) if lo.context_parallel == 2]
+    only = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200,
+                layouts=cp_only)
+    assert any(c.fits for c in only.cells) and only.recommended is None
+    assert "only TP1 CP2, which it cannot run yet" in only.report()
+    rc, text = run_cli([*SEED_ARGS, "--gpus", "2", "--json"])
+    data = json.loads(text)
+    cells = {(c["policy"], c["layout"]): c for c in data["cells"]}
+    assert cells[("full", "TP1 CP2")]["runnable"] is False
+    assert "context parallel" in cells[("full", "TP1 CP2")]["not_runnable"]
+    assert cells[("full", "TP2")]["runnable"] is True

@@ -1,0 +1,29 @@
+"""Which parallel layouts TrainerRank can run today: one answer for the constructor (which
+refuses the rest) and for `plan` (which marks them and never recommends them)."""
+
+from __future__ import annotations
+
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._packing import check_layout_supported
+
+
+def layout_refusal(layout: ParallelLayout, implementation: Implementation) -> str | None:
+    """Why TrainerRank refuses `layout` with `implementation`, or None when it runs it."""
+    if layout.pipeline_parallel > 1:
+        return (
+            f"pipeline parallel size {layout.pipeline_parallel}: TrainerRank runs the whole "
+            "model on each rank; set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
+        )
+    if layout.context_parallel > 1:
+        return (
+            f"context parallel size {layout.context_parallel}: the compute path returns "
+            "every output for the full sequence on every rank and does not split a packed "
+            "row over CP ranks; set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor "
+            "parallel"
+        )
+    try:
+        check_layout_supported(implementation, layout)
+    except ValueError as exc:
+        return str(exc)
+    return None
