@@ -18,6 +18,7 @@ import argparse
 import csv
 import json
 import os
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -279,9 +280,15 @@ def write_outputs(rows: list[dict], out: Path, seconds: float | None, quick: boo
         writer.writerows(rows)
     summary = summarize(rows)
     wall = f"wall time: {seconds:.0f} s; " if seconds is not None else ""
+    if seconds is None and (out / "calibration.md").is_file():
+        # Re-priced, not re-measured: keep naming the run that measured the rows.
+        measured = [line for line in (out / "calibration.md").read_text().splitlines()
+                    if "command: `" in line and "--reprice" not in line]
+        if measured:
+            wall = "rows measured by " + measured[0].split("command: ", 1)[1] + "; re-priced: "
     (out / "calibration.md").write_text(
         summary.replace("\n\n## Per policy", f"\n- {wall}command: `.venv/bin/python "
-                        f"scripts/calibrate.py {' '.join(sys.argv[1:])}`\n\n## Per policy",
+                        f"scripts/calibrate.py {shlex.join(sys.argv[1:])}`\n\n## Per policy",
                         1))
     plot(rows, out / "calibration.png")
     print(summary.split("## Per policy")[0])

@@ -228,8 +228,10 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
             per_row += g.head_dim * FP32  # the fp32 upcast of each head's row
         qk_norm = float(s) * (heads + g.num_query_groups / tp) * per_row
         # q comes out of the fused GQA layout [groups, (q heads, k, v)] as a copy, which the
-        # q-norm keeps as its input (k is a view of the QKV buffer, kept with it).
-        qk_norm += rope_q
+        # q-norm keeps as its input (k is a view of the QKV buffer, kept with it); with one
+        # group per rank (MQA) q is a plain view too.
+        if g.num_query_groups / tp > 1:
+            qk_norm += rope_q
     if impl.spec != "te":
         # Unfused RoPE builds cos and sin of the table per call, for q and for k, and its
         # multiplies keep them: 4 x [s, rotary dim] fp32.
