@@ -37,8 +37,14 @@ def observe_backward_reruns(
     for layer in model.decoder.layers:
         n = int(layer.layer_number)
         watch(layer, n, "layer")
-        watch(layer.self_attention.core_attention, n, "core_attn")
-        watch(layer.input_layernorm, n, "input_norm")
+        mixer = layer.self_attention
+        if hasattr(mixer, "core_attention"):
+            watch(mixer.core_attention, n, "core_attn")
+            watch(layer.input_layernorm, n, "input_norm")
+        else:
+            # Gated DeltaNet: no core-attention checkpoint; its input norm is in in_proj.
+            watch(mixer, n, "gdn")
+            watch(mixer.in_proj, n, "input_norm")
         watch(layer.pre_mlp_layernorm, n, "pre_mlp_norm")
         experts = getattr(layer.mlp, "experts", None)
         watch(experts if experts is not None else layer.mlp, n,
@@ -62,8 +68,9 @@ def expected_reruns(er: EffectiveRecompute, moe_layers: tuple[bool, ...]
         if lr.full_checkpoint_unit is not None:
             # The whole layer replays, every part with it.
             mlp = "moe" if moe_layers[lr.layer_number - 1] else "mlp"
+            mixer = "gdn" if lr.layer_type == "linear_attention" else "core_attn"
             out[lr.layer_number] = frozenset(
-                {"layer", "core_attn", "input_norm", "pre_mlp_norm", mlp})
+                {"layer", mixer, "input_norm", "pre_mlp_norm", mlp})
             continue
         labels: set[str] = set()
         for module in lr.selective_modules:

@@ -25,6 +25,10 @@ REDIRECTS: tuple[str, ...] = (
     "torch.cuda.Stream / current_stream / stream -> synchronous stand-ins (MoE dispatcher)",
     "megatron.core.transformer.moe.moe_utils.te_general_gemm -> None when TE is missing",
     "CheckpointWithoutOutput(fp8=False) -> FP8 path off (0.16.1 bug: `fp8 is not None`)",
+    "megatron.core.ssm.gated_delta_net.HAVE_FLA / l2norm / chunk_gated_delta_rule -> the "
+    "pure-torch kernels in cpu_gated_delta (fla's saved set for backward)",
+    "GatedDeltaNet._apply_gated_norm (torch.compile) -> one autograd function keeping what "
+    "the compiled one keeps (x, weight, gate, fp32 rstd)",
 )
 
 _installed = False
@@ -98,6 +102,20 @@ def _cpu_causal_mask(sq: int) -> torch.Tensor:
     return torch.triu(torch.ones(sq, sq, dtype=torch.bool), diagonal=1)
 
 
+def _redirect_gated_delta_net() -> None:
+    """fla's Triton kernels need a GPU; Megatron's GatedDeltaNet refuses to build without
+    fla (HAVE_FLA) and calls its `l2norm` and `chunk_gated_delta_rule` by module-level name.
+    Both are pointed at CPU functions that keep fla's saved set for backward."""
+    from megatron.core.ssm import gated_delta_net
+
+    from art.megatron import cpu_gated_delta
+
+    gated_delta_net.HAVE_FLA = True
+    gated_delta_net.l2norm = cpu_gated_delta.l2norm
+    gated_delta_net.chunk_gated_delta_rule = cpu_gated_delta.chunk_gated_delta_rule
+    gated_delta_net.GatedDeltaNet._apply_gated_norm = cpu_gated_delta.apply_gated_norm
+
+
 def install() -> bool:
     """Apply the redirects once. Returns True when the CPU redirects are active."""
     global _installed
@@ -145,6 +163,7 @@ def install() -> bool:
     from megatron.core.fusions import fused_softmax
 
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
+    _redirect_gated_delta_net()
     try:
         from megatron.core.transformer.moe import moe_utils
 

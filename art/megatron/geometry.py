@@ -53,6 +53,8 @@ class ModelGeometry:
     tied_embeddings: bool = False
     dtype: str = "bfloat16"
     rope_theta: float = 10000.0
+    # Fraction of each head's dims that RoPE rotates (HF `partial_rotary_factor`).
+    rotary_fraction: float = 1.0
     max_position_embeddings: int = 4096
     norm_epsilon: float = 1e-6
     source: str = field(default="", compare=False)
@@ -189,6 +191,8 @@ def geometry_from_hf_dict(raw: dict[str, Any], *, name: str, source: str = "") -
         tied_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         dtype=dtype if dtype in ("bfloat16", "float16", "float32") else "bfloat16",
         rope_theta=rope_theta,
+        rotary_fraction=float(
+            cfg.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0),
         max_position_embeddings=int(cfg.get("max_position_embeddings") or 4096),
         norm_epsilon=float(cfg.get("rms_norm_eps") or 1e-6),
         source=source,

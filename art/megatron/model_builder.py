@@ -49,11 +49,6 @@ def build_transformer_config(
     dtype = dtype or geometry.dtype
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
-    if geometry.is_hybrid:
-        raise ValueError(
-            f"{geometry.name} has Gated DeltaNet linear-attention layers; building it needs the "
-            "hybrid layer spec (see provider), not the plain GPT builder"
-        )
     if ATTENTION not in geometry.layer_types:
         raise ValueError(f"{geometry.name} has no attention layers")
     torch_dtype = DTYPES[dtype]
@@ -103,6 +98,22 @@ def build_transformer_config(
     )
     if expert_tensor_parallel is not None:
         kwargs["expert_tensor_parallel_size"] = expert_tensor_parallel
+    if geometry.gated_attention_output:
+        kwargs["attention_output_gate"] = True
+    if geometry.is_hybrid:
+        from art.megatron.specs.hybrid import linear_attention_pattern
+
+        la = geometry.linear_attention
+        assert la is not None
+        kwargs.update(
+            experimental_attention_variant="gated_delta_net",
+            linear_attention_freq=linear_attention_pattern(geometry),
+            linear_conv_kernel_dim=la.conv_kernel_size,
+            linear_key_head_dim=la.key_head_dim,
+            linear_value_head_dim=la.value_head_dim,
+            linear_num_key_heads=la.num_key_heads,
+            linear_num_value_heads=la.num_value_heads,
+        )
     if recompute.granularity == "selective" and recompute.modules is not None:
         kwargs["recompute_modules"] = list(recompute.modules)
     if geometry.is_moe:
@@ -149,6 +160,16 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=N
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = geometry.num_experts or None
+    if geometry.is_hybrid:
+        if implementation.spec == "te":
+            from megatron.core.models.gpt.experimental_attention_variant_module_specs import (
+                get_transformer_block_with_experimental_attention_variant_spec,
+            )
+
+            return get_transformer_block_with_experimental_attention_variant_spec(config)
+        from art.megatron.specs.hybrid import hybrid_block_spec
+
+        return hybrid_block_spec(geometry, config)
     if implementation.spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, qk_layernorm=geometry.qk_layernorm
@@ -222,6 +243,7 @@ def build_gpt_model(
         post_process=parallel_state.is_pipeline_last_stage(),
         share_embeddings_and_output_weights=geometry.tied_embeddings,
         position_embedding_type="rope",
+        rotary_percent=geometry.rotary_fraction,
         rotary_base=int(geometry.rope_theta),
     )
     model = model.to(dtype=config.params_dtype)

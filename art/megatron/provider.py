@@ -169,14 +169,15 @@ class Provider:
         return state
 
     def _check_buildable(self) -> None:
-        if self.geometry.is_hybrid:
+        if not self.geometry.is_hybrid or self.implementation.device == "cpu":
+            return  # on CPU, cpu_runtime supplies the Gated DeltaNet kernels
+        import importlib.util
+
+        if importlib.util.find_spec("fla") is None:
             raise ValueError(
-                f"{self.geometry.name} mixes Gated DeltaNet and attention layers. Megatron-Core "
-                "0.16.1 builds that hybrid block only through its Transformer Engine spec "
-                "(experimental_attention_variant='gated_delta_net'), and its GatedDeltaNet "
-                "needs the `fla` package; this provider does not build it (implementation "
-                f"here: {self.implementation.key}). It is priced from the geometry and "
-                "effective_recompute, which need no model"
+                f"{self.geometry.name} has Gated DeltaNet layers; Megatron-Core's GatedDeltaNet "
+                "needs the `fla` package (flash-linear-attention) on CUDA. Install "
+                "flash-linear-attention, or price it without building (estimate / plan)"
             )
 
     def transformer_config(self):

@@ -269,10 +269,14 @@ def resolve_recompute(
                     if mod == "core_attn" and is_linear_attention:
                         continue  # Gated DeltaNet has no core-attention checkpoint
                     if mod == "layernorm":
-                        # TE fuses the input norm into linear_qkv (and GDN's in_proj) and the
-                        # pre-MLP norm into fc1 on dense layers; an MoE layer keeps a real one.
+                        # TE fuses the input norm into linear_qkv and the pre-MLP norm into
+                        # fc1 on dense layers; an MoE layer keeps a real one. A Gated DeltaNet
+                        # layer's input norm sits inside its in_proj in both specs (the layer's
+                        # input_layernorm is the identity), so it is never rebuilt.
                         if not norm_fused_into_linear:
-                            norms.update(("input", "pre_mlp"))
+                            norms.add("pre_mlp")
+                            if not is_linear_attention:
+                                norms.add("input")
                         elif is_moe:
                             norms.add("pre_mlp")
                         if not norms:

@@ -170,12 +170,26 @@ def test_configurations_megatron_would_mishandle_are_rejected(model, env, impl, 
         Provider(model, settings=load_settings(env), implementation=impl)
 
 
-def test_hybrid_models_are_priced_but_not_built_here(megatron_process):
-    p = Provider("tiny-qwen3_5", settings=load_settings({}), implementation=CPU)
+def test_hybrid_models_build_on_cpu(megatron_process):
+    p = Provider("tiny-qwen3_5", settings=load_settings({}), implementation=CPU,
+                 dtype="float32")
     assert [lr.layer_type for lr in p.effective_recompute.layers] == [
         LINEAR_ATTENTION, LINEAR_ATTENTION, LINEAR_ATTENTION, ATTENTION]
-    with pytest.raises(ValueError, match="builds that hybrid block only through its Transformer"):
-        p.build_model()
+    model = p.build_model()
+    kinds = [type(layer.self_attention).__name__ for layer in model.decoder.layers]
+    assert kinds == ["GatedDeltaNetTP"] * 3 + ["SelfAttention"]
+    logits = model(torch.randint(0, 256, (1, 8)), torch.arange(8)[None], attention_mask=None)
+    assert logits.shape == (1, 8, 256) and torch.isfinite(logits).all()
+
+
+def test_hybrid_on_cuda_needs_fla():
+    import importlib.util
+
+    if importlib.util.find_spec("fla") is not None:
+        pytest.skip("fla is installed here")
+    p = Provider("tiny-qwen3_5", settings=load_settings({}), implementation=GPU)
+    with pytest.raises(ValueError, match="needs the `fla` package"):
+        p.transformer_config()
 
 
 def test_bad_lora_config_is_rejected_before_building():

@@ -79,9 +79,25 @@ MOE_POLICIES = [
 ]
 
 
+# tiny-qwen3_5: layers 1-3 Gated DeltaNet, layer 4 attention. uniform 2 makes units of two
+# Gated DeltaNet layers and of one of each kind; block 3 checkpoints only the DeltaNet layers.
+HYBRID_POLICIES = [
+    ("selective", None, None, "core_attn,mlp,layernorm"),
+    ("selective", None, None, "layernorm"),
+    ("full", "uniform", 2),
+    ("full", "block", 3),
+]
+HYBRID_MOE_POLICIES = [
+    ("selective", None, None, "core_attn,moe,layernorm"),
+    ("full", "uniform", 4),
+]
+
+
 @pytest.mark.parametrize(
     "model_name,policy",
-    [("tiny-qwen3", p) for p in DENSE_POLICIES] + [("tiny-qwen3-moe", p) for p in MOE_POLICIES],
+    [("tiny-qwen3", p) for p in DENSE_POLICIES] + [("tiny-qwen3-moe", p) for p in MOE_POLICIES]
+    + [("tiny-qwen3_5", p) for p in HYBRID_POLICIES]
+    + [("tiny-qwen3_5-moe", p) for p in HYBRID_MOE_POLICIES],
     ids=lambda v: "-".join(str(x) for x in v) if isinstance(v, tuple) else v,
 )
 def test_backward_reruns_match_effective_recompute(megatron_process, model_name, policy):

@@ -1,0 +1,245 @@
+"""Gated DeltaNet kernels on CPU that keep for backward what fla's GPU kernels keep.
+
+Megatron-Core 0.16.1's `GatedDeltaNet` calls two fla functions: `l2norm` on q and k, and
+`chunk_gated_delta_rule`. fla's Triton kernels do not run without a GPU, and Megatron's own
+torch core (`torch_chunk_gated_delta_rule`) keeps several times more for backward than fla
+does, so a CPU measurement taken with it says nothing about the GPU. The two functions here
+compute the same thing in plain torch and save exactly fla's set, in fla's dtypes:
+
+- `l2norm`: the normalised output (input dtype) and one fp32 rstd per row, as
+  `L2NormFunction.forward` in fla-core 0.6 (`fla/modules/l2norm.py`).
+- `chunk_gated_delta_rule`: q, k, v as given, the chunk-local cumulative decay g (fp32),
+  beta, and the per-chunk inverse `A = (I + L)^-1` of the WY representation in k's dtype,
+  as `ChunkGatedDeltaRuleFunction.forward` in fla-core 0.6
+  (`fla/ops/gated_delta_rule/chunk.py`: `ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g,
+  beta, A, initial_state, cu_seqlens)`, with the rstds None when the l2norm runs outside).
+  Everything else (w, u, the per-chunk states, v_new) is rebuilt in backward, as fla's
+  `chunk_gated_delta_rule_bwd` rebuilds it.
+
+Layout as fla's: [batch, tokens, heads, dim]; g and beta [batch, tokens, heads]; chunks of 64
+tokens. Arithmetic in fp32; A is rounded to k's dtype before use, as fla uses it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+CHUNK_TOKENS = 64
+
+
+def _pad_tokens(x: torch.Tensor, total: int, edge: bool) -> torch.Tensor:
+    """Pad dim 1 (tokens) to `total` with zeros, or with the last token repeated (`edge`:
+    for the cumulated decay, whose chunk-local sum stays flat over zero-padded raw decay).
+    The padded tail comes after every real token, so causality keeps it from changing any
+    real output."""
+    pad = total - x.shape[1]
+    if pad == 0:
+        return x
+    if edge:
+        tail = x[:, -1:].expand(-1, pad, *x.shape[2:])
+    else:
+        shape = list(x.shape)
+        shape[1] = pad
+        tail = x.new_zeros(shape)
+    return torch.cat([x, tail], dim=1)
+
+
+def _chunked(x: torch.Tensor, chunks: int, edge: bool = False) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, H, N, C, ...] fp32, padded (differentiable)."""
+    x = _pad_tokens(x.float(), chunks * CHUNK_TOKENS, edge)
+    b, t, h = x.shape[:3]
+    x = x.reshape(b, chunks, CHUNK_TOKENS, h, *x.shape[3:])
+    return x.permute(0, 3, 1, 2, *range(4, x.dim())).contiguous()
+
+
+def _unchunked(x: torch.Tensor, tokens: int) -> torch.Tensor:
+    """[B, H, N, C, ...] -> [B, T, H, ...] (the padded tail dropped)."""
+    b, h, n, c = x.shape[:4]
+    x = x.permute(0, 2, 3, 1, *range(4, x.dim()))
+    return x.reshape(b, n * c, h, *x.shape[4:])[:, :tokens]
+
+
+def _decay(g: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
+    """exp(g_i - g_j) on the causal part of each chunk, 0 elsewhere; [B, H, N, C, C]."""
+    keep = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril(
+        0 if include_diagonal else -1)
+    diff = g.unsqueeze(-1) - g.unsqueeze(-2)
+    # Masked before exp: above the diagonal the difference is positive and may overflow.
+    return torch.where(keep, diff, torch.full_like(diff, -math.inf)).exp()
+
+
+def _strict_kkt(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """L[i, j] = beta_i (k_i . k_j) exp(g_i - g_j) for j < i, per chunk (fla's
+    chunk_scaled_dot_kkt_fwd)."""
+    return beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * _decay(g, include_diagonal=False)
+
+
+def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+             beta: torch.Tensor, a: torch.Tensor, scale: float,
+             want_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The chunked gated delta rule from the WY inverse `a`; all [B, H, N, C, ...] fp32.
+    Differentiable in every input (backward rebuilds through it)."""
+    b, h, n, _, dk = k.shape
+    dv = v.shape[-1]
+    w = a @ (k * (beta * g.exp()).unsqueeze(-1))
+    u = a @ (v * beta.unsqueeze(-1))
+    intra = (q @ k.transpose(-1, -2)) * _decay(g, include_diagonal=True) * scale
+    q_decayed = q * (g.exp() * scale).unsqueeze(-1)
+    g_last = g[..., -1]
+    k_to_end = k * (g_last.unsqueeze(-1) - g).exp().unsqueeze(-1)
+    state = q.new_zeros(b, h, dk, dv)
+    outs = []
+    for i in range(n):
+        v_new = u[:, :, i] - w[:, :, i] @ state
+        outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
+        state = state * g_last[:, :, i, None, None].exp() + k_to_end[:, :, i].transpose(
+            -1, -2) @ v_new
+    return torch.stack(outs, dim=2), (state if want_final_state else None)
+
+
+class _ChunkGatedDeltaRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, scale: float, output_final_state: bool
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        tokens = q.shape[1]
+        chunks = max(1, -(-tokens // CHUNK_TOKENS))
+        g_cum = _chunked(g, chunks).cumsum(-1)  # chunk-local cumulative decay, fp32
+        k_c, beta_c = _chunked(k, chunks), _chunked(beta, chunks)
+        eye = torch.eye(CHUNK_TOKENS)
+        inverse = torch.linalg.solve_triangular(
+            eye + _strict_kkt(k_c, beta_c, g_cum), eye.expand(*k_c.shape[:3], -1, -1),
+            upper=False, unitriangular=True)
+        # fla's solve_tril writes A in k's dtype; it is saved and used in that precision.
+        a_saved = _unchunked(inverse, tokens).to(k.dtype).contiguous()
+        del inverse
+        a_c = _chunked(a_saved, chunks)
+        out, final = _outputs(_chunked(q, chunks), k_c, _chunked(v, chunks), g_cum, beta_c,
+                              a_c, scale, output_final_state)
+        g_saved = _unchunked(g_cum, tokens).contiguous()
+        ctx.save_for_backward(q, k, v, g_saved, beta, a_saved)
+        ctx.scale = scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
+        return _unchunked(out, tokens).to(q.dtype).contiguous(), final
+
+    @staticmethod
+    def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor | None) -> tuple:
+        q, k, v, g_cum, beta, a_saved = ctx.saved_tensors
+        tokens = q.shape[1]
+        chunks = max(1, -(-tokens // CHUNK_TOKENS))
+        with torch.enable_grad():
+            # Rebuilt in fp32 from the saved set, as leaves; chunking happens under autograd.
+            leaves = [x.detach().float().requires_grad_(True)
+                      for x in (q, k, v, g_cum, beta, a_saved)]
+            q_l, k_l, v_l, g_l, beta_l, a_l = leaves
+            a_c = _chunked(a_l, chunks)
+            out, final = _outputs(
+                _chunked(q_l, chunks), _chunked(k_l, chunks), _chunked(v_l, chunks),
+                _chunked(g_l, chunks, edge=True), _chunked(beta_l, chunks), a_c, ctx.scale,
+                d_final is not None)
+            roots, grads = [out], [_chunked(d_out, chunks)]
+            if d_final is not None and final is not None:
+                roots.append(final)
+                grads.append(d_final.float())
+            dq, dk, dv, dg, dbeta, da = torch.autograd.grad(roots, leaves, grads)
+            # A = (I + L)^-1, so dL = -A^T dA A^T on L's strictly lower part.
+            a_det, da_c = a_c.detach(), _chunked(da, chunks)
+            d_lower = -(a_det.transpose(-1, -2) @ da_c @ a_det.transpose(-1, -2)).tril(-1)
+            lower = _strict_kkt(_chunked(k_l, chunks), _chunked(beta_l, chunks),
+                                _chunked(g_l, chunks, edge=True))
+            dk2, dg2, dbeta2 = torch.autograd.grad(lower, [k_l, g_l, beta_l], d_lower)
+        dk, dg, dbeta = dk + dk2, dg + dg2, dbeta + dbeta2
+        # g was cumulated within each chunk: its gradient is the reverse cumulative sum.
+        dg = _chunked(dg, chunks).flip(-1).cumsum(-1).flip(-1)
+        dg = _unchunked(dg, tokens)
+        q_t, k_t, v_t, g_t, b_t = ctx.dtypes
+        return (dq.to(q_t), dk.to(k_t), dv.to(v_t), dg.to(g_t), dbeta.to(b_t), None, None)
+
+
+def chunk_gated_delta_rule(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    scale: float | None = None, initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None, head_first: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """fla's `chunk_gated_delta_rule` signature, the subset Megatron-Core 0.16.1 uses."""
+    if initial_state is not None or cu_seqlens is not None or head_first:
+        raise NotImplementedError(
+            "the CPU gated delta rule supports what Megatron-Core 0.16.1's GatedDeltaNet "
+            "passes: no initial_state, no cu_seqlens, tokens-first layout"
+        )
+    if use_qk_l2norm_in_kernel:
+        raise NotImplementedError(
+            "use_qk_l2norm_in_kernel=True: Megatron normalises q and k before the call; "
+            "apply l2norm first"
+        )
+    if scale is None:
+        scale = k.shape[-1] ** -0.5
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), output_final_state)
+
+
+class _L2Norm(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, eps: float, output_dtype: torch.dtype | None
+                ) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).sum(-1) + eps)  # fp32, one per row
+        y = (xf * rstd.unsqueeze(-1)).to(output_dtype or x.dtype)
+        ctx.save_for_backward(y, rstd)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        y, rstd = ctx.saved_tensors
+        yf, dyf, r = y.float(), dy.float(), rstd.unsqueeze(-1)
+        dx = dyf * r - (dyf * yf).sum(-1, keepdim=True) * yf * r
+        return dx.to(y.dtype), None, None
+
+
+def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None
+           ) -> torch.Tensor:
+    """fla's `l2norm`: x / sqrt(sum(x^2) + eps) over the last dim."""
+    return _L2Norm.apply(x, eps, output_dtype)
+
+
+class _GatedRMSNorm(torch.autograd.Function):
+    """rms_norm(x) * weight * silu(gate) over the last dim, fp32 inside, x's dtype out."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor,
+                eps: float) -> torch.Tensor:
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        y = xf * rstd * weight.float() * torch.nn.functional.silu(gate.float())
+        ctx.save_for_backward(x, weight, gate, rstd)
+        return y.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        x, weight, gate, rstd = ctx.saved_tensors
+        normed = x.float() * rstd
+        gf, dyf, wf = gate.float(), dy.float(), weight.float()
+        sig = torch.sigmoid(gf)
+        act = gf * sig
+        d_gate = dyf * normed * wf * sig * (1 + gf * (1 - sig))
+        d_weight = (dyf * act * normed).reshape(-1, x.shape[-1]).sum(0)
+        d_normed = dyf * act * wf
+        dx = rstd * (d_normed - normed * (d_normed * normed).mean(-1, keepdim=True))
+        return dx.to(x.dtype), d_gate.to(gate.dtype), d_weight.to(weight.dtype), None
+
+
+def apply_gated_norm(module: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    """CPU stand-in for `GatedDeltaNet._apply_gated_norm`, which Megatron compiles
+    (`@jit_fuser` = torch.compile). The compiled function keeps x, the norm weight, gate and an
+    fp32 rstd per row for backward (seen with saved-tensor hooks, torch 2.13); this keeps the
+    same, where the eager function keeps several fp32 copies; and it needs no compiler."""
+    if module.act_fn is not torch.nn.functional.silu:
+        raise NotImplementedError(f"gated output norm with {module.act_fn}; silu expected")
+    norm = module.out_norm
+    eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
+    weight = norm.tp_weight() if hasattr(norm, "tp_weight") else norm.weight
+    rows = x.reshape(-1, x.shape[-1])
+    return _GatedRMSNorm.apply(rows, gate.reshape(-1, gate.shape[-1]), weight, eps)

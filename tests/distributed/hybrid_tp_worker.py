@@ -1,0 +1,81 @@
+"""torchrun worker: loss and gradients of the tiny hybrids (Gated DeltaNet + attention, dense
+and MoE) in several recompute modes at TP = WORLD_SIZE; `hybrid_cases` also runs in-process
+at TP=1 for the reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+from art.megatron.geometry import load_geometry
+from art.megatron.layout import ParallelLayout
+from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
+
+CASES: list[tuple[str, RecomputeConfig]] = [
+    ("tiny-qwen3_5", RecomputeConfig()),
+    ("tiny-qwen3_5", RecomputeConfig("selective", modules=("core_attn", "mlp", "layernorm"))),
+    ("tiny-qwen3_5", RecomputeConfig("full", "uniform", 2)),
+    ("tiny-qwen3_5-moe", RecomputeConfig("selective", modules=("moe", "layernorm"))),
+    ("tiny-qwen3_5-moe", RecomputeConfig("full", "block", 4)),
+]
+# 150 tokens: two full 64-token chunks of the delta rule and a partial one.
+TOKENS = 150
+
+
+def hybrid_cases(tp: int) -> list[dict]:
+    rows = []
+    for name, recompute in CASES:
+        geometry = load_geometry(name)
+        config = build_transformer_config(
+            geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1),
+            recompute=recompute,
+            dtype="float32")
+        model = build_gpt_model(geometry, config, seed=0)
+        torch.manual_seed(1)
+        tokens = torch.randint(0, geometry.vocab_size, (1, TOKENS))
+        logits = model(tokens, torch.arange(TOKENS)[None], attention_mask=None)
+        loss = vocab_parallel_cross_entropy(
+            logits.transpose(0, 1).float().contiguous(), tokens.t().contiguous()).mean()
+        loss.backward()
+        if tp > 1:
+            # Each rank holds a partial gradient of the sequence-parallel norm weights and of
+            # the q/k norms; Megatron sums them over TP (finalize_model_grads) before a step.
+            for name, p in model.named_parameters():
+                if p.grad is not None and (getattr(p, "sequence_parallel", False)
+                                           or "q_layernorm" in name or "k_layernorm" in name):
+                    torch.distributed.all_reduce(
+                        p.grad, group=parallel_state.get_tensor_model_parallel_group())
+        sharded = sum(float(p.grad.pow(2).sum()) for p in model.parameters()
+                      if p.grad is not None and getattr(p, "tensor_model_parallel", False))
+        replicated = sum(float(p.grad.pow(2).sum()) for p in model.parameters()
+                         if p.grad is not None
+                         and not getattr(p, "tensor_model_parallel", False))
+        sharded_t = torch.tensor([sharded], dtype=torch.float64)
+        if tp > 1:
+            torch.distributed.all_reduce(
+                sharded_t, group=parallel_state.get_tensor_model_parallel_group())
+        rows.append({"model": name, "recompute": str(recompute), "loss": loss.item(),
+                     "sharded_grad_sq": sharded_t.item(), "replicated_grad_sq": replicated})
+    return rows
+
+
+def main() -> None:
+    from art.megatron.distributed import initialize_distributed, shutdown_distributed
+
+    out_dir = sys.argv[1]
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    initialize_distributed(tensor_parallel=tp)
+    rows = hybrid_cases(tp)
+    rank = int(os.environ.get("RANK", 0))
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(rows, f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()

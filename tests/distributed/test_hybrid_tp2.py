@@ -1,0 +1,42 @@
+"""The tiny hybrids (Gated DeltaNet + attention, dense and MoE) train in each recompute mode,
+and TP=2 under torchrun (sequence parallel) equals TP=1: one torchrun launch for all cases."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from _torchrun import run_torchrun
+
+WORKER = Path(__file__).with_name("hybrid_tp_worker.py")
+
+
+def _worker_module():
+    spec = importlib.util.spec_from_file_location("hybrid_tp_worker", WORKER)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.torchrun
+def test_hybrids_train_in_every_recompute_mode_and_tp2_equals_tp1(megatron_process, tmp_path):
+    """tiny-qwen3_5 and tiny-qwen3_5-moe: forward + backward in each recompute mode give one
+    loss per model and finite gradients; TP=2 (torchrun, sequence parallel) gives the TP=1
+    loss and gradients."""
+    tp1 = _worker_module().hybrid_cases(1)
+    for model in ("tiny-qwen3_5", "tiny-qwen3_5-moe"):
+        rows = [r for r in tp1 if r["model"] == model]
+        assert len({r["loss"] for r in rows}) == 1, rows
+        assert all(r["sharded_grad_sq"] > 0 and r["replicated_grad_sq"] > 0 for r in rows)
+    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=240)
+    for rank in (0, 1):
+        tp2 = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert [r["recompute"] for r in tp2] == [r["recompute"] for r in tp1]
+        for one, two in zip(tp1, tp2):
+            assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["recompute"]
+            for key in ("sharded_grad_sq", "replicated_grad_sq"):
+                assert two[key] == pytest.approx(one[key], rel=1e-4), (key, one["recompute"])

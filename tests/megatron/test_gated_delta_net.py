@@ -1,0 +1,113 @@
+"""Gated DeltaNet on CPU: the kernels that stand in for fla (values, gradients, and the set
+they keep for backward), and the tiny hybrids built and trained through the local spec."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
+
+from art.megatron.cpu_gated_delta import (
+    CHUNK_TOKENS,
+    apply_gated_norm,
+    chunk_gated_delta_rule,
+    l2norm,
+)
+
+
+def _delta_inputs(dtype: torch.dtype, decay: float, tokens: int = 150, heads: int = 3,
+                  seed: int = 0) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, tokens, heads, 16, generator=gen), dim=-1)
+            for _ in range(2))
+    v = torch.randn(1, tokens, heads, 8, generator=gen)
+    g = -torch.rand(1, tokens, heads, generator=gen) * decay  # log decay, fp32 as Megatron's
+    beta = torch.rand(1, tokens, heads, generator=gen).sigmoid()
+    return [x.to(dtype).requires_grad_(True) for x in (q, k, v)] + [
+        g.requires_grad_(True), beta.to(dtype).requires_grad_(True)]
+
+
+@pytest.mark.parametrize("decay", [0.5, 50.0])
+def test_chunked_rule_equals_megatrons_torch_core(decay):
+    """Same outputs and gradients as Megatron's own torch core (the reference), over two full
+    chunks and a partial one, with mild and with strong decay (whose padded tail once gave
+    inf * 0 in backward)."""
+    ours, ref = _delta_inputs(torch.float32, decay), _delta_inputs(torch.float32, decay)
+    out, _ = chunk_gated_delta_rule(*ours)
+    expected, _ = torch_chunk_gated_delta_rule(*ref)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    weight = torch.randn_like(out)
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    for name, a, b in zip("qkvgb", ours, ref):
+        assert torch.isfinite(a.grad).all(), name
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def _saved(fn, *args) -> tuple[list[torch.Tensor], torch.Tensor]:
+    saved: list[torch.Tensor] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn(*args)
+    return saved, out
+
+
+def test_chunked_rule_keeps_fla_cores_saved_set():
+    """fla-core 0.6 ChunkGatedDeltaRuleFunction keeps q, k, v, the chunk-local cumulated g
+    (fp32), beta and A ([B, T, H, 64] in k's dtype); nothing else survives the forward."""
+    q, k, v, g, beta = _delta_inputs(torch.bfloat16, 1.0)
+    saved, out = _saved(lambda *a: chunk_gated_delta_rule(*a)[0], q, k, v, g, beta)
+    assert out.dtype == torch.bfloat16
+    assert len(saved) == 6
+    for given, kept in zip((q, k, v), saved[:3]):
+        assert kept.untyped_storage().data_ptr() == given.untyped_storage().data_ptr()
+    g_cum, beta_kept, a = saved[3:]
+    assert g_cum.dtype == torch.float32 and g_cum.shape == g.shape
+    torch.testing.assert_close(g_cum[0, :CHUNK_TOKENS], g[0, :CHUNK_TOKENS].detach().cumsum(0))
+    assert beta_kept.untyped_storage().data_ptr() == beta.untyped_storage().data_ptr()
+    assert a.dtype == torch.bfloat16 and a.shape == (*k.shape[:3], CHUNK_TOKENS)
+
+
+def test_l2norm_keeps_output_and_one_fp32_rstd_per_row():
+    x = torch.randn(1, 40, 2, 16, dtype=torch.bfloat16, requires_grad=True)
+    saved, y = _saved(l2norm, x)
+    assert [t.dtype for t in saved] == [torch.bfloat16, torch.float32]
+    assert saved[0].data_ptr() == y.data_ptr() and saved[1].shape == (1, 40, 2)
+    x32 = x.detach().float().requires_grad_(True)
+    ref = torch.nn.functional.normalize(x32, dim=-1, eps=0.0)
+    ours = l2norm(x32)
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    w = torch.randn_like(ref)
+    (ref * w).sum().backward()
+    x2 = x.detach().float().requires_grad_(True)
+    (l2norm(x2) * w).sum().backward()
+    torch.testing.assert_close(x2.grad, x32.grad, rtol=1e-5, atol=1e-6)
+
+
+class _Mixer(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.out_norm = torch.nn.RMSNorm(16, eps=1e-6)
+        self.act_fn = torch.nn.functional.silu
+
+
+def test_gated_norm_stand_in_equals_eager_and_keeps_what_compiled_keeps():
+    mixer = _Mixer()
+    with torch.no_grad():
+        mixer.out_norm.weight.uniform_(0.5, 1.5)
+    x, gate = (torch.randn(1, 30, 4, 16, requires_grad=True) for _ in range(2))
+    x2, gate2 = (t.detach().clone().requires_grad_(True) for t in (x, gate))
+    saved, ours = _saved(apply_gated_norm, mixer, x, gate)
+    # Megatron's _apply_gated_norm body, eager.
+    ref = mixer.out_norm(x2.reshape(-1, 16)) * torch.nn.functional.silu(gate2.reshape(-1, 16))
+    torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+    w = torch.randn_like(ref)
+    (ours * w).sum().backward()
+    (ref * w).sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gate.grad, gate2.grad, rtol=1e-5, atol=1e-5)
+    assert [tuple(t.shape) for t in saved] == [(30 * 4, 16), (16,), (30 * 4, 16), (30 * 4, 1)]
