@@ -16,6 +16,13 @@ from art.megatron.recompute import RecomputePolicy
 from art.trainer_rank._memory.probe import PROBE_TOKENS
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def lora_targets_for(geometry: ModelGeometry) -> tuple[str, ...]:
+    """LORA_TARGETS, less linear_qkv where q and the output gate share it (no LoRA mapping)."""
+    if geometry.gated_attention_output:
+        return tuple(t for t in LORA_TARGETS if t != "linear_qkv")
+    return LORA_TARGETS
 # A packed row within 4% of a probe point is redrawn.
 PROBE_POINT_MARGIN = 0.04
 # CPU: unfused attention keeps [heads, S, S] fp32 scores per layer and three such tensors in

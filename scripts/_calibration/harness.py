@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from _calibration.cells import (
-    LORA_TARGETS,
     POLICY_BY_NAME,
     Cell,
     Policy,
     calibration_geometries,
+    lora_targets_for,
 )
 from _calibration.losses import LOSS_BY_NAME
 
@@ -102,7 +102,8 @@ class CalibrationModel:
             recompute_num_layers=policy.num_layers,
             recompute_modules=policy.modules,
         )
-        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank, target_modules=list(LORA_TARGETS),
+        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank,
+                          target_modules=list(lora_targets_for(geometry)),
                           lora_dropout=0.0) if lora_rank else None
         self.provider = Provider(geometry, settings=settings, lora=lora, dtype=dtype,
                                  implementation=self.implementation)
@@ -249,7 +250,8 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     )
     return MemoryModel(geometry, layout=ParallelLayout(tensor_parallel=cell.tensor_parallel),
                        recompute=recompute, implementation=impl,
-                       lora=LoraShape(cell.lora_rank, LORA_TARGETS), dtype=cell.dtype)
+                       lora=LoraShape(cell.lora_rank, lora_targets_for(geometry)),
+                       dtype=cell.dtype)
 
 
 def reprice(row: dict[str, Any], probe_dir: str | None = None) -> dict[str, Any]:

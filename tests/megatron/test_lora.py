@@ -231,3 +231,14 @@ def test_lora_on_a_fused_norm_linear_sees_the_normalised_input(megatron_process)
     out_fused, _ = fused(x)
     out_plain, _ = plain(layer.input_layernorm(x))
     torch.testing.assert_close(out_fused, out_plain)
+
+
+def test_gated_attention_lora_refuses_only_the_fused_qkv_targets():
+    from art.megatron.geometry import load_geometry
+    from art.megatron.lora import validate_lora_config
+
+    hybrid = load_geometry("tiny-qwen3_5")
+    validate_lora_config(LoraConfig(r=2, target_modules=["o_proj", "gate_proj", "up_proj",
+                                                         "down_proj"]), hybrid)
+    with pytest.raises(ValueError, match=r"mapping of \['q_proj'\]"):
+        validate_lora_config(LoraConfig(r=2, target_modules=["q_proj", "o_proj"]), hybrid)

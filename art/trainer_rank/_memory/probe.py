@@ -251,8 +251,14 @@ def _set_modes(layer: Any, modules: frozenset[str]) -> dict[str, Any]:
         "recompute_pre_mlp_layernorm": layer.recompute_pre_mlp_layernorm,
         "recompute_mlp": layer.recompute_mlp,
     }
-    layer.recompute_input_layernorm = "layernorm" in modules
-    layer.recompute_pre_mlp_layernorm = "layernorm" in modules
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    # Megatron turns a norm's recompute on only where the norm is a module of the layer (a
+    # Gated DeltaNet layer's input norm sits in its in_proj).
+    layer.recompute_input_layernorm = "layernorm" in modules and not isinstance(
+        layer.input_layernorm, IdentityOp)
+    layer.recompute_pre_mlp_layernorm = "layernorm" in modules and not isinstance(
+        layer.pre_mlp_layernorm, IdentityOp)
     layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
     if attention is not None and hasattr(attention, "checkpoint_core_attention"):
         old["checkpoint_core_attention"] = attention.checkpoint_core_attention
