@@ -275,45 +275,73 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
 
 
 def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
-    """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py): its own
-    projections, a causal convolution over q,k,v, l2-normed q and k repeated to the value
-    heads, fla's chunked gated delta rule, a gated output norm. No s^2 term, no scores."""
+    """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py) with the local
+    spec (`art/megatron/specs`), its linears frozen (LoRA never targets them), and fla's
+    kernels or their CPU counterparts (`cpu_gated_delta`), which keep fla-core 0.6's set.
+    Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
     if la is None:
         raise ValueError(f"{g.name}: linear-attention layer without linear_attention dims")
     key = la.num_key_heads * la.key_head_dim / tp
     value = la.num_value_heads * la.value_head_dim / tp
-    vheads = la.num_value_heads / tp
+    kheads, vheads = la.num_key_heads / tp, la.num_value_heads / tp
+    repeated = la.num_value_heads > la.num_key_heads
+    rows, hidden_rows = float(s), d.hidden_tokens(s)
     te = d.implementation.spec == "te"
-    rows = float(s)
     in_proj = rows * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z (gate), beta, a
     conv = rows * (2 * key + value) * b
-    # fp32 decay g and beta per value head; fla's per-chunk [chunk x chunk] fp32 matrix.
-    gates = rows * vheads * FP32 * 2
-    chunk_matrix = rows * vheads * GDN_CHUNK_TOKENS * FP32
-    # Recurrent states per chunk [heads, dk, dv] fp32: built in forward and again in backward.
-    states = rows / GDN_CHUNK_TOKENS * vheads * la.key_head_dim * la.value_head_dim * FP32
     out = rows * value * b
+    # The input norm sits in in_proj with a frozen weight: a fused kernel keeps the fp32 rstd
+    # (the input is the layer input); torch's composite keeps the fp32 upcast (the input
+    # itself in fp32, counted as the layer input) and the rstd.
+    norm = hidden_rows * FP32
+    if not te and d.implementation.norm == "torch" and b < FP32:
+        norm += hidden_rows * g.hidden_size * FP32
+    # fla's chunked rule keeps the chunk-local cumulated decay (fp32) and the WY inverse A
+    # ([tokens, heads, 64] in k's dtype); q, k, v and beta are the blocks' outputs above.
+    delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
+    # Working set of the chunked rule (fp32 chunk copies of q, k, v, w, u, the chunk matrix
+    # and its inverse) in forward, and again with its gradients in backward.
+    delta_work = rows * vheads * (la.key_head_dim * 3 + la.value_head_dim * 3
+                                  + 2 * GDN_CHUNK_TOKENS) * FP32
     return [
-        _norm_block(d, s, "input norm", te, True),
-        # The projection's output is only ever viewed and copied: transient.
-        Block("in_proj (qkvz, ba)", None, _lora_saved(d, s, "in_proj", True, 0), in_proj,
-              False, temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+        Block("input norm + in_proj", None, norm, in_proj, False,
+              temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
               grad_temp=in_proj),
-        Block("qkv transpose copy", None, 0.0, conv, True),  # the convolution's saved input
-        Block("causal conv1d + silu", None, conv, conv, False, grad_temp=2 * conv),
-        # q, k: contiguous copies, l2norm (outputs kept), repeated to the value heads (new
-        # tensors, kept by the delta rule).
-        Block("q/k l2norm + repeat", None, rows * 2 * key * b + rows * 2 * FP32 * vheads,
-              rows * 2 * value * b, True, temp=rows * 2 * key * b),
-        Block("v, gate contiguous", None, 0.0, 2 * out, True),
-        Block("gated delta rule", None, gates + chunk_matrix, out, True,
-              temp=states, grad_temp=states + 3 * out + chunk_matrix),
-        Block("gated output norm", None, rows * vheads * FP32, out, True, grad_temp=2 * out),
+        # The convolution's input: q, k, v transposed to [channels, tokens] (a copy).
+        Block("split, qkv transpose copy", None, 0.0, conv, True),
+        # silu keeps the convolution's output ([channels, tokens + kernel - 1]).
+        Block("causal conv1d + silu", None, (rows + la.conv_kernel_size - 1) / rows * conv,
+              conv, False, grad_temp=2 * conv),
+        # l2norm keeps its outputs (q, k per key head) and one fp32 rstd per key head.
+        Block("q/k l2norm", None, rows * 2 * key * b + rows * 2 * kheads * FP32,
+              rows * 2 * key * b, False, temp=rows * 2 * key * b),
+        # q, k repeated to the value heads (new tensors, kept by the rule); v and the output
+        # gate made contiguous (kept by the rule and by the gated norm); beta = sigmoid (kept)
+        # and the fp32 softplus input of the decay.
+        Block("q/k repeat, gates (g, beta)", None,
+              (rows * 2 * value * b if repeated else 0.0) + 2 * out
+              + rows * vheads * (b + FP32), 0.0, False),
+        Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
+              grad_temp=3 * delta_work),
+        # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
+        # (rule output, gate: kept above) and one fp32 rstd per value head; its output is
+        # transposed into a copy for out_proj, which is frozen and keeps nothing.
+        Block("gated output norm", None, rows * vheads * FP32, out, False, temp=out,
+              grad_temp=2 * out),
         Block("out_proj", None, _lora_saved(d, s, "out_proj", False, 0),
-              d.hidden_tokens(s) * g.hidden_size * b, True, grad_temp=out),
+              hidden_rows * g.hidden_size * b, False, grad_temp=out),
     ]
+
+
+def keeps_layer_input(d: Dims, kind: str) -> bool:
+    """Whether a layer keeps its input for backward. A Gated DeltaNet layer's frozen input norm
+    with torch's composite kernel in bf16/fp16 keeps its fp32 upcast instead."""
+    if not kind.startswith("linear"):
+        return True
+    te = d.implementation.spec == "te"
+    return te or d.implementation.norm != "torch" or d.dtype_bytes >= FP32
 
 
 def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False) -> list[Block]:
@@ -331,6 +359,33 @@ def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False) -
     else:
         mlp = _mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
     return [*mixer, residual, mlp_norm, *mlp]
+
+
+def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
+    """Bytes each block keeps for backward under the selective `modules` (the layer input,
+    kept by the input norm, is not among them; the last block's output is the layer's)."""
+    segments = _checkpoint_segments(blocks, modules)
+    kept_parts: list[float] = []
+    for idx, blk in enumerate(blocks):
+        seg = segments[idx]
+        without_output = seg is not None and blk.module == "layernorm"
+        if seg is not None and not without_output:
+            # Inside an ordinary checkpoint nothing is kept: only the segment's output
+            # survives, when a block after the segment saves it.
+            last = idx + 1 == len(blocks) or segments[idx + 1] != seg
+            part = blk.output if last and blk.output_saved else 0.0
+        else:
+            part = 0.0 if seg is not None else blk.internal
+            starts_checkpoint = (idx + 1 < len(blocks) and segments[idx + 1] is not None
+                                 and segments[idx + 1] != seg
+                                 and blocks[idx + 1].module != "layernorm")
+            # The checkpoint keeps its input; a norm recomputed without output frees it.
+            if (blk.output_saved or starts_checkpoint) and not without_output:
+                part += blk.output
+        kept_parts.append(part)
+    # The final block's output is the layer output, excluded from kept.
+    kept_parts[-1] -= 0.0 if not blocks[-1].output_saved else blocks[-1].output
+    return kept_parts
 
 
 def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bool,
@@ -360,32 +415,14 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     if "moe" in modules:
         modules = modules | {"moe_act", "shared_experts"}
     segments = _checkpoint_segments(blocks, modules)
-    kept_parts: list[float] = []
-    for idx, blk in enumerate(blocks):
-        seg = segments[idx]
-        without_output = seg is not None and blk.module == "layernorm"
-        if seg is not None and not without_output:
-            # Inside an ordinary checkpoint nothing is kept: only the segment's output
-            # survives, when a block after the segment saves it.
-            last = idx + 1 == len(blocks) or segments[idx + 1] != seg
-            part = blk.output if last and blk.output_saved else 0.0
-        else:
-            part = 0.0 if seg is not None else blk.internal
-            starts_checkpoint = (idx + 1 < len(blocks) and segments[idx + 1] is not None
-                                 and segments[idx + 1] != seg
-                                 and blocks[idx + 1].module != "layernorm")
-            # The checkpoint keeps its input; a norm recomputed without output frees it.
-            if (blk.output_saved or starts_checkpoint) and not without_output:
-                part += blk.output
-        kept_parts.append(part)
-    # The final block's output is the layer output, excluded from kept.
-    kept_parts[-1] -= 0.0 if not blocks[-1].output_saved else blocks[-1].output
-    kept = x + sum(kept_parts)  # the input norm keeps the layer input
+    parts = kept_parts(blocks, modules)
+    saves_input = keeps_layer_input(d, kind)
+    kept = (x if saves_input else 0.0) + sum(parts)  # the input norm keeps the layer input
 
     # Forward: kept so far + this block's full working set (recomputed blocks still run).
     peak_f = 0.0
     so_far = 0.0
-    for blk, part in zip(blocks, kept_parts):
+    for blk, part in zip(blocks, parts):
         live = so_far + blk.internal + blk.output + blk.temp
         peak_f = max(peak_f, live)
         so_far += part
@@ -394,9 +431,10 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     # block's segment (every block of the segment up to this one, as if not recomputed) +
     # incoming grad, the residual-stream grad, the grad of its input, its grad temporaries.
     peak_b = 0.0
-    remaining = kept - x
+    own_input = x if saves_input else 0.0
+    remaining = kept - own_input
     for idx in reversed(range(len(blocks))):
-        blk, part, seg = blocks[idx], kept_parts[idx], segments[idx]
+        blk, part, seg = blocks[idx], parts[idx], segments[idx]
         rebuilt = 0.0
         if seg is not None:
             for j in range(idx, -1, -1):
@@ -404,10 +442,10 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
                     break
                 rebuilt += blocks[j].internal + blocks[j].output
         grads = 2 * x + blk.output + blk.grad_temp
-        peak_b = max(peak_b, remaining + x + rebuilt + grads)
+        peak_b = max(peak_b, remaining + own_input + rebuilt + grads)
         remaining -= part
     backward = peak_b - kept
-    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), True,
+    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), saves_input,
                      int(largest))
 
 

@@ -177,6 +177,14 @@ class MemoryModel:
     def _probed_unit(self, index: int, n: int, s: int, grad: bool = True) -> LayerCost | None:
         if self.coefficients is None:
             return None
+        layers = self.recompute.layers
+        if index > 0 and index < len(layers):
+            here, before = layers[index], layers[index - 1]
+            if (before.pipeline_stage, before.virtual_chunk, before.full_checkpoint_unit) == (
+                    here.pipeline_stage, here.virtual_chunk, here.full_checkpoint_unit):
+                # Not a unit's first layer: the rest of a unit mixing layer kinds (Gated
+                # DeltaNet and attention), which is priced layer by layer.
+                return None
         kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
         if len(kinds) != 1:
             return None
