@@ -18,7 +18,8 @@ from peft import LoraConfig
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
-from art.trainer_rank import ForwardInput, Runtime, TrainerRank, TrainerRankOptions
+from art.megatron.train import TrainingRuntime
+from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
 
 LIMIT = 48 * 2**20  # far above these micro-batches: nothing is split or escalated
 POLICIES = [
@@ -48,8 +49,8 @@ def _provider(granularity, method, num_layers, modules) -> Provider:
 def test_hybrid_runs_priced_within_five_percent(megatron_process, policy):
     p = _provider(*policy)
     model = p.build_model(seed=0)
-    trainer = TrainerRank(Runtime(model, p),
-                          options=TrainerRankOptions(test_memory_limit_bytes=LIMIT))
+    trainer = TrainerRank(TrainingRuntime.for_model(
+        model, p, trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT)))
     rng = random.Random(f"hybrid {policy}")
     g = torch.Generator().manual_seed(rng.randrange(2**31))
     inputs = [ForwardInput(torch.randint(0, 256, (n,), generator=g),

@@ -301,10 +301,20 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
     # fla's chunked rule keeps the chunk-local cumulated decay (fp32) and the WY inverse A
     # ([tokens, heads, 64] in k's dtype); q, k, v and beta are the blocks' outputs above.
     delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
-    # Working set of the chunked rule (fp32 chunk copies of q, k, v, w, u, the chunk matrix
-    # and its inverse) in forward, and again with its gradients in backward.
-    delta_work = rows * vheads * (la.key_head_dim * 3 + la.value_head_dim * 3
-                                  + 2 * GDN_CHUNK_TOKENS) * FP32
+    dk, dv = la.key_head_dim, la.value_head_dim
+    if d.implementation.device == "cuda":
+        # fla's kernels: the fp32 chunk matrix before its inverse, w and u (k's dtype), the
+        # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
+        # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
+        # allocations; not measured here (no GPU).
+        states = rows / GDN_CHUNK_TOKENS * vheads * dk * dv
+        delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
+        delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
+    else:
+        # The CPU kernels (cpu_gated_delta): fp32 chunk copies of q, k, v, w, u, the chunk
+        # matrix and its inverse; backward rebuilds them under autograd with their gradients.
+        delta_work = rows * vheads * (dk * 3 + dv * 3 + 2 * GDN_CHUNK_TOKENS) * FP32
+        delta_grad = 3 * delta_work
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
@@ -324,7 +334,7 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
               (rows * 2 * value * b if repeated else 0.0) + 2 * out
               + rows * vheads * (b + FP32), 0.0, False),
         Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
-              grad_temp=3 * delta_work),
+              grad_temp=delta_grad),
         # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
         # (rule output, gate: kept above) and one fp32 rstd per value head; its output is
         # transposed into a copy for out_proj, which is frozen and keeps nothing.
