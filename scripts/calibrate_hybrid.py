@@ -3,7 +3,7 @@
 
     .venv/bin/python scripts/calibrate_hybrid.py [--seed 0]
 
-Same harness as scripts/calibrate.py (`_memory/calibration.py`: the trainer's compute path,
+Same harness as scripts/calibrate.py (`scripts/_calibration/`: the trainer's compute path,
 measured dynamic peak vs the estimate with probe coefficients and with the default formulas)
 on two hybrid geometries (`gdn_blocks.hybrid_geometry`), each cell's packed lengths drawn from
 a seeded generator so that no cell sits on the probe's token counts. Writes
@@ -28,7 +28,8 @@ MOE_POLICIES = ("selective default", "full uniform 2")
 
 
 def cells_for(geometry: str, policy: str, rng: random.Random) -> list:
-    from art.trainer_rank._memory.calibration import Cell
+    from _calibration.cells import Cell
+
     from art.trainer_rank._memory.probe import PROBE_TOKENS
 
     def lengths(parts: int) -> tuple[int, ...]:
@@ -43,9 +44,9 @@ def cells_for(geometry: str, policy: str, rng: random.Random) -> list:
 
 
 def main() -> int:
+    from _calibration.cells import POLICY_BY_NAME
+    from _calibration.harness import CalibrationModel
     from gdn_blocks import hybrid_geometry
-
-    from art.trainer_rank._memory.calibration import POLICY_BY_NAME, CalibrationModel
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seed", type=int, default=0)
