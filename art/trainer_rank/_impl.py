@@ -559,9 +559,9 @@ class TrainerRank(SlotMethods):
         return None
 
     def _save_profiles(self) -> None:
-        import torch.distributed as dist
-
-        if self.options.profile_path and (not dist.is_initialized() or dist.get_rank() == 0):
+        # One writer per replica (its ranks hold the same profiles); replicas merge on disk
+        # under the file's lock, so no replica's observations are lost.
+        if self.options.profile_path and _agree.is_replica_root():
             self.profiles.save()
 
     def _record_oom(

@@ -158,15 +158,7 @@ class ProfileStore:
 
     def _merge_and_replace(self) -> None:
         assert self.path is not None
-        merged = _read(self.path, warn=False)
-        for sig, profile in self.profiles.items():
-            old = merged.get(sig, Profile())
-            seen = set(old.observations)
-            obs = old.observations + [o for o in profile.observations if o not in seen]
-            seen_miss = set(old.misses)
-            misses = old.misses + [m for m in profile.misses if m not in seen_miss]
-            merged[sig] = Profile(obs[-MAX_OBSERVATIONS:], misses[-MAX_OBSERVATIONS:],
-                                  max(old.observed_total, profile.observed_total))
+        merged = merge_profiles(_read(self.path, warn=False), self.profiles)
         payload = {
             "version": PROFILE_FILE_VERSION,
             "profiles": {
@@ -185,6 +177,21 @@ class ProfileStore:
         except BaseException:
             Path(tmp).unlink(missing_ok=True)
             raise
+
+
+def merge_profiles(base: dict[str, Profile], new: dict[str, Profile]) -> dict[str, Profile]:
+    """`base` with every observation and miss of `new` that it lacks appended (the newest kept
+    when a profile is full): the storage layer's one merge, whatever a profile's rows mean."""
+    merged = dict(base)
+    for sig, profile in new.items():
+        old = merged.get(sig, Profile())
+        seen = set(old.observations)
+        obs = old.observations + [o for o in profile.observations if o not in seen]
+        seen_miss = set(old.misses)
+        misses = old.misses + [m for m in profile.misses if m not in seen_miss]
+        merged[sig] = Profile(obs[-MAX_OBSERVATIONS:], misses[-MAX_OBSERVATIONS:],
+                              max(old.observed_total, profile.observed_total))
+    return merged
 
 
 @contextlib.contextmanager

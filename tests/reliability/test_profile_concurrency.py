@@ -87,3 +87,38 @@ def test_half_written_file_and_stray_temp_files_are_ignored(tmp_path):
     torn.save()
     assert set(ProfileStore(path).profiles) == {"sig2"}
     assert os.path.getsize(path) > 0 and Path(str(path)).read_text().startswith("{")
+
+
+def _same_signature_writer(path: str, writer: int, barrier) -> None:
+    from art.trainer_rank import _profiles
+
+    read = _profiles._read
+
+    def slow_read(*args, **kwargs):
+        profiles = read(*args, **kwargs)
+        time.sleep(0.4)  # hold the read-merge-replace window open: the other writer is in it
+        return profiles
+
+    _profiles._read = slow_read
+    store = ProfileStore(path)
+    store.observe("shared|sig", 64 * (writer + 1), 1000 * (writer + 1), 900)
+    barrier.wait()
+    store.save()
+
+
+def test_two_writers_observations_of_one_signature_both_survive(tmp_path):
+    # Both writers save one observation of the same signature at the same moment, each with
+    # its read-merge-replace held open: without the lock both read the empty file and the
+    # second replace drops the first writer's observation.
+    path = tmp_path / "profiles.json"
+    ctx = multiprocessing.get_context("fork")
+    barrier = ctx.Barrier(2)
+    writers = [ctx.Process(target=_same_signature_writer, args=(str(path), w, barrier))
+               for w in range(2)]
+    for p in writers:
+        p.start()
+    for p in writers:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    kept = ProfileStore(path).profiles["shared|sig"].observations
+    assert sorted(kept) == [(64, 1000, 900), (128, 2000, 900)]
