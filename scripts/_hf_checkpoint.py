@@ -16,7 +16,8 @@ FAMILIES = ("qwen3", "llama", "qwen3_moe")
 
 def save_random_checkpoint(folder: str | Path, *, family: str = "qwen3", layers: int = 4,
                            hidden: int = 128, vocab: int = 512, heads: int = 8,
-                           kv_heads: int = 4, max_positions: int = 8192, seed: int = 0) -> Path:
+                           kv_heads: int = 4, head_dim: int | None = None,
+                           max_positions: int = 8192, seed: int = 0) -> Path:
     """Write config.json + model.safetensors (fp32) unless the folder already holds the same
     config; returns the folder."""
     import torch
@@ -24,7 +25,7 @@ def save_random_checkpoint(folder: str | Path, *, family: str = "qwen3", layers:
 
     common = dict(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=3 * hidden,
                   num_attention_heads=heads, num_key_value_heads=kv_heads,
-                  head_dim=hidden // heads, vocab_size=vocab,
+                  head_dim=head_dim or hidden // heads, vocab_size=vocab,
                   max_position_embeddings=max_positions, tie_word_embeddings=False)
     config = {
         "qwen3": lambda: Qwen3Config(**common),

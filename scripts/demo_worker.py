@@ -1,11 +1,13 @@
 """The demo, one process per TP rank (launched by ./scripts/demo under torchrun).
 
-A tiny Qwen3-shaped Megatron-Core model with a rank-8 LoRA runs an RL-like training step on CPU
-through the real `TrainerRank.forward_micro_batches`: groups of rollouts sharing a prompt,
-target logprobs requested, a policy-gradient loss and backward per micro-batch, all under a
-virtual memory limit (live tensor bytes past it raise OutOfMemoryError, as CUDA would). Two
-groups are made too large on purpose: one fits only under full recompute (escalated), one fits
-under nothing (declined before running, with the recompute-aware message).
+A tiny Qwen3-shaped Megatron-Core model, loaded as pretrained from a random Hugging Face
+checkpoint that transformers saves on the fly, with a rank-8 LoRA runs an RL-like training
+step on CPU through the real `TrainerRank.forward_micro_batches`: groups of rollouts
+sharing a prompt, target logprobs requested, a policy-gradient loss and backward per
+micro-batch, all under a virtual memory limit (live tensor bytes past it raise
+OutOfMemoryError, as CUDA would). Two groups are made too large on purpose: one fits only
+under full recompute (escalated), one fits under nothing (declined before running, with the
+recompute-aware message).
 
 Exit status: 0 when every admitted item ran once with all its outputs, no OOM escaped and the
 two oversized groups were handled as intended; 1 otherwise (the reason is printed).
@@ -18,12 +20,14 @@ import logging
 import math
 import os
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 
-from art.megatron.geometry import geometry_from_hf_dict
+from art.megatron.geometry import load_geometry
 from art.megatron.provider import Provider
 from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import _agree
@@ -46,15 +50,19 @@ HIDDEN = 128
 VOCAB = 512
 
 
-def demo_geometry():
-    """Qwen3's shape (GQA, qk-norm, SwiGLU, RMSNorm, RoPE) at a size two CPU cores can train."""
-    return geometry_from_hf_dict(
-        dict(model_type="qwen3", num_hidden_layers=4, hidden_size=HIDDEN,
-             intermediate_size=3 * HIDDEN, num_attention_heads=8, num_key_value_heads=4,
-             head_dim=HIDDEN // 8, vocab_size=VOCAB, max_position_embeddings=8192,
-             torch_dtype="float32"),
-        name=f"tiny-qwen3-{HIDDEN}",
-    )
+def demo_checkpoint(folder: Path) -> Path:
+    """A random Qwen3 checkpoint (GQA, qk-norm, SwiGLU, RMSNorm, RoPE) at a size two CPU cores
+    can train, saved by transformers like a downloaded model; the demo starts from it."""
+    from _hf_checkpoint import save_random_checkpoint
+
+    return save_random_checkpoint(folder, family="qwen3", layers=4, hidden=HIDDEN, vocab=VOCAB,
+                                  heads=8, kv_heads=4, max_positions=8192)
+
+
+def demo_geometry(folder: Path):
+    """The checkpoint's geometry under a short name for the printout (its source stays the
+    folder, which is where the pretrained weights are read from)."""
+    return replace(load_geometry(folder), name=f"tiny-qwen3-{HIDDEN}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -91,11 +99,13 @@ def main(argv: list[str] | None = None) -> int:
     # the closing message, and log lines would tear the progress bar.
     logging.getLogger("art.trainer_rank").setLevel(logging.ERROR)
 
-    provider = Provider(
-        demo_geometry(), lora=LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
-                                         target_modules="all-linear"),
-        dtype="float32",
-    )
+    # Each rank saves the same seeded checkpoint in its own folder (torch.distributed is not up
+    # yet to agree on one), then loads its shards of it as a pretrained model.
+    workdir = tempfile.TemporaryDirectory(prefix="art-demo-checkpoint-")
+    checkpoint = demo_checkpoint(Path(workdir.name))
+    lora = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank,
+                      target_modules="all-linear")
+    provider = Provider(demo_geometry(checkpoint), lora=lora, dtype="float32")
     state = provider.initialize_distributed()
     rank0 = state.rank == 0
     spec = WorkloadSpec(
@@ -134,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     draft = limit_for(replace(MemoryModel.for_provider(provider),
                               head_chunk_tokens=options.head_chunk_tokens))
     trainer = TrainerRank(build_runtime_for_provider(
-        provider, build_optimizer=False,
+        provider, build_optimizer=False, model_initialization="pretrained",
         trainer_options=replace(options, test_memory_limit_bytes=draft)))
     memory_model = trainer.memory_model
     limit = limit_for(memory_model)
@@ -359,6 +369,8 @@ def _print_intro(provider: Provider, spec: WorkloadSpec, items: list, oversized,
           f"{g.ffn_hidden_size}, {g.num_attention_heads} heads / {g.num_query_groups} KV groups, "
           f"vocab {g.vocab_size}, {provider.dtype}, LoRA r={provider.lora_config.r} on all "
           "linears")
+    print("weights: a random Qwen3 checkpoint saved by transformers on the fly, loaded as "
+          "pretrained (model_initialization='pretrained'), each rank reading its shards")
     print(f"layout {provider.layout.summary}; {provider.implementation.key}")
     print(f"recompute from ART_MEGATRON_*: {provider.effective_recompute.summary}")
     print(f"workload: {spec.groups} prompts x {spec.rollouts_per_group} rollouts "

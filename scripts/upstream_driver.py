@@ -1,16 +1,18 @@
 """A training driver written in upstream's call sequence (ART's own dev driver): nothing in
 it knows this package is not ART's.
 
-    torchrun --nproc_per_node=2 scripts/upstream_driver.py --model tiny-qwen3 --steps 3
+    torchrun --nproc_per_node=2 scripts/upstream_driver.py --steps 3
 
 Under torchrun: default ART_MEGATRON_{TENSOR_MODEL,CONTEXT,PIPELINE_MODEL}_PARALLEL_SIZE=1, the
 device from LOCAL_RANK, the process group, then `build_training_runtime(...)`,
 `TrainerRank(runtime)`, and per step: zero_grad, forward_micro_batches, a loss from
 target_logprobs, backward, dp_reduce of the loss sum and token count, optim_step. It trains a
-LoRA on one fixed batch of random token sequences (random weights: `--model` names a config,
-`model_initialization="random"`), prints the loss per step, and checks that the adapter moved
-and the base weights did not. Set ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=2 for TP=2; with
-TP=1 the two processes are data parallel.
+LoRA on one fixed batch of random token sequences, starting from a random Qwen3 checkpoint
+that transformers saves on the fly and `model_initialization="pretrained"` loads (`--model`
+may name another checkpoint folder, or a shipped config for random weights), prints the
+loss per step, and checks that the adapter moved and the base weights did not. Set
+ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=2 for TP=2; with TP=1 the two processes are data
+parallel.
 """
 
 from __future__ import annotations
@@ -29,7 +31,10 @@ DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default="tiny-qwen3", help="model identifier (config)")
+    parser.add_argument("--model", default=None,
+                        help="model identifier: a local HF checkpoint folder (pretrained) or a "
+                        "shipped config name (random weights); default: a random Qwen3 "
+                        "checkpoint in tiny-qwen3's shape, saved by transformers on the fly")
     parser.add_argument("--num-layers", type=int, default=2, help="provider_configure: layers")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--items", type=int, default=8, help="sequences in the fixed batch")
@@ -65,6 +70,27 @@ def _digest(params: list[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
+def _model_source(model: str | None) -> tuple[str, str]:
+    """(model_identifier, model_initialization): a folder loads as pretrained, a config name
+    builds random weights; without one, rank 0 saves a random Qwen3 checkpoint with
+    transformers (tiny-qwen3's shape) and every rank loads it as pretrained."""
+    if model is not None:
+        return model, "pretrained" if os.path.isdir(model) else "random"
+    import sys
+    import tempfile
+
+    folder: list[Any] = [None]
+    if dist.get_rank() == 0:
+        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+        from _hf_checkpoint import save_random_checkpoint
+
+        folder[0] = str(save_random_checkpoint(
+            tempfile.mkdtemp(prefix="art-upstream-driver-"), layers=4, hidden=64, vocab=256,
+            heads=8, kv_heads=4, head_dim=16, max_positions=4096))
+    dist.broadcast_object_list(folder, src=0)
+    return folder[0], "pretrained"
+
+
 def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """Build, train `args.steps` steps; returns (report, trainer)."""
     from art.megatron.train import build_training_runtime
@@ -82,11 +108,18 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     def provider_configure(provider: Any) -> None:
         provider.num_layers = args.num_layers
 
+    model, initialization = _model_source(args.model)
     runtime = build_training_runtime(
-        model_identifier=args.model, provider_configure=provider_configure,
-        print_env=world_rank == 0, model_initialization="random",
+        model_identifier=model, provider_configure=provider_configure,
+        print_env=world_rank == 0, model_initialization=initialization,
         provider_torch_dtype=DTYPES[args.dtype],
     )
+    if args.model is None:  # the on-the-fly checkpoint is loaded on every rank: remove it
+        dist.barrier()
+        if world_rank == 0:
+            import shutil
+
+            shutil.rmtree(model, ignore_errors=True)
     rank = TrainerRank(runtime)
     inputs = fixed_batch(runtime.provider.vocab_size, args.items, args.max_tokens, args.seed,
                          rank.device)
@@ -124,6 +157,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         "rank": world_rank,
         "world_size": dist.get_world_size(),
         "tensor_parallel": runtime.provider.tensor_model_parallel_size,
+        "model_initialization": initialization,
         "losses": losses,
         "steps": steps,
         "base_untouched": _digest([(n, p) for n, p in named if not p.requires_grad])

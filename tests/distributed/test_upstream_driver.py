@@ -31,6 +31,9 @@ def test_driver_trains_at_tp2_and_dp2(reports):
             assert r["losses"][-1] < r["losses"][0], (phase, r["losses"])
             assert all(step["update_successful"] == 1.0 for step in r["steps"])
         assert report["tp2"]["tensor_parallel"] == 2 and report["dp2"]["tensor_parallel"] == 1
+        # Both start from the checkpoint the driver saved with transformers, loaded as pretrained.
+        assert report["tp2"]["model_initialization"] == "pretrained" == \
+            report["dp2"]["model_initialization"]
 
 
 def test_tp2_steps_equal_tp1_steps(reports):
