@@ -119,6 +119,7 @@ class TrainerRank(SlotMethods):
             or provider.geometry.name,
             builtin_r=int(lora.r) if lora is not None else 0,
             builtin_alpha=float(lora.lora_alpha) if lora is not None else 0.0)
+        self.slots.builtin_optimizer = runtime.optimizer
         self.saves = SaveQueue(self.slots)
         self._grad_slots: set[str] = set()
         memory_model = runtime.memory_model

@@ -177,3 +177,32 @@ def test_slot_misuse_through_trainer_changes_nothing(megatron_process, runtime_e
     assert not (tmp_path / "x").exists()
     rank.optim_step(params=LR)  # steps a (the slot holding gradients), not the built-in
     assert not rank.slots.has_grads(a)
+
+
+def test_runtime_adapter_saves_its_megatron_adam_state(megatron_process, runtime_env, tmp_path):
+    """The runtime's own adapter ("active") is stepped by Megatron's optimizer; its save holds
+    that optimizer's Adam state, which a load turns into the slot's own, value for value."""
+    from art.trainer_rank.slots.optimizer import runtime_adam_state
+
+    rank = _trainer()
+    inputs = _inputs(4)
+    for _ in range(2):
+        for micro in rank.forward_micro_batches(inputs):
+            sum(-o.target_logprobs.sum() for o in micro.outputs).backward()
+        rank.optim_step(params=LR)
+    rank.save_checkpoint(str(tmp_path / "runtime"))
+    from art.trainer_rank import validate_checkpoint
+
+    manifest = validate_checkpoint(tmp_path / "runtime", require_optimizer=True)
+    assert set(manifest["steps"].values()) == {2.0}
+    components, steps, _ = runtime_adam_state(
+        rank.optimizer, factor_sites(rank.model, "default"))
+    other = _trainer()
+    other.load_checkpoint(str(tmp_path / "runtime"))
+    params, state = _state(other, str(tmp_path / "runtime"))
+    sites = factor_sites(other.model, other.slots.slots[str(tmp_path / "runtime")].key)
+    for site, (master, adam) in zip(sites, state):
+        assert torch.equal(master, components["master"][site.peft_key])
+        assert torch.equal(adam["exp_avg"], components["exp_avg"][site.peft_key])
+        assert torch.equal(adam["exp_avg_sq"], components["exp_avg_sq"][site.peft_key])
+        assert float(adam["step"]) == steps[site.peft_key] == 2.0

@@ -188,3 +188,49 @@ class SlotOptimizer:
                     "exp_avg_sq": site.local(components["exp_avg_sq"][key].float()),
                 }
         self.config = dict(config) if config is not None else None
+
+
+def runtime_adam_state(optimizer: Any, sites: list[FactorSite]
+                       ) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, float],
+                                  dict[str, float]] | None:
+    """The Adam state the runtime's Megatron optimizer holds for `sites` (the runtime's own
+    adapter), unsharded like `SlotOptimizer.state_tensors`, plus its hyper-parameters; None
+    when it has taken no step for them (or keeps them in a form this does not read, e.g. the
+    distributed optimizer's shards)."""
+    if optimizer is None:
+        return None
+    pairs: list[tuple[torch.Tensor, torch.Tensor, Any]] = []
+    for inner in getattr(optimizer, "chained_optimizers", None) or [optimizer]:
+        adam = getattr(inner, "optimizer", None)
+        if adam is None:
+            continue
+        model_groups = getattr(inner, "float16_groups", None)
+        master_groups = getattr(inner, "fp32_from_float16_groups", None)
+        if model_groups is not None and master_groups is not None:
+            for models, masters in zip(model_groups, master_groups):
+                pairs += [(p, m, adam) for p, m in zip(models, masters)]
+            for group in getattr(inner, "fp32_from_fp32_groups", []):
+                pairs += [(p, p, adam) for p in group]
+        else:
+            pairs += [(p, p, adam) for group in adam.param_groups for p in group["params"]]
+    by_param = {id(p): (m, adam) for p, m, adam in pairs}
+    components: dict[str, dict[str, torch.Tensor]] = {
+        "master": {}, "exp_avg": {}, "exp_avg_sq": {}}
+    steps: dict[str, float] = {}
+    config: dict[str, float] = {}
+    for site in sites:
+        found = by_param.get(id(site.param))
+        if found is None or not found[1].state.get(found[0]):
+            return None
+        master, adam = found
+        state = adam.state[master]
+        components["master"][site.peft_key] = site.full(master.float())
+        components["exp_avg"][site.peft_key] = site.full(state["exp_avg"].float())
+        components["exp_avg_sq"][site.peft_key] = site.full(state["exp_avg_sq"].float())
+        steps[site.peft_key] = float(state["step"])
+        group = next(g for g in adam.param_groups if any(q is master for q in g["params"]))
+        beta1, beta2 = group["betas"]
+        config = {"learning_rate": float(group["lr"]), "beta1": float(beta1),
+                  "beta2": float(beta2), "eps": float(group["eps"]),
+                  "weight_decay": float(group["weight_decay"])}
+    return components, steps, config

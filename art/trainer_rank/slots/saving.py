@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 from art.megatron.lora_peft import adapter_state_dict, gather_to_rank0, write_adapter_files
+from art.megatron.lora_selection import DEFAULT_ADAPTER
 from art.trainer_rank.slots.files import validate_checkpoint, write_checkpoint
+from art.trainer_rank.slots.optimizer import factor_sites, runtime_adam_state
 from art.trainer_rank.slots.store import SlotStore
 from art.trainer_rank.slots.types import OptimizerConfig, TrainerRankSlotStateError
 
@@ -91,15 +93,25 @@ class SaveQueue:
         state = gather_to_rank0(adapter_state_dict(self.store.model, slot.key))
         optimizer = steps = None
         config: OptimizerConfig | None = None
-        if slot.optimizer is not None and slot.optimizer.config is not None:
+        runtime_state = None
+        if slot.optimizer is None and slot.key == DEFAULT_ADAPTER:
+            # The runtime's own adapter: its Adam state lives in the Megatron optimizer.
+            runtime_state = runtime_adam_state(
+                self.store.builtin_optimizer, factor_sites(self.store.model, slot.key))
+        if runtime_state is not None:
+            components, steps, runtime_config = runtime_state
+            gathered = {c: gather_to_rank0(t) for c, t in components.items()}
+            optimizer = None if state is None else gathered  # type: ignore[assignment]
+            config = runtime_config  # type: ignore[assignment]
+        elif slot.optimizer is not None and slot.optimizer.config is not None:
             components, steps = slot.optimizer.state_tensors()
             gathered = {c: gather_to_rank0(t) for c, t in components.items()}
             optimizer = None if state is None else gathered  # type: ignore[assignment]
             config = slot.optimizer.config  # type: ignore[assignment]
-            if dist.is_initialized() and dist.get_world_size() > 1:
-                everything: list[Any] = [None] * dist.get_world_size()
-                dist.all_gather_object(everything, steps)
-                steps = {k: v for part in everything for k, v in part.items()}
+        if steps is not None and dist.is_initialized() and dist.get_world_size() > 1:
+            everything: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(everything, steps)
+            steps = {k: v for part in everything for k, v in part.items()}
         self.pending[key] = PreparedSave(
             name, Path(output_dir), state, optimizer, steps or {}, config, slot.r, slot.alpha,
             slot.use_rslora, slot.base_model_name_or_path or "")

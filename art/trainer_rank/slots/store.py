@@ -93,6 +93,8 @@ class SlotStore:
         self.loaded: str | None = BUILTIN if has_builtin else None
         self.stack: list[str | None] = []
         self._prefetched: dict[str, Future[CheckpointContents]] = {}
+        # The runtime's Megatron optimizer (it steps the built-in slot); saves read its state.
+        self.builtin_optimizer: Any = None
         self._keys = itertools.count(1)
 
     # -- selection ---------------------------------------------------------------------------
