@@ -46,6 +46,7 @@ from art.trainer_rank._packing import (
     packed_length_tokens,
     shares_prefixes,
 )
+from art.trainer_rank._phases import CALLER_BACKWARD, PLAN, MicroBatchContext, PhaseAgreement
 from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
 from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._runnable import layout_refusal
@@ -185,6 +186,9 @@ class TrainerRank(SlotMethods):
             ),
         )
         self.stats_history: list[MicroBatchStats] = []
+        # The per-phase agreement between ranks (OOMs, failed collectives): _phases.py.
+        self.phases = PhaseAgreement(self.options.fault_timeout_s)
+        self._calls = 0
         # The probe's backward ran through the adapters: start from clean gradients.
         self.zero_grad()
 
@@ -253,8 +257,10 @@ class TrainerRank(SlotMethods):
         TrainerRankMemoryError lists them (`indices_not_run`).
         """
         items = self._items(inputs, checkpoint, no_grad)
-        _agree.check_same_call("forward_micro_batches", (
-            *fingerprint(items), sum(1 for item in items if item.grad)))
+        self.phases.check()
+        with self.phases.collectives(PLAN, None):
+            _agree.check_same_call("forward_micro_batches", (
+                *fingerprint(items), sum(1 for item in items if item.grad)))
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         local = deal_to_ranks(items, dp_size)[dp_rank]
         yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch)
@@ -384,21 +390,40 @@ class TrainerRank(SlotMethods):
     def _micro_batches(
         self, local: list[Item], grad: bool, *, measure_caller: bool = True
     ) -> Iterator[MicroBatch]:
+        self._calls += 1
+        try:
+            yield from self._micro_batch_loop(local, grad, measure_caller=measure_caller)
+        except TrainerRankMemoryError:
+            fault = self.phases.fault
+            if fault is not None:
+                # Every rank of the job records the failing micro-batch's miss, then saves.
+                ctx = fault.context
+                self.profiles.record_miss(ctx.signature, ctx.packed_tokens, ctx.usable_bytes,
+                                          ctx.predicted_bytes)
+                self._save_profiles()
+            raise
+
+    def _micro_batch_loop(
+        self, local: list[Item], grad: bool, *, measure_caller: bool
+    ) -> Iterator[MicroBatch]:
         pending = list(local)
         declined: list[TrainerRankMemoryError] = []
         retries: dict[int, int] = {}
         last_oom: BaseException | None = None
         oom_count = 0
+        micro_batch = 0
         while pending:
+            self.phases.check()  # a fault on any rank of the job ends the call here
             # Megatron's unfused-attention score buffer is priced inside every micro-batch:
             # release it so it is not also counted as live before this one.
             release_score_buffer()
-            usable = self.usable_limit_bytes()
-            plan = self.admission.plan_next(pending, grad, usable)
-            _agree.check_same_plan(
-                f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
-                f"escalate={plan.escalate} usable={usable}"
-            )
+            with self.phases.collectives(PLAN, None):
+                usable = self.usable_limit_bytes()
+                plan = self.admission.plan_next(pending, grad, usable)
+                _agree.check_same_plan(
+                    f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
+                    f"escalate={plan.escalate} usable={usable}"
+                )
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:
@@ -421,8 +446,15 @@ class TrainerRank(SlotMethods):
                 continue
             if plan.escalate:
                 logger.warning("escalating to full recompute: %s", plan.note)
+            context = MicroBatchContext(
+                call=self._calls, micro_batch=micro_batch, items=tuple(plan.indices),
+                signature=plan.signature, packed_tokens=plan.shape.packed_tokens,
+                usable_bytes=usable, predicted_bytes=plan.pricing.dynamic_bytes,
+                recompute_summary=plan.pricing.recompute.summary,
+            )
+            micro_batch += 1
             outcome = yield from self._run_plan(
-                plan, grad, usable, retries, measure_caller=measure_caller
+                plan, grad, usable, retries, context, measure_caller=measure_caller
             )
             if outcome is not None:  # an OOM: the items go back to the queue, smaller next time
                 oom_count += 1
@@ -453,11 +485,14 @@ class TrainerRank(SlotMethods):
         grad: bool,
         usable: int,
         retries: dict[int, int],
+        context: MicroBatchContext,
         *,
         measure_caller: bool,
     ) -> Iterator[MicroBatch]:
-        """Run and yield one plan; returns the OOM exception when it ran out of memory."""
+        """Run and yield one plan; returns the OOM exception when it ran out of memory and the
+        replica is one rank (with several, _phases.py ends the call on every rank)."""
         leaves = plan.leaves
+        replica = _agree.replica_size()
         snapshot = (
             GradSnapshot(self.model) if grad and GradSnapshot.affordable(self.model) else None
         )
@@ -471,7 +506,7 @@ class TrainerRank(SlotMethods):
             try:
                 leaf_outputs: list[ForwardOutput] = []
                 slot_of = [c for item in plan.items for c in item.checkpoints]
-                with torch.set_grad_enabled(grad):
+                with torch.set_grad_enabled(grad), self.phases.compute(context, replica):
                     for sub in plan.sub_forwards:
                         failed_sub = sub
                         # Sequences of different slots never share a packed forward.
@@ -517,12 +552,20 @@ class TrainerRank(SlotMethods):
                 indices=plan.indices,
                 stats=stats,
             )
-            yield micro_batch
+            with self.phases.caller_phase(context, replica):
+                yield micro_batch
             del outputs
             over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
             caller_oom = over or cuda_oom_count(self.device) > ooms_before
-            caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
-            measured = _agree.max_over_replica(meter.peak_bytes)
+            if caller_oom and replica > 1:
+                # Outside torch.autograd.backward (e.g. in the caller's loss): peers may be
+                # blocked in this micro-batch's backward collectives.
+                raise self.phases.abandon(torch.OutOfMemoryError(
+                    f"out of memory in the caller's loss/backward at {meter.peak_bytes} bytes "
+                    f"(usable {usable})"), CALLER_BACKWARD, "", context)
+            with self.phases.collectives(CALLER_BACKWARD, context):
+                caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
+                measured = _agree.max_over_replica(meter.peak_bytes)
         if caller_oom:
             # These outputs are void (the items come again); drop their graphs now. The caller
             # must also drop its own references (e.g. `del loss`) before iterating on.

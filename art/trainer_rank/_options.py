@@ -39,6 +39,11 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
         "measure one real layer (and the head per output mix) at start-up and price with the "
         "measured coefficients instead of the default formulas (default true)",
     ),
+    "FAULT_TIMEOUT_S": (
+        "fault_timeout_s",
+        "after a peer's collective failed, seconds to wait for the fault record that names "
+        "the failing rank (default 60)",
+    ),
     "PROBE_CACHE_DIR": (
         "probe_cache_dir",
         "directory for probe coefficients as JSON (unset: the profile file's directory, or "
@@ -66,6 +71,8 @@ class TrainerRankOptions:
     probe_cache_dir: str | None = None
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
+    # How long a rank whose collective failed waits for the peer's fault record (_phases.py).
+    fault_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         limit = self.test_memory_limit_bytes
@@ -92,6 +99,8 @@ class TrainerRankOptions:
             )
         if not isinstance(self.probe_layers, bool):
             raise ValueError(f"probe_layers must be a bool, got {self.probe_layers!r}")
+        if not self.fault_timeout_s > 0:
+            raise ValueError(f"fault_timeout_s must be > 0, got {self.fault_timeout_s!r}")
         if self.max_oom_retries < 0:
             raise ValueError(f"max_oom_retries must be >= 0, got {self.max_oom_retries}")
 
@@ -139,6 +148,7 @@ def _parse(name: str, field_name: str, raw: str) -> Any:
             return False
         raise ValueError(f"{name}={raw!r} is not a boolean; use true or false")
     try:
-        return float(text) if field_name in ("cold_start_fraction", "trust_window") else int(text)
+        return float(text) if field_name in (
+            "cold_start_fraction", "trust_window", "fault_timeout_s") else int(text)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
+import time
 from collections import Counter
 
 import torch
@@ -36,6 +37,7 @@ class Injector:
         self.counts: Counter = Counter()
         self.in_caller_backward = False
         self.fired: str | None = None
+        self.fired_at: float | None = None  # wall clock, to time how fast every rank ended
         self._original = virtual_limit.LiveBytesMeter._grow
 
     def _location(self) -> str:
@@ -46,6 +48,8 @@ class Injector:
             path = frame.f_code.co_filename
             if path.endswith("_heads.py"):
                 return "head"
+            if path.endswith("_packing.py"):
+                return "packing"
             if "megatron/core/transformer" in path:
                 return "layer forward"
             frame = frame.f_back
@@ -60,6 +64,7 @@ class Injector:
             if (injector.fired is None and where == injector.fail_location
                     and injector.counts[where] == injector.fail_nth):
                 injector.fired = where
+                injector.fired_at = time.time()
                 meter.limit_bytes = meter._live_bytes  # this allocation now crosses it
             return original(meter, nbytes, func)
 

@@ -1,0 +1,374 @@
+"""One agreement protocol between the ranks of a job, phase by phase of a micro-batch.
+
+Phases, in order: plan (collectives only: the agreed limit and plan), forward and heads
+(Megatron's tensor-parallel collectives), caller backward (the caller's `loss.backward()`:
+collectives again), optimizer step. An out-of-memory error is handled by where it happened:
+
+- any phase when the model replica is one rank: no peer can be inside a collective of this
+  micro-batch, so the rank records the miss and plans the items again (smaller, split,
+  escalated or declined).
+- forward, heads, caller backward or optimizer step on a replica of several ranks: a peer may
+  be blocked in a collective the failing rank will never enter. The failing rank publishes a
+  `Fault` to the job's store (the c10d rendezvous store: a side channel that no blocked
+  collective can hold up), then closes its process groups (gloo: every pair, which fails a
+  peer's pending collective at once; NCCL: abort). A rank whose collective then fails reads
+  the `Fault` (waiting at most the fault timeout), closes its own groups (so ranks blocked on
+  it fail in turn) and raises the same `TrainerRankMemoryError`; a rank of another replica
+  sees the `Fault` at its next micro-batch boundary. No rank carries on alone: the process
+  groups are closed, and every rank of the job ends with that one error.
+
+A collective waiting on a peer that neither finishes nor fails ends when the process group's
+own timeout fires (`init_process_group(timeout=...)`; gloo raises, NCCL's watchdog aborts);
+the fault timeout bounds how long a rank then waits for the `Fault` that names the cause.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import threading
+import time
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from art.trainer_rank._types import TrainerRankMemoryError
+
+logger = logging.getLogger("art.trainer_rank")
+
+PLAN = "plan"
+FORWARD = "forward"
+HEADS = "heads"
+CALLER_BACKWARD = "caller backward"
+OPTIMIZER_STEP = "optimizer step"
+
+FAULT_KEY = "art_trainer_rank/fault"
+FAULT_COUNT_KEY = "art_trainer_rank/fault_count"
+# A p2p tag no one sends on: a receive on it that times out closes the gloo pair.
+_CLOSE_TAG = 0x7A27
+# How often the watcher asks the store, while collectives are in flight.
+_WATCH_INTERVAL_S = 0.1
+
+
+@dataclass(frozen=True)
+class MicroBatchContext:
+    """What every rank of the replica knows about the micro-batch in flight (same plan)."""
+
+    call: int
+    micro_batch: int
+    items: tuple[int, ...]
+    signature: str
+    packed_tokens: int
+    usable_bytes: int
+    predicted_bytes: int
+    recompute_summary: str
+
+
+@dataclass(frozen=True)
+class Fault:
+    """An out-of-memory error on one rank, as every rank of the job reports it."""
+
+    rank: int
+    phase: str
+    where: str
+    detail: str
+    context: MicroBatchContext
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> Fault:
+        raw = json.loads(text)
+        ctx = raw.pop("context")
+        ctx["items"] = tuple(ctx["items"])
+        return cls(context=MicroBatchContext(**ctx), **raw)
+
+    def error(self) -> TrainerRankMemoryError:
+        ctx = self.context
+        where = f", {self.where}" if self.where else ""
+        return TrainerRankMemoryError(
+            f"forward_micro_batches: rank {self.rank} ran out of memory in the {self.phase} "
+            f"of micro-batch {ctx.micro_batch} (call {ctx.call}, items {list(ctx.items)}, "
+            f"{ctx.packed_tokens} packed tokens, predicted {ctx.predicted_bytes} bytes, usable "
+            f"{ctx.usable_bytes}{where}): {self.detail}. The other ranks of its model replica "
+            "were inside this phase's collectives, which the failing rank cannot complete, so "
+            "the call ends here on every rank of the job and the process groups are closed. "
+            "The miss is recorded in the profile; restart the job (the planner then admits "
+            "less), or lower the usable memory, or switch to full recompute",
+            predicted_peak_bytes=ctx.predicted_bytes,
+            usable_limit_bytes=ctx.usable_bytes,
+            recompute_summary=ctx.recompute_summary,
+            suggestion="restart the job; the miss is recorded and the planner admits less",
+            indices_not_run=ctx.items,
+        )
+
+
+def is_communication_error(exc: BaseException) -> bool:
+    """A collective failed because a peer went away, closed its pairs or timed out."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in (
+        "gloo/transport", "Connection closed by peer", "Connection reset by peer",
+        "pair closure", "Timed out waiting", "NCCL communicator was aborted",
+    ))
+
+
+def where_in_model(exc: BaseException) -> tuple[str, str]:
+    """(phase, where) of an error raised inside the compute path, from its traceback: the
+    heads module, or the transformer layer whose forward was running (its number)."""
+    phase, where = FORWARD, ""
+    tb = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        path = frame.f_code.co_filename
+        if path.endswith("_heads.py"):
+            phase = HEADS
+        elif path.endswith("transformer_layer.py"):
+            layer = getattr(frame.f_locals.get("self"), "layer_number", None)
+            if isinstance(layer, int):
+                where = f"layer {layer}"
+        tb = tb.tb_next
+    return phase, where
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:400]
+
+
+class PhaseAgreement:
+    """The protocol for one TrainerRank (see the module docstring)."""
+
+    def __init__(self, fault_timeout_s: float) -> None:
+        self.fault_timeout_s = float(fault_timeout_s)
+        self.fault: Fault | None = None
+        self._store: Any = None
+        # Held by the watcher while it acts and by the main thread when it disarms it or
+        # closes the groups, so the groups are closed once, and never after the phase ended.
+        self._lock = threading.Lock()
+        self._closed = False
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            from torch.distributed import distributed_c10d
+
+            self._store = distributed_c10d._get_default_store()
+            self.rank = dist.get_rank()
+            self._watch = threading.Event()
+            threading.Thread(target=_watch_for_faults, args=(weakref.ref(self), self._watch),
+                             name="art-trainer-rank-faults", daemon=True).start()
+        else:
+            self.rank = 0
+            self._watch = threading.Event()
+
+    # -- agreement points ------------------------------------------------------------------
+
+    def check(self) -> None:
+        """At a micro-batch boundary: raise the job's fault if any rank published one."""
+        if self.fault is None and self._store is not None:
+            if self._store.check([FAULT_KEY]):
+                self.fault = Fault.from_json(self._store.get(FAULT_KEY).decode())
+        if self.fault is not None:
+            raise self.fault.error()
+
+    # -- failures --------------------------------------------------------------------------
+
+    def abandon(self, exc: BaseException, phase: str, where: str,
+                context: MicroBatchContext) -> TrainerRankMemoryError:
+        """This rank ran out of memory where peers may be blocked in a collective: publish
+        the fault, close this rank's process groups, and return the agreed error."""
+        mine = Fault(self.rank, phase, where, _first_line(exc), context)
+        if exc.__traceback__ is not None:
+            traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
+        self.fault = mine
+        if self._store is not None:
+            if self._store.add(FAULT_COUNT_KEY, 1) == 1:
+                self._store.set(FAULT_KEY, mine.to_json())
+            else:  # another rank failed first: its fault is the job's
+                self.fault = self._wait_for_fault() or mine
+        logger.error("rank %d: %s", self.rank, self.fault.error())
+        self.close()
+        return self.fault.error()
+
+    def peer_failed(self, exc: BaseException, phase: str) -> BaseException:
+        """A collective failed on this rank: the error of the fault a peer published, after
+        closing this rank's groups in turn; the original error when no rank published one
+        within the fault timeout (the cause is not an OOM)."""
+        if self.fault is None:
+            self.fault = self._wait_for_fault()
+        self.close()
+        if self.fault is None:
+            return RuntimeError(
+                f"a collective of the {phase} failed on rank {self.rank} and no rank reported "
+                f"an out-of-memory error within {self.fault_timeout_s:g} s "
+                f"(ART_TRAINER_RANK_FAULT_TIMEOUT_S): {_first_line(exc)}"
+            )
+        return self.fault.error()
+
+    def close(self) -> None:
+        """Close this rank's process groups, once."""
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                close_process_groups()
+
+    def _wait_for_fault(self) -> Fault | None:
+        if self._store is None:
+            return None
+        try:
+            self._store.wait([FAULT_KEY], timedelta(seconds=self.fault_timeout_s))
+        except (RuntimeError, dist.DistError):
+            return None
+        return Fault.from_json(self._store.get(FAULT_KEY).decode())
+
+    # -- guards ----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def collectives(self, phase: str, context: MicroBatchContext | None) -> Iterator[None]:
+        """Collectives of this protocol or of the compute path: a failed one becomes the
+        job's agreed error."""
+        if self.fault is not None:
+            raise self.fault.error()
+        try:
+            yield
+        except Exception as exc:
+            if (self._store is None or isinstance(exc, TrainerRankMemoryError)
+                    or not is_communication_error(exc)):
+                raise
+            raise self.peer_failed(exc, phase) from exc
+
+    @contextlib.contextmanager
+    def watching(self, replica_size: int) -> Iterator[None]:
+        """While collectives of a micro-batch may be in flight (a replica of several ranks),
+        a thread watches the store: a fault published by another rank closes this rank's
+        groups, which wakes a collective this rank is blocked in (the main thread cannot be
+        reached otherwise)."""
+        if replica_size == 1:
+            yield
+            return
+        self._watch.set()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._watch.clear()
+
+    @contextlib.contextmanager
+    def compute(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
+        """The forward and heads of one micro-batch. An OOM on a replica of one rank is left
+        to the caller (recovered locally); on several ranks it ends the job's call."""
+        with self.collectives(FORWARD, context), self.watching(replica_size):
+            try:
+                yield
+            except torch.OutOfMemoryError as exc:
+                if replica_size == 1:
+                    raise
+                phase, where = where_in_model(exc)
+                raise self.abandon(exc, phase, where, context) from None
+
+    @contextlib.contextmanager
+    def caller_phase(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
+        """While a micro-batch is with the caller: its backward (through
+        torch.autograd.backward) is guarded like the forward."""
+        install_backward_guard()
+        token = (self, context, replica_size)
+        _CALLER.stack.append(token)
+        try:
+            with self.watching(replica_size):
+                yield
+        finally:
+            if token in _CALLER.stack:
+                _CALLER.stack.remove(token)
+
+
+def _watch_for_faults(agreement_ref: Any, armed: threading.Event) -> None:
+    """The watcher thread of one PhaseAgreement; ends with it, or after closing the groups."""
+    while True:
+        armed.wait(timeout=1.0)
+        agreement = agreement_ref()
+        if agreement is None:
+            return
+        with agreement._lock:
+            if armed.is_set() and not agreement._closed:
+                try:
+                    published = agreement._store.check([FAULT_KEY])
+                    if published and agreement.fault is None:
+                        agreement.fault = Fault.from_json(
+                            agreement._store.get(FAULT_KEY).decode())
+                except (RuntimeError, dist.DistError):
+                    return  # the store is gone: the job is over
+                if published:
+                    logger.error("rank %d: a peer published a fault: %s", agreement.rank,
+                                 agreement.fault.error() if agreement.fault else "")
+                    agreement._closed = True
+                    close_process_groups()
+                    return
+        del agreement
+        time.sleep(_WATCH_INTERVAL_S)
+
+
+class _CallerState(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[tuple[PhaseAgreement, MicroBatchContext, int]] = []
+
+
+_CALLER = _CallerState()
+_ORIGINAL_BACKWARD: Any = None
+
+
+def install_backward_guard() -> None:
+    """Route torch.autograd.backward (what Tensor.backward calls) through the guard; outside
+    a caller phase it is a plain pass-through."""
+    global _ORIGINAL_BACKWARD
+    if _ORIGINAL_BACKWARD is not None:
+        return
+    _ORIGINAL_BACKWARD = torch.autograd.backward
+
+    def backward(*args: Any, **kwargs: Any) -> Any:
+        if not _CALLER.stack:
+            return _ORIGINAL_BACKWARD(*args, **kwargs)
+        agreement, context, replica_size = _CALLER.stack[-1]
+        with agreement.collectives(CALLER_BACKWARD, context):
+            try:
+                return _ORIGINAL_BACKWARD(*args, **kwargs)
+            except torch.OutOfMemoryError as exc:
+                if replica_size == 1:
+                    raise  # the caller catches it and iterates on: recovered locally
+                raise agreement.abandon(exc, CALLER_BACKWARD, "", context) from None
+
+    backward.__doc__ = _ORIGINAL_BACKWARD.__doc__
+    torch.autograd.backward = backward
+
+
+def close_process_groups() -> None:
+    """Close every process group of this rank so that no peer stays blocked on it: NCCL
+    aborts its communicators; gloo has no abort that wakes a peer, but a receive that times
+    out closes its pair, and a peer's pending or next operation on that pair fails at once."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    from torch.distributed import distributed_c10d
+
+    if dist.get_backend() == "nccl":
+        distributed_c10d._abort_process_group()
+        return
+    probe = torch.empty(1)
+    for group in list(distributed_c10d._world.pg_map):
+        try:
+            me, size = group.rank(), group.size()
+        except RuntimeError:
+            continue
+        for peer in range(size):
+            if peer == me:
+                continue
+            try:
+                group.recv([probe], peer, _CLOSE_TAG).wait(timedelta(milliseconds=1))
+            except RuntimeError:
+                pass
+    logger.warning("rank %d: process groups closed", dist.get_rank())

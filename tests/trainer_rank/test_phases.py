@@ -1,0 +1,72 @@
+"""The phase protocol's pieces that need no second rank: the fault record survives the store
+round trip and builds one error text, OOM locations are read from the traceback, collective
+failures are told apart from other errors. Multi-rank behaviour: tests/distributed/
+test_phase_faults_tp2.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from art.trainer_rank import TrainerRankMemoryError
+from art.trainer_rank._phases import (
+    HEADS,
+    Fault,
+    MicroBatchContext,
+    PhaseAgreement,
+    is_communication_error,
+    where_in_model,
+)
+
+CONTEXT = MicroBatchContext(call=2, micro_batch=3, items=(4, 7), signature="sig",
+                            packed_tokens=640, usable_bytes=2**30, predicted_bytes=2**29,
+                            recompute_summary="selective recompute (core_attn)")
+
+
+def test_fault_round_trip_gives_one_error_on_every_rank():
+    fault = Fault(rank=1, phase=HEADS, where="", detail="OutOfMemoryError: x", context=CONTEXT)
+    again = Fault.from_json(fault.to_json())
+    assert again == fault
+    a, b = fault.error(), again.error()
+    assert isinstance(a, TrainerRankMemoryError) and str(a) == str(b)
+    assert "rank 1 ran out of memory in the heads of micro-batch 3" in str(a)
+    assert a.indices_not_run == (4, 7) and a.usable_limit_bytes == 2**30
+
+
+def _raise_in(filename: str, layer_number: int) -> BaseException:
+    # A frame whose code lives in a file named like Megatron's layer module, as in a real OOM.
+    source = (f"class Layer:\n    layer_number = {layer_number}\n    def forward(self):\n"
+              "        raise torch.OutOfMemoryError('x')\n")
+    scope: dict = {"torch": torch}
+    exec(compile(source, filename, "exec"), scope)
+    try:
+        scope["Layer"]().forward()
+    except torch.OutOfMemoryError as exc:
+        return exc
+    raise AssertionError("no error")
+
+
+def test_oom_location_comes_from_the_traceback():
+    exc = _raise_in("/x/megatron/core/transformer/transformer_layer.py", 3)
+    assert where_in_model(exc) == ("forward", "layer 3")
+    assert where_in_model(_raise_in("/x/art/trainer_rank/_heads.py", 1)) == (HEADS, "")
+
+
+def test_collective_failures_are_told_apart():
+    assert is_communication_error(RuntimeError(
+        "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:1"))
+    assert is_communication_error(dist.DistBackendError("NCCL error"))
+    assert not is_communication_error(RuntimeError("shape mismatch"))
+    assert not is_communication_error(ValueError("Connection closed by peer"))
+
+
+def test_single_process_agreement_is_local():
+    agreement = PhaseAgreement(fault_timeout_s=1.0)
+    agreement.check()  # nothing published
+    with pytest.raises(RuntimeError, match="shape"):
+        with agreement.compute(CONTEXT, replica_size=1):
+            raise RuntimeError("shape mismatch")
+    with pytest.raises(torch.OutOfMemoryError):  # one-rank replica: recovered by the caller
+        with agreement.compute(CONTEXT, replica_size=1):
+            raise torch.OutOfMemoryError("x")
