@@ -1,0 +1,65 @@
+"""Rank soak: random workloads with OOMs injected on one rank, under torchrun with real ranks
+(DP=2: two model replicas, gloo). The worker (soak_ranks_worker.py) checks after every
+workload that each item ran on exactly one rank or was declined and listed, and that outputs
+equal the unpacked reference; this script adds the hang check (its own timeout) and writes the
+figure to bench/soak_ranks.json: workloads, faults injected, ranks, escaped OOMs, hangs, items
+lost and duplicated.
+
+    .venv/bin/python scripts/soak_ranks.py --workloads 200
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from art.megatron.distributed import free_port  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workloads", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=3600.0,
+                        help="a run still going after this long counts as a hang")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "soak_ranks.json")
+    args = parser.parse_args(argv)
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    with tempfile.TemporaryDirectory() as tmp:
+        counts_file = Path(tmp) / "counts.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+               f"--master_port={free_port()}", "--master_addr=127.0.0.1",
+               str(ROOT / "scripts" / "soak_ranks_worker.py"), str(counts_file),
+               str(args.workloads), str(args.seed)]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT,
+                                  timeout=args.timeout_s)
+        except subprocess.TimeoutExpired:
+            summary = {"workloads": args.workloads, "ranks": 2, "hangs": 1, "seed": args.seed}
+        else:
+            if proc.returncode != 0 or not counts_file.exists():
+                print(proc.stdout[-4000:], proc.stderr[-8000:], file=sys.stderr)
+                print("soak run failed (an invariant broke or a rank crashed)", file=sys.stderr)
+                return 1
+            summary = json.loads(counts_file.read_text())
+    summary["command"] = f"scripts/soak_ranks.py --workloads {args.workloads} --seed {args.seed}"
+    text = json.dumps(summary, indent=1, sort_keys=True)
+    print(text)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(text + "\n")
+    bad = (summary.get("hangs", 0) or summary.get("escaped OOMs", 0)
+           or summary.get("items lost", 0) or summary.get("items duplicated", 0))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
