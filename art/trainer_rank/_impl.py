@@ -399,7 +399,7 @@ class TrainerRank(SlotMethods):
                 # Every rank of the job records the failing micro-batch's miss, then saves.
                 ctx = fault.context
                 self.profiles.record_miss(ctx.signature, ctx.packed_tokens, ctx.usable_bytes,
-                                          ctx.predicted_bytes)
+                                          ctx.model_bytes or ctx.predicted_bytes)
                 self._save_profiles()
             raise
 
@@ -451,6 +451,7 @@ class TrainerRank(SlotMethods):
                 signature=plan.signature, packed_tokens=plan.shape.packed_tokens,
                 usable_bytes=usable, predicted_bytes=plan.pricing.dynamic_bytes,
                 recompute_summary=plan.pricing.recompute.summary,
+                model_bytes=plan.pricing.model_peak_bytes,
             )
             micro_batch += 1
             outcome = yield from self._run_plan(

@@ -69,6 +69,7 @@ class MicroBatchContext:
     usable_bytes: int
     predicted_bytes: int
     recompute_summary: str
+    model_bytes: int = 0  # the memory model's own prediction (what profiles correct)
 
 
 @dataclass(frozen=True)
