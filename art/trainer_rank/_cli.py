@@ -135,6 +135,22 @@ def workload_batch(args: argparse.Namespace):
                            grad_enabled=not args.no_grad, padded_tokens=packed)
 
 
+def shared_prefix_caveat(args: argparse.Namespace, device: str) -> str | None:
+    """The warning that a --shared-prefix row is one TrainerRank packs only on CPU: the
+    packed-layout attention refuses CUDA tensors, so on a GPU each rollout is packed in full
+    and the shared row's price is below what would run."""
+    prefix = getattr(args, "shared_prefix", 0) or 0
+    if not prefix or device != "cuda" or not args.sequences:
+        return None
+    full = sum(args.sequences)
+    return (
+        f"note: --shared-prefix {prefix} prices the prefix-tree row; on a GPU this build packs "
+        f"every rollout in full ({full} tokens), since its packed-layout attention runs on CPU "
+        f"only. For what TrainerRank runs on a GPU, drop --shared-prefix (or pass "
+        f"--packed-tokens {full})."
+    )
+
+
 def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None):
     """The MemoryModel the flags (then ART_MEGATRON_*) describe."""
     from art.megatron.geometry import load_geometry
@@ -206,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"estimate: {exc}", file=sys.stderr)
         return 2
+    caveat = shared_prefix_caveat(args, model.implementation.device)
+    if caveat:
+        print(caveat, file=sys.stderr)
     fits = None if args.gpu_memory is None else estimate.peak_bytes <= args.gpu_memory
     if args.json:
         payload = estimate.to_dict()

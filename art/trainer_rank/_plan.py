@@ -608,7 +608,7 @@ def run(args: Any) -> int:
     import os
     import sys
 
-    from art.trainer_rank._cli import lora_shape_from_args
+    from art.trainer_rank._cli import lora_shape_from_args, shared_prefix_caveat
 
     try:
         batch = batch_from_args(args)
@@ -622,6 +622,9 @@ def run(args: Any) -> int:
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
+    caveat = shared_prefix_caveat(args, implementation_from_args(args).device)
+    if caveat:
+        print(caveat, file=sys.stderr)
     plot_path = plot_plan(result, args.plot) if args.plot else None
     if args.json:
         out = result.to_dict()

@@ -255,3 +255,16 @@ def test_layouts_trainer_rank_refuses_are_priced_marked_and_never_recommended() 
     assert cells[("full", "TP1 CP2")]["runnable"] is False
     assert "context parallel" in cells[("full", "TP1 CP2")]["not_runnable"]
     assert cells[("full", "TP2")]["runnable"] is True
+
+
+def test_a_shared_prefix_on_a_gpu_warns_that_trainer_rank_packs_it_in_full() -> None:
+    err = io.StringIO()
+    with redirect_stderr(err):
+        rc, _ = run_cli([*SEED_ARGS, "--gpus", "2", "--json"])
+    assert rc == 0
+    assert "packs every rollout in full (38443 tokens)" in err.getvalue()
+    assert "--packed-tokens 38443" in err.getvalue()
+    err = io.StringIO()
+    with redirect_stderr(err):
+        run_cli([a for a in SEED_ARGS if a not in ("--shared-prefix", "5733")] + ["--gpus", "2"])
+    assert "packs every rollout in full" not in err.getvalue()
