@@ -6,7 +6,7 @@
     .venv/bin/python scripts/bench_planner.py --groups 8 --quick # a small, fast pass
 
 1. Accuracy: predicted / measured dynamic peak from the calibration harness
-   (bench/calibration/calibration.csv, helper B's; run scripts/calibrate.py first), per recompute
+   (bench/calibration/calibration.csv, written by scripts/calibrate.py; run it first), per recompute
    policy, TP size, output mix, LoRA rank and grad mode; plus the trainer's own
    predicted / measured for every micro-batch of the utilisation run.
 2. Utilisation: one RL-like workload (art.trainer_rank._workload, seeded) under one virtual

@@ -167,12 +167,12 @@ def chunk_gated_delta_rule(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's `chunk_gated_delta_rule` signature, the subset Megatron-Core 0.16.1 uses."""
     if initial_state is not None or cu_seqlens is not None or head_first:
-        raise NotImplementedError(
+        raise ValueError(
             "the CPU gated delta rule supports what Megatron-Core 0.16.1's GatedDeltaNet "
             "passes: no initial_state, no cu_seqlens, tokens-first layout"
         )
     if use_qk_l2norm_in_kernel:
-        raise NotImplementedError(
+        raise ValueError(
             "use_qk_l2norm_in_kernel=True: Megatron normalises q and k before the call; "
             "apply l2norm first"
         )
@@ -237,7 +237,7 @@ def apply_gated_norm(module: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.
     fp32 rstd per row for backward (seen with saved-tensor hooks, torch 2.13); this keeps the
     same, where the eager function keeps several fp32 copies; and it needs no compiler."""
     if module.act_fn is not torch.nn.functional.silu:
-        raise NotImplementedError(f"gated output norm with {module.act_fn}; silu expected")
+        raise ValueError(f"gated output norm with {module.act_fn}; silu expected")
     norm = module.out_norm
     eps = norm.eps if norm.eps is not None else torch.finfo(x.dtype).eps
     weight = norm.tp_weight() if hasattr(norm, "tp_weight") else norm.weight

@@ -122,7 +122,7 @@ def segmented_flash_attention(
     GQA: query head h uses key/value group h // (heads / groups), as Megatron repeats them.
     """
     if query.device.type != "cpu":
-        raise NotImplementedError(
+        raise ValueError(
             f"segmented flash attention runs torch's CPU flash kernels; got {query.device} "
             "tensors. On GPU build the Transformer Engine spec (THD attention)"
         )

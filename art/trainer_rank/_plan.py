@@ -565,7 +565,7 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
 
 
 # ---------------------------------------------------------------------------------- the CLI
-# Registered by art.trainer_rank._cli (B's dispatcher): add_arguments(parser), run(args).
+# The CLI's `plan` command: add_arguments(parser) declares its flags, run(args) executes it.
 
 def add_arguments(parser: Any) -> None:
     """The workload as `estimate` takes it, plus the GPUs; the layout and recompute are what

@@ -1,8 +1,8 @@
 """Probe coefficients for one TrainerRank: layers at construction, head tails on first use.
 
-The memory model's default formulas miss real peaks by -26% .. +65% on CPU (bench/RESULTS.md,
-section 1); coefficients measured by helper B's layer probe on the built model land within
-[1.000, 1.005]. So the trainer probes its own model when it is built, for every recompute
+Coefficients measured on the built model by the layer probe price closer to real peaks than
+the default formulas (bench/RESULTS.md, section 1, compares both on the calibration matrix).
+So the trainer probes its own model when it is built, for every recompute
 policy it may run (the configured one, with and without grad, and the full-recompute
 escalation policy).
 
