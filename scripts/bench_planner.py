@@ -60,8 +60,8 @@ def _accuracy_cells() -> list[Any]:
 
 
 def _run_calibration(path: Path) -> None:
-    """No calibration CSV from helper B yet: run B's harness here (TP=1 in this process, the
-    quick TP=2 subset through B's scripts/calibrate.py under torchrun)."""
+    """No calibration CSV yet: run the calibration harness here (TP=1 in this process, the
+    quick TP=2 subset through scripts/calibrate.py under torchrun)."""
     import subprocess
     import tempfile
 
@@ -505,7 +505,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--overhead-repeats", type=int, default=5)
     parser.add_argument("--calibration-csv", type=Path,
                         default=BENCH / "calibration" / "calibration.csv",
-                        help="helper B's calibration output (scripts/calibrate.py); when "
+                        help="the calibration output of scripts/calibrate.py; when "
                         "missing, the harness's quick matrix is run here")
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore")

@@ -29,7 +29,7 @@ def _accuracy(acc: dict[str, Any]) -> list[str]:
         return lines + [f"Not run: {acc['missing']} was not found (run scripts/calibrate.py).",
                         ""]
     lines += [
-        f"Source: `{acc['source']}` ({acc['cells']} cells, helper B's calibration harness: real "
+        f"Source: `{acc['source']}` ({acc['cells']} cells, scripts/calibrate.py's harness: real "
         "Megatron-Core micro-batches on the trainer's compute path, CPU, measured = peak of "
         "bytes allocated inside the micro-batch). Target: every cell in [1.00, 1.05].", "",
         "| coefficients | cells in target | under-predicted cells | median | worst low (cell) "
