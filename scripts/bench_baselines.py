@@ -22,11 +22,11 @@ from typing import Any
 import torch
 
 from art.megatron.geometry import ModelGeometry
-from art.trainer_rank._execute import run_sub_forward
-from art.trainer_rank._items import Item, outputs_union
-from art.trainer_rank._memory.measure import release_score_buffer
-from art.trainer_rank._memory.request import OutputRequest
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.compute.execute import run_sub_forward
+from art.trainer_rank.compute.items import Item, outputs_union
+from art.trainer_rank.memory.measure import release_score_buffer
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 
 SEED_SAFETY_FACTOR = 1.10
 

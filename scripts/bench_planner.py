@@ -9,7 +9,7 @@
    (bench/calibration/calibration.csv, written by scripts/calibrate.py; run it first), per recompute
    policy, TP size, output mix, LoRA rank and grad mode; plus the trainer's own
    predicted / measured for every micro-batch of the utilisation run.
-2. Utilisation: one RL-like workload (art.trainer_rank._workload, seeded) under one virtual
+2. Utilisation: one RL-like workload (scripts/_workload.py, seeded) under one virtual
    limit, run by the planner cold and warm, the seed's constant-factor formula, try-and-halve on
    OOM, and the oracle (largest in-order run of whole items that really fits, by bisection on
    measured peaks). All on the demo model (Qwen3-shaped, 4 layers, hidden 128, rank-8 LoRA on
@@ -222,10 +222,11 @@ def utilisation(out: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]
 
     from art.megatron.train import TrainingRuntime
     from art.trainer_rank import TrainerRank, TrainerRankOptions
-    from art.trainer_rank._items import make_items
-    from art.trainer_rank._memory.request import OutputRequest
-    from art.trainer_rank._packing import packed_length_tokens
-    from art.trainer_rank._workload import WorkloadSpec, forward_inputs, rl_groups
+    from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.compute.items import make_items
+    from art.trainer_rank.compute.packing import packed_length_tokens
+
+    from _workload import WorkloadSpec, forward_inputs, rl_groups
 
     provider = _demo_provider()
     provider.initialize_distributed()
@@ -403,8 +404,9 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
 
     from art.megatron.train import TrainingRuntime
     from art.trainer_rank import ForwardInput, TrainerRank
-    from art.trainer_rank._items import make_items
-    from art.trainer_rank._workload import group_lengths
+    from art.trainer_rank.compute.items import make_items
+
+    from _workload import group_lengths
 
     model, provider = ctx["model"], ctx["provider"]
     warm_trainer = ctx["trainer"]  # has profiles from the utilisation passes

@@ -38,10 +38,10 @@ from art.megatron.model_builder import (  # noqa: E402
     build_gpt_model,
     build_transformer_config,
 )
-from art.trainer_rank._execute import run_sub_forward  # noqa: E402
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter  # noqa: E402
-from art.trainer_rank._packing import pack_sequences  # noqa: E402
 from art.trainer_rank._types import ForwardInput  # noqa: E402
+from art.trainer_rank.compute.execute import run_sub_forward  # noqa: E402
+from art.trainer_rank.compute.packing import pack_sequences  # noqa: E402
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[ForwardInput]]:

@@ -30,7 +30,7 @@ MOE_POLICIES = ("selective default", "full uniform 2")
 def cells_for(geometry: str, policy: str, rng: random.Random) -> list:
     from _calibration.cells import Cell
 
-    from art.trainer_rank._memory.probe import PROBE_TOKENS
+    from art.trainer_rank.memory.probe import PROBE_TOKENS
 
     def lengths(parts: int) -> tuple[int, ...]:
         while True:

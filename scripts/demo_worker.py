@@ -30,12 +30,9 @@ import torch
 from art.megatron.geometry import load_geometry
 from art.megatron.provider import Provider
 from art.megatron.train import build_runtime_for_provider
-from art.trainer_rank import _agree
 from art.trainer_rank._impl import TrainerRank
-from art.trainer_rank._memory.model import MemoryModel
-from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 from art.trainer_rank._options import TrainerRankOptions
-from art.trainer_rank._packing import packed_length_tokens, shares_prefixes
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank._types import (
     DECLINED,
     ESCALATED,
@@ -43,7 +40,11 @@ from art.trainer_rank._types import (
     MicroBatch,
     TrainerRankMemoryError,
 )
-from art.trainer_rank._workload import WorkloadSpec, forward_inputs, rl_groups
+from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefixes
+from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.ranks import agree as _agree
+
+from _workload import WorkloadSpec, forward_inputs, rl_groups
 
 MIB = 2**20
 HIDDEN = 128
@@ -251,7 +252,7 @@ def _long_group(spec: WorkloadSpec, tokens: int, seed: int) -> list:
     """Two rollouts of `tokens` tokens each sharing a prompt, requesting target logprobs."""
     g = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, spec.vocab_size, (_long_prompt_tokens(tokens),), generator=g)
-    from art.trainer_rank._workload import RolloutGroup
+    from _workload import RolloutGroup
 
     completions = tuple(
         torch.randint(0, spec.vocab_size, (tokens - prompt.numel(),), generator=g)

@@ -7,7 +7,7 @@ Builds a small hybrid (Gated DeltaNet + attention, LoRA on o_proj and the MLP, t
 linears frozen as under LoRA) through the Provider, runs its first (Gated DeltaNet) layer
 forward with a saved-tensor hook that attributes every storage kept for backward to the block
 whose op created it (parameters excluded; a storage counts once), and prints it
-next to the default formulas' block terms (`_memory/layers.py`). Writes
+next to the default formulas' block terms (`art/trainer_rank/memory/layers.py`). Writes
 bench/calibration/gdn_blocks.md.
 """
 
@@ -143,8 +143,8 @@ def measure(tokens: int, dtype: str) -> tuple[list[tuple[str, int]], Any, Any]:
 
 
 def priced(provider: Any, tokens: int) -> list[tuple[str, float]]:
-    from art.trainer_rank._memory.layers import keeps_layer_input, kept_parts, layer_blocks
-    from art.trainer_rank._memory.model import MemoryModel
+    from art.trainer_rank.memory.layers import keeps_layer_input, kept_parts, layer_blocks
+    from art.trainer_rank.memory.model import MemoryModel
 
     dims = MemoryModel.for_provider(provider).dims
     blocks = layer_blocks(dims, "linear_attention", tokens)
@@ -177,7 +177,8 @@ def main() -> int:
         "o_proj and the MLP (the GDN linears frozen); CPU kernels of `cpu_gated_delta`. "
         "Measured: storages saved for backward, attributed to the block that first saved "
         "created them (parameters excluded). Priced: the default formulas' kept bytes per block "
-        "(`_memory/layers.py`), no recompute; the layer's own output is not kept by it.",
+        "(`art/trainer_rank/memory/layers.py`), no recompute; the layer's own output is not kept "
+        "by it.",
         "",
         "| block | priced KiB | measured KiB | priced / measured |",
         "|---|---:|---:|---:|",

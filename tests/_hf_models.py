@@ -78,9 +78,9 @@ def hf_logprobs(folder: Path, sequences: list[torch.Tensor], adapter: Path | Non
 def our_logprobs(model: Any, sequences: list[torch.Tensor], *, implementation: Any,
                  layout: Any) -> list[torch.Tensor]:
     """The trainer's packed forward and target-logprob head on a Megatron model."""
-    from art.trainer_rank._forward import decoder_hidden_states
-    from art.trainer_rank._heads import compute_heads
-    from art.trainer_rank._packing import next_token_targets, pack_sequences, unpack
+    from art.trainer_rank.compute.forward import decoder_hidden_states
+    from art.trainer_rank.compute.heads import compute_heads
+    from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
 
     batch = pack_sequences(sequences, implementation=implementation, layout=layout)
     with torch.no_grad():

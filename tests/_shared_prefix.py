@@ -15,9 +15,9 @@ import torch
 
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._execute import run_sub_forward
-from art.trainer_rank._packing import pack_sequences
 from art.trainer_rank._types import ForwardInput
+from art.trainer_rank.compute.execute import run_sub_forward
+from art.trainer_rank.compute.packing import pack_sequences
 
 TOP_K = 3
 

@@ -109,7 +109,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def workload_batch(args: argparse.Namespace):
     """The MicroBatchShape the workload flags describe: a group of --sequences sharing
     --shared-prefix tokens packs to sum - (n - 1) x prefix tokens (the prefix once)."""
-    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+    from art.trainer_rank._request import MicroBatchShape, OutputRequest
 
     lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
     prefix = getattr(args, "shared_prefix", 0) or 0
@@ -158,7 +158,7 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
     from art.megatron.layout import ParallelLayout
     from art.megatron.recompute import resolve_recompute
     from art.megatron.settings import load_settings
-    from art.trainer_rank._memory.model import MemoryModel
+    from art.trainer_rank.memory.model import MemoryModel
 
     environ = dict(os.environ if env is None else env)
     settings = load_settings(environ)
@@ -293,7 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def lora_shape_from_args(args: Any) -> Any:
     """The LoraShape of --lora-rank and the resident checkpoint slots."""
-    from art.trainer_rank._memory.request import LoraShape
+    from art.trainer_rank._request import LoraShape
 
     return LoraShape(rank=max(args.lora_rank, 0),
                      resident_adapters=getattr(args, "resident_adapters", 0),

@@ -19,37 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from art.trainer_rank import _agree
-from art.trainer_rank._admission import Admission, AdmissionPolicy, Plan
-from art.trainer_rank._device_memory import (
-    GradSnapshot,
-    cuda_oom_count,
-    device_usable_bytes,
-    held_output_bytes,
-    release_memory,
-)
-from art.trainer_rank._escalation import full_recompute
-from art.trainer_rank._execute import detached_output, run_sub_forward
-from art.trainer_rank._items import (
-    Item,
-    deal_to_ranks,
-    fingerprint,
-    group_shared_tokens,
-    make_items,
-    rebuild,
-)
-from art.trainer_rank._lockstep import in_lockstep
-from art.trainer_rank._memory.measure import release_score_buffer
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank._options import TrainerRankOptions
-from art.trainer_rank._packing import (
-    packed_length_tokens,
-    shares_prefixes,
-)
-from art.trainer_rank._phases import CALLER_BACKWARD, PLAN, MicroBatchContext, PhaseAgreement
-from art.trainer_rank._probing import TrainerProbe, probe_tokens_for_limit
-from art.trainer_rank._profiles import ProfileStore
-from art.trainer_rank._runnable import layout_refusal
 from art.trainer_rank._types import (
     COLD_CAPPED,
     DECLINED,
@@ -64,6 +34,36 @@ from art.trainer_rank._types import (
     TrainerRankSlotStateError,
     Unset,
 )
+from art.trainer_rank.compute.execute import detached_output, run_sub_forward
+from art.trainer_rank.compute.items import (
+    Item,
+    deal_to_ranks,
+    fingerprint,
+    group_shared_tokens,
+    make_items,
+    rebuild,
+)
+from art.trainer_rank.compute.packing import (
+    packed_length_tokens,
+    shares_prefixes,
+)
+from art.trainer_rank.decide.admission import Admission, AdmissionPolicy, Plan
+from art.trainer_rank.decide.escalation import full_recompute
+from art.trainer_rank.decide.profiles import ProfileStore
+from art.trainer_rank.decide.runnable import layout_refusal
+from art.trainer_rank.memory.device import (
+    GradSnapshot,
+    cuda_oom_count,
+    device_usable_bytes,
+    held_output_bytes,
+    release_memory,
+)
+from art.trainer_rank.memory.measure import release_score_buffer
+from art.trainer_rank.memory.probing import TrainerProbe, probe_tokens_for_limit
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.ranks import agree as _agree
+from art.trainer_rank.ranks.lockstep import in_lockstep
+from art.trainer_rank.ranks.phases import CALLER_BACKWARD, PLAN, MicroBatchContext, PhaseAgreement
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.optimizer_step import (
     GraphLedger,
@@ -130,7 +130,7 @@ class TrainerRank(SlotMethods):
             full = None
         self.probe: TrainerProbe | None = None
         if memory_model is None:
-            from art.trainer_rank._memory.model import MemoryModel
+            from art.trainer_rank.memory.model import MemoryModel
 
             coefficients = None
             if self.options.probe_layers:
@@ -186,7 +186,7 @@ class TrainerRank(SlotMethods):
             ),
         )
         self.stats_history: list[MicroBatchStats] = []
-        # The per-phase agreement between ranks (OOMs, failed collectives): _phases.py.
+        # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
         self.phases = PhaseAgreement(self.options.fault_timeout_s)
         self._calls = 0
         # The probe's backward ran through the adapters: start from clean gradients.
@@ -195,7 +195,7 @@ class TrainerRank(SlotMethods):
     # -- limits and pricing helpers -----------------------------------------------------------
 
     def _next_tp_model(self) -> tuple[int, Any] | None:
-        from art.trainer_rank._memory.model import MemoryModel
+        from art.trainer_rank.memory.model import MemoryModel
 
         settings = self.provider.settings
         tp = settings.tensor_model_parallel_size * 2
@@ -491,7 +491,7 @@ class TrainerRank(SlotMethods):
         measure_caller: bool,
     ) -> Iterator[MicroBatch]:
         """Run and yield one plan; returns the OOM exception when it ran out of memory and the
-        replica is one rank (with several, _phases.py ends the call on every rank)."""
+        replica is one rank (with several, ranks/phases.py ends the call on every rank)."""
         leaves = plan.leaves
         replica = _agree.replica_size()
         snapshot = (

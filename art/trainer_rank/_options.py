@@ -9,9 +9,9 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from art.megatron.settings import reject_unknown_variable
-from art.trainer_rank._heads import HEAD_CHUNK_TOKENS
-from art.trainer_rank._memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
-from art.trainer_rank._profiles import ENV_PROFILE_PATH
+from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
+from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
+from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 
 ENV_PREFIX = "ART_TRAINER_RANK_"
 # env name (after the prefix) -> (field, meaning)
@@ -71,7 +71,7 @@ class TrainerRankOptions:
     probe_cache_dir: str | None = None
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
-    # How long a rank whose collective failed waits for the peer's fault record (_phases.py).
+    # How long a rank whose collective failed waits for the peer's fault record (ranks/phases.py).
     fault_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

@@ -24,8 +24,8 @@ from art.megatron.layout import ParallelLayout
 from art.megatron.provider import Provider
 from art.megatron.recompute import EffectiveRecompute, RecomputePolicy
 from art.megatron.settings import load_settings
-from art.trainer_rank._memory.request import LoraShape, MicroBatchShape
-from art.trainer_rank._runnable import layout_refusal
+from art.trainer_rank._request import LoraShape, MicroBatchShape
+from art.trainer_rank.decide.runnable import layout_refusal
 
 GIB = 1024**3
 
@@ -348,7 +348,7 @@ MemoryModelFactory = Callable[..., Any]
 
 
 def _default_factory(**kwargs: Any) -> Any:
-    from art.trainer_rank._memory.model import MemoryModel
+    from art.trainer_rank.memory.model import MemoryModel
 
     geometry = kwargs.pop("geometry")
     return MemoryModel(geometry, **kwargs)

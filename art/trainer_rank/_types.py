@@ -12,7 +12,7 @@ from typing import Any, TypeAlias, TypeVar
 
 import torch
 
-from art.trainer_rank._memory.request import OutputRequest
+from art.trainer_rank._request import OutputRequest
 
 # Decisions admission can take for one micro-batch (MicroBatchStats.decision).
 COLD_CAPPED = "cold-capped"  # no profile yet for this signature: size capped, then measured

@@ -33,10 +33,10 @@ from _calibration.losses import LOSS_BY_NAME
 from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._memory.measure import meter_for, release_score_buffer
-from art.trainer_rank._memory.model import MemoryModel
-from art.trainer_rank._memory.probe import modes_for, probe
-from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.measure import meter_for, release_score_buffer
+from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.memory.probe import modes_for, probe
 
 
 @dataclass
@@ -153,7 +153,7 @@ class CalibrationModel:
 
 def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool,
                       layout: ParallelLayout, implementation: Implementation) -> MicroBatchShape:
-    from art.trainer_rank._packing import row_multiple_tokens
+    from art.trainer_rank.compute.packing import row_multiple_tokens
 
     total = sum(lengths)
     multiple = row_multiple_tokens(layout)
@@ -166,15 +166,15 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                     layout: ParallelLayout, implementation: Implementation,
                     device: torch.device, loss_name: str = "synthetic") -> tuple[int, int]:
     """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path."""
-    from art.trainer_rank._forward import decoder_hidden_states, unwrap_model
-    from art.trainer_rank._heads import HeadOutputs, compute_heads
+    from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
+    from art.trainer_rank.compute.heads import HeadOutputs, compute_heads
 
     inner = unwrap_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
     release_score_buffer()
     meter = meter_for(device)
     with meter:
-        from art.trainer_rank._packing import pack_sequences
+        from art.trainer_rank.compute.packing import pack_sequences
 
         batch = pack_sequences(sequences, implementation=implementation, layout=layout,
                                device=device)
@@ -238,7 +238,7 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     """The what-if memory model for a cell, built from the geometry alone (no model, no
     probe): what the CLI and a laptop see."""
     from art.megatron.recompute import resolve_recompute
-    from art.trainer_rank._memory.request import LoraShape
+    from art.trainer_rank._request import LoraShape
 
     geometry = calibration_geometries()[cell.geometry]
     impl = implementation or Implementation.cpu_local()
@@ -259,7 +259,7 @@ def reprice(row: dict[str, Any], probe_dir: str | None = None) -> dict[str, Any]
     the probe column too when the probe's JSON is in `probe_dir`."""
     from pathlib import Path
 
-    from art.trainer_rank._memory.probe import ProbeCoefficients
+    from art.trainer_rank.memory.probe import ProbeCoefficients
 
     cell = Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
                 int(row["tensor_parallel"]),

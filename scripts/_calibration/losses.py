@@ -11,8 +11,8 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank._memory.probe import caller_loss as synthetic_loss
-from art.trainer_rank._memory.request import OutputRequest
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory.probe import caller_loss as synthetic_loss
 
 CLIP_EPSILON = 0.2
 KL_COEFFICIENT = 0.04

@@ -17,10 +17,10 @@ from art.megatron.distributed import initialize_distributed, shutdown_distribute
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-from art.trainer_rank._forward import decoder_hidden_states
-from art.trainer_rank._heads import compute_heads
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
-from art.trainer_rank._packing import next_token_targets, pack_sequences, unpack
+from art.trainer_rank.compute.forward import decoder_hidden_states
+from art.trainer_rank.compute.heads import compute_heads
+from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 
 from _tiny import tiny_dense
 

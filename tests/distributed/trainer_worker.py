@@ -66,7 +66,7 @@ def run(mode: str) -> dict:
         except ValueError as exc:
             result["mismatch_error"] = str(exc)
     else:
-        from art.trainer_rank import _agree
+        from art.trainer_rank.ranks import agree as _agree
 
         try:  # two TP ranks holding different plans must both refuse to run them
             _agree.check_same_plan(f"admitted items=[{rank}]")

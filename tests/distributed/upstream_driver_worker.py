@@ -48,7 +48,7 @@ def _lockstep(trainer) -> dict:
               for n in lengths]
     # A limit that admits the long item alone: a signature's first micro-batch is capped at a
     # fraction of what the limit admits, so rank 1 runs its short items in several.
-    from art.trainer_rank._items import make_items
+    from art.trainer_rank.compute.items import make_items
 
     long_item = make_items(inputs[:1])[0]
     price = trainer.admission.price(long_item.leaves, True)[0].dynamic_bytes

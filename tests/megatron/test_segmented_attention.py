@@ -14,8 +14,8 @@ from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.packed_attention import segmented_flash_attention
-from art.trainer_rank._memory.layers import Dims, _segmented_flash_costs
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.layers import Dims, _segmented_flash_costs
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 
 # A prompt, a deeper shared part with two children, a sibling completion, and a pad block.
 TREE = AttentionLayout(16, (

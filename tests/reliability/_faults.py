@@ -22,7 +22,7 @@ from _fuzz import Leaf, ReferencePool, _check_leaf, _loss, _to_input
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank._memory import virtual_limit
+from art.trainer_rank.memory import virtual_limit
 
 LIMIT_BYTES = 64 * 2**20
 
@@ -46,9 +46,9 @@ class Injector:
         frame = sys._getframe(2)
         while frame is not None:
             path = frame.f_code.co_filename
-            if path.endswith("_heads.py"):
+            if path.endswith("compute/heads.py"):
                 return "head"
-            if path.endswith("_packing.py"):
+            if path.endswith("compute/packing.py"):
                 return "packing"
             if "megatron/core/transformer" in path:
                 return "layer forward"

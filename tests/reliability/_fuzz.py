@@ -41,7 +41,7 @@ from art.trainer_rank import (
     TrainerRankMemoryError,
     TrainerRankOptions,
 )
-from art.trainer_rank._items import make_items
+from art.trainer_rank.compute.items import make_items
 
 VOCAB = 64
 MAX_TOP_K = 4

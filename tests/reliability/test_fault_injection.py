@@ -25,8 +25,8 @@ from _reliability import write_counts
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
-from art.trainer_rank._items import make_items
-from art.trainer_rank._profiles import PROFILE_FILE_VERSION, ProfileStore
+from art.trainer_rank.compute.items import make_items
+from art.trainer_rank.decide.profiles import PROFILE_FILE_VERSION, ProfileStore
 
 COUNTS: Counter = Counter()
 

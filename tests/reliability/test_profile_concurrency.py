@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from _reliability import write_counts
 
-from art.trainer_rank._profiles import PROFILE_FILE_VERSION, ProfileStore
+from art.trainer_rank.decide.profiles import PROFILE_FILE_VERSION, ProfileStore
 
 SAVES_PER_WRITER = 80
 
@@ -90,7 +90,7 @@ def test_half_written_file_and_stray_temp_files_are_ignored(tmp_path):
 
 
 def _same_signature_writer(path: str, writer: int, barrier) -> None:
-    from art.trainer_rank import _profiles
+    from art.trainer_rank.decide import profiles as _profiles
 
     read = _profiles._read
 

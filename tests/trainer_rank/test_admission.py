@@ -13,9 +13,6 @@ import pytest
 import torch
 
 from art.megatron.recompute import resolve_recompute
-from art.trainer_rank._admission import Admission, AdmissionPolicy
-from art.trainer_rank._items import make_items
-from art.trainer_rank._profiles import ProfileStore
 from art.trainer_rank._types import (
     ADMITTED,
     COLD_CAPPED,
@@ -24,6 +21,9 @@ from art.trainer_rank._types import (
     SPLIT,
     ForwardInput,
 )
+from art.trainer_rank.compute.items import make_items
+from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
+from art.trainer_rank.decide.profiles import ProfileStore
 
 MOE = (False,) * 4
 SELECTIVE = resolve_recompute(granularity="selective", method=None, num_layers=None,

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from art.megatron.train import TrainingRuntime
-from art.trainer_rank._items import deal_to_ranks, make_items, outputs_union, rebuild
 from art.trainer_rank._types import (
     ADMITTED,
     ForwardInput,
@@ -16,6 +15,7 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
     format_stats_table,
 )
+from art.trainer_rank.compute.items import deal_to_ranks, make_items, outputs_union, rebuild
 
 
 def fi(n: int, **kw) -> ForwardInput:

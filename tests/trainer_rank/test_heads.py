@@ -7,9 +7,9 @@ import torch
 
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-from art.trainer_rank._heads import compute_heads, output_weight
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
-from art.trainer_rank._packing import IGNORE_INDEX
+from art.trainer_rank.compute.heads import compute_heads, output_weight
+from art.trainer_rank.compute.packing import IGNORE_INDEX
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 
 from _tiny import tiny_dense
 

@@ -13,9 +13,9 @@ from art.megatron.geometry import load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import resolve_recompute
-from art.trainer_rank._memory.budget import AllocatorReserve, expandable_segments
-from art.trainer_rank._memory.model import MemoryModel
-from art.trainer_rank._memory.request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.budget import AllocatorReserve, expandable_segments
+from art.trainer_rank.memory.model import MemoryModel
 
 GIB = 2**30
 SEED_LENGTHS = (16355, 16355)  # 32,710 packed tokens in two sequences
@@ -103,7 +103,7 @@ def test_block_recompute_lies_between_full_and_none(seed_geometry):
 
 
 def test_hybrid_layers_are_priced_by_type(seed_geometry):
-    from art.trainer_rank._memory.layers import Dims, price_layer
+    from art.trainer_rank.memory.layers import Dims, price_layer
 
     d = Dims(seed_geometry, ParallelLayout(tensor_parallel=2, sequence_parallel=True),
              Implementation.gpu_te(), 2, 1, frozenset(LoraShape().target_modules))

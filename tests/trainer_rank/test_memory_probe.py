@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from art.trainer_rank._memory.measure import StorageMeter
+from art.trainer_rank.memory.measure import StorageMeter
 
 SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 # The production points' spacing (about 1.5x apart), stopping where test rows stop.
@@ -58,7 +58,7 @@ def test_profile_after_a_long_sequence_does_not_over_price_many_short_ones(megat
     from _calibration.harness import POLICY_BY_NAME, CalibrationModel, Cell
     from _calibration.harness import calibration_geometries as geometries
 
-    from art.trainer_rank._profiles import Profile
+    from art.trainer_rank.decide.profiles import Profile
 
     long_row = Cell("gqa-128", "selective default", 8, 1, (372,), "logprobs", True)
     short_row = Cell("gqa-128", "selective default", 8, 1, (9,) * 20 + (6,), "logprobs",
@@ -83,8 +83,8 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
         calibration_geometries,
     )
 
-    from art.trainer_rank._memory import probe as probe_module
-    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+    from art.trainer_rank._request import MicroBatchShape, OutputRequest
+    from art.trainer_rank.memory import probe as probe_module
 
     geometry = calibration_geometries()["gqa-128"]
     cell = Cell("gqa-128", "selective mlp", 1, 1, (128,), "logprobs", True)
@@ -130,7 +130,7 @@ def test_moe_layers_probe_and_measure_within_target(megatron_process):
 
 
 def test_fit_is_exact_at_probe_points_and_never_below_a_convex_peak():
-    from art.trainer_rank._memory.probe import Fit
+    from art.trainer_rank.memory.probe import Fit
 
     def peak(s: float) -> float:  # which op wins changes with s, as in a real layer
         return max(40_000 * s, 60 * s * s + 2_000 * s, 3e6)
@@ -148,9 +148,9 @@ def test_probe_for_provider_feeds_memory_model_for_provider(megatron_process):
     from _calibration.harness import POLICY_BY_NAME, CalibrationModel, Cell
     from _calibration.harness import calibration_geometries as geometries
 
-    from art.trainer_rank._memory.model import MemoryModel
-    from art.trainer_rank._memory.probe import probe_for_provider
-    from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
+    from art.trainer_rank._request import MicroBatchShape, OutputRequest
+    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.memory.probe import probe_for_provider
 
     cell = Cell("gqa-128", "full uniform 1", 8, 1, (192,), "logprobs", True)
     built = CalibrationModel(geometries()["gqa-128"], POLICY_BY_NAME["full uniform 1"],

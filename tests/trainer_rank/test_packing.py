@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._items import make_items
-from art.trainer_rank._packing import (
+from art.trainer_rank._types import ForwardInput
+from art.trainer_rank.compute.items import make_items
+from art.trainer_rank.compute.packing import (
     IGNORE_INDEX,
     next_token_targets,
     pack_sequences,
@@ -19,7 +20,6 @@ from art.trainer_rank._packing import (
     packed_length_tokens,
     unpack,
 )
-from art.trainer_rank._types import ForwardInput
 
 LOCAL = Implementation.cpu_local()
 TE = Implementation.gpu_te()

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from art.trainer_rank import TrainerRankMemoryError
-from art.trainer_rank._phases import (
+from art.trainer_rank.ranks.phases import (
     HEADS,
     Fault,
     MicroBatchContext,
@@ -50,7 +50,7 @@ def _raise_in(filename: str, layer_number: int) -> BaseException:
 def test_oom_location_comes_from_the_traceback():
     exc = _raise_in("/x/megatron/core/transformer/transformer_layer.py", 3)
     assert where_in_model(exc) == ("forward", "layer 3")
-    assert where_in_model(_raise_in("/x/art/trainer_rank/_heads.py", 1)) == (HEADS, "")
+    assert where_in_model(_raise_in("/x/art/trainer_rank/compute/heads.py", 1)) == (HEADS, "")
 
 
 def test_collective_failures_are_told_apart():

@@ -10,7 +10,6 @@ from contextlib import redirect_stderr, redirect_stdout
 import pytest
 
 from art.trainer_rank._cli import main as cli_main
-from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
 from art.trainer_rank._plan import (
     GIB,
     GPU_MEMORY_GIB,
@@ -23,6 +22,7 @@ from art.trainer_rank._plan import (
     plot_plan,
     scaled_batch,
 )
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 
 from _tiny import tiny_dense
 

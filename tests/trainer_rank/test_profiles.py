@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from art.trainer_rank._profiles import (
+from art.trainer_rank.decide.profiles import (
     MISS_AGE_OBSERVATIONS,
     PROFILE_FILE_VERSION,
     Profile,

@@ -26,8 +26,8 @@ from art.trainer_rank import (
     TrainerRankOptions,
     format_stats_table,
 )
-from art.trainer_rank._execute import run_sub_forward
-from art.trainer_rank._memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.compute.execute import run_sub_forward
+from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 
 LIMIT_BYTES = 16 * 2**20
 LENGTHS = (140, 116)  # one group, like the seed's two ~16-20k-token sequences

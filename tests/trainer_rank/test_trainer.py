@@ -18,7 +18,7 @@ from _trainer_helpers import (
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank._items import make_items
+from art.trainer_rank.compute.items import make_items
 
 ATOL = 2e-5
 

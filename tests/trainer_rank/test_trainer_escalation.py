@@ -9,7 +9,7 @@ import torch
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
-from art.trainer_rank._escalation import SELECTIVE_FLAGS, full_recompute
+from art.trainer_rank.decide.escalation import SELECTIVE_FLAGS, full_recompute
 
 from _tiny import tiny_moe
 

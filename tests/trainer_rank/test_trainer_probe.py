@@ -10,9 +10,9 @@ from _trainer_helpers import grads, make_inputs, provider
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
-from art.trainer_rank._memory.model import MemoryModel
-from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
-from art.trainer_rank._probing import (
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.memory.probing import (
     MIN_PROBE_POINTS,
     _model_state_kept,
     probe_tokens_for_limit,

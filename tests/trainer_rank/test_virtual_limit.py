@@ -10,7 +10,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-from art.trainer_rank._memory.virtual_limit import (
+from art.trainer_rank.memory.virtual_limit import (
     ENV_TEST_MEMORY_LIMIT,
     LiveBytesMeter,
     test_memory_limit_bytes,

@@ -8,7 +8,7 @@ import statistics
 import pytest
 import torch
 
-from art.trainer_rank._workload import (
+from _workload import (
     IGNORE_INDEX,
     WorkloadSpec,
     completion_targets,

@@ -1,7 +1,7 @@
 """Packed row -> decoder hidden states (after the final norm), the full row on every TP rank.
 
 This drives the GPTModel's parts (embedding, rotary table, decoder) directly instead of
-`GPTModel.forward`, for two reasons: the output head must run in token chunks (see _heads), so
+`GPTModel.forward`, for two reasons: the output head must run in token chunks (see heads.py), so
 the model's own output layer is never called; and on the local spec Megatron builds the rotary
 table for positions 0..S-1 of the whole row, ignoring position_ids, which would rotate a
 packed sequence as if it started at its offset. Here the table is indexed by position_ids, so
@@ -16,7 +16,7 @@ from typing import Any
 
 from torch import Tensor
 
-from art.trainer_rank._packing import PackedBatch
+from art.trainer_rank.compute.packing import PackedBatch
 
 
 def unwrap_model(model: Any) -> Any:

@@ -11,11 +11,11 @@ import torch
 
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._forward import decoder_hidden_states
-from art.trainer_rank._heads import compute_heads
-from art.trainer_rank._items import outputs_union
-from art.trainer_rank._packing import IGNORE_INDEX, pack_sequences, pack_targets, unpack
 from art.trainer_rank._types import ForwardInput, ForwardOutput, TopK
+from art.trainer_rank.compute.forward import decoder_hidden_states
+from art.trainer_rank.compute.heads import compute_heads
+from art.trainer_rank.compute.items import outputs_union
+from art.trainer_rank.compute.packing import IGNORE_INDEX, pack_sequences, pack_targets, unpack
 
 
 def run_sub_forward(

@@ -14,9 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from art.megatron.recompute import EffectiveRecompute
-from art.trainer_rank._items import Item, group_shared_tokens, outputs_union
-from art.trainer_rank._memory.request import MicroBatchShape, OutputRequest
-from art.trainer_rank._profiles import ProfileStore, signature
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank._types import (
     ADMITTED,
     COLD_CAPPED,
@@ -26,6 +24,8 @@ from art.trainer_rank._types import (
     ForwardInput,
     TrainerRankMemoryError,
 )
+from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
+from art.trainer_rank.decide.profiles import ProfileStore, signature
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8

@@ -29,11 +29,11 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
-from art.trainer_rank._memory.adapters import resident_adapter_terms
-from art.trainer_rank._memory.budget import AllocatorReserve
-from art.trainer_rank._memory.estimate import Estimate, Term
-from art.trainer_rank._memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
-from art.trainer_rank._memory.request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.adapters import resident_adapter_terms
+from art.trainer_rank.memory.budget import AllocatorReserve
+from art.trainer_rank.memory.estimate import Estimate, Term
+from art.trainer_rank.memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 HEAD_CHUNK_TOKENS_DEFAULT = 2048
@@ -46,7 +46,7 @@ ADAM_STATE_BYTES = 8
 
 def default_head_chunk_tokens() -> int:
     try:
-        from art.trainer_rank._heads import HEAD_CHUNK_TOKENS
+        from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 
         return int(HEAD_CHUNK_TOKENS)
     except ImportError:

@@ -2,7 +2,7 @@
 
 Every sequence keeps its own positions (0, 1, ...) and attends only to itself and, inside an
 indivisible group (a GRPO group's rollouts), to the prefix it shares with its siblings: the
-group's prefix tree (see _prefix_tree) is laid out once, prefix then completions, each
+group's prefix tree (see compute/prefix_tree.py) is laid out once, prefix then completions, each
 completion's positions continuing from the prefix so RoPE sees the angles of the unshared
 sequence. Which rows attend to which is the row's `AttentionLayout`: the local spec's segmented
 flash attention takes it as is, Megatron's unfused attention gets its dense bool mask, and the
@@ -27,7 +27,7 @@ from torch import Tensor
 from art.megatron.attention_layout import AttentionLayout, AttentionSegment, KeySpan
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._prefix_tree import build_prefix_tree, validate_group
+from art.trainer_rank.compute.prefix_tree import build_prefix_tree, validate_group
 
 IGNORE_INDEX = -100  # target value that produces no log-probability (0.0) and no gradient
 PAD_TOKEN_ID = 0  # padding is masked away from every real token, so its id does not matter

@@ -28,11 +28,11 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank import _agree
-from art.trainer_rank._memory import probe as probe_module
-from art.trainer_rank._memory.layers import LayerCost
-from art.trainer_rank._memory.model import mode_key
-from art.trainer_rank._memory.request import OutputRequest
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory import probe as probe_module
+from art.trainer_rank.memory.layers import LayerCost
+from art.trainer_rank.memory.model import mode_key
+from art.trainer_rank.ranks import agree as _agree
 
 Mode = tuple[str, frozenset[str], bool, int]
 

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank._memory.request import OutputRequest
-from art.trainer_rank._prefix_tree import shared_tokens
+from art.trainer_rank._request import OutputRequest
 from art.trainer_rank._types import ForwardInput
+from art.trainer_rank.compute.prefix_tree import shared_tokens
 
 MAX_NESTING_LEVELS = 4  # the top-level list plus up to three levels of groups, as upstream
 
@@ -110,7 +110,7 @@ def make_items(inputs: Iterable[Any], *, call_no_grad: bool = False) -> list[Ite
 
 
 def group_shared_tokens(leaves: Sequence[ForwardInput]) -> int:
-    """Tokens the sequences of one group share as prefixes (see _prefix_tree)."""
+    """Tokens the sequences of one group share as prefixes (see compute/prefix_tree.py)."""
     if len(leaves) < 2:
         return 0
     return shared_tokens([leaf.input_tokens for leaf in leaves])

@@ -11,7 +11,7 @@ import torch
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.model_builder import DTYPES
-from art.trainer_rank._memory.request import MicroBatchShape
+from art.trainer_rank._request import MicroBatchShape
 
 # Gradients are snapshotted before a grad micro-batch is yielded (so a caller-backward OOM can
 # be retried without double-counting) only when the trainable parameters are this small,

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 
 from art.megatron.geometry import ModelGeometry
-from art.trainer_rank._memory.layers import LayerCost, layer_kind
-from art.trainer_rank._memory.measure import meter_for, release_score_buffer
-from art.trainer_rank._memory.model import mode_key
-from art.trainer_rank._memory.request import OutputRequest
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory.layers import LayerCost, layer_kind
+from art.trainer_rank.memory.measure import meter_for, release_score_buffer
+from art.trainer_rank.memory.model import mode_key
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -238,7 +238,7 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
 
 
 def _inner(model: Any) -> Any:
-    from art.trainer_rank._forward import unwrap_model
+    from art.trainer_rank.compute.forward import unwrap_model
 
     return unwrap_model(model)
 
@@ -287,8 +287,8 @@ class _Inputs:
 
 def _probe_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
                   device: torch.device) -> _Inputs:
-    from art.trainer_rank._forward import _rotary
-    from art.trainer_rank._packing import pack_sequences
+    from art.trainer_rank.compute.forward import _rotary
+    from art.trainer_rank.compute.packing import pack_sequences
 
     inner = _inner(model)
     seq = torch.randint(0, inner.vocab_size, (tokens,), device=device)
@@ -397,7 +397,7 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
     """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes."""
     from megatron.core import tensor_parallel
 
-    from art.trainer_rank._heads import compute_heads
+    from art.trainer_rank.compute.heads import compute_heads
 
     inner = _inner(model)
     hidden = inner.decoder.final_layernorm(x)
@@ -409,7 +409,7 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
         heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
                               else None, top_k=outputs.top_k, logits=outputs.logits)
     else:
-        from art.trainer_rank._heads import HeadOutputs
+        from art.trainer_rank.compute.heads import HeadOutputs
 
         heads = HeadOutputs(None, None, None, None)
     return heads, hidden

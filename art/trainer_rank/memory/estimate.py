@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from art.trainer_rank._memory.request import MicroBatchShape
+from art.trainer_rank._request import MicroBatchShape
 
 PHASES = ("resident", "forward", "backward", "reserve")
 GIB = 1024**3

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from art.trainer_rank._memory.estimate import Term
+from art.trainer_rank.memory.estimate import Term
 
 if TYPE_CHECKING:
     from art.megatron.geometry import ModelGeometry
     from art.megatron.layout import ParallelLayout
-    from art.trainer_rank._memory.request import LoraShape
+    from art.trainer_rank._request import LoraShape
 
 
 def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLayout,
@@ -21,7 +21,7 @@ def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLa
     rank = lora.resident_adapter_rank or lora.rank
     if not rank or not (lora.resident_adapters or lora.resident_snapshots):
         return []
-    from art.trainer_rank._memory.model import _lora_params_per_rank
+    from art.trainer_rank.memory.model import _lora_params_per_rank
 
     per = _lora_params_per_rank(g, replace(lora, rank=rank), layout)
     terms = []

@@ -131,7 +131,7 @@ def where_in_model(exc: BaseException) -> tuple[str, str]:
     while tb is not None:
         frame = tb.tb_frame
         path = frame.f_code.co_filename
-        if path.endswith("_heads.py"):
+        if path.endswith("compute/heads.py"):
             phase = HEADS
         elif path.endswith("transformer_layer.py"):
             layer = getattr(frame.f_locals.get("self"), "layer_number", None)

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from art.trainer_rank._forward import unwrap_model
-from art.trainer_rank._packing import IGNORE_INDEX
+from art.trainer_rank.compute.forward import unwrap_model
+from art.trainer_rank.compute.packing import IGNORE_INDEX
 
 HEAD_CHUNK_TOKENS = 2048
 

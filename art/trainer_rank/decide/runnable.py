@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._packing import check_layout_supported
+from art.trainer_rank.compute.packing import check_layout_supported
 
 
 def layout_refusal(layout: ParallelLayout, implementation: Implementation) -> str | None:

@@ -1,0 +1,1 @@
+"""The compute path: a micro-batch packed into one row, the decoder, the heads in token chunks."""

@@ -1,0 +1,1 @@
+"""The memory model: pricing (layers, model, estimate, adapters), probe, budget, meters."""

@@ -1,0 +1,1 @@
+"""Ranks in step: the agreeing collectives, the per-phase protocol, data-parallel lockstep."""
