@@ -1,0 +1,1 @@
+"""art: Megatron-Core model building (art.megatron) and the trainer rank (art.trainer_rank)."""

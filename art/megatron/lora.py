@@ -528,19 +528,3 @@ def lora_parameters(model: nn.Module, adapter: str | None = DEFAULT_ADAPTER
         return [p for m in modules for p in m.parameters() if p.requires_grad]
     return [p for m in modules if adapter in m.adapters
             for p in m.adapters[adapter].parameters() if p.requires_grad]
-
-
-
-
-# peft adapter files (adapter_config.json + adapter_model.safetensors) live in lora_peft; these
-# names stay importable from here.
-_PEFT_NAMES = ("ADAPTER_CONFIG_FILE", "ADAPTER_WEIGHTS_FILE", "PEFT_KEY_PREFIX",
-               "adapter_config_dict", "adapter_state_dict", "export_adapter", "load_adapter")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _PEFT_NAMES:
-        from art.megatron import lora_peft
-
-        return getattr(lora_peft, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

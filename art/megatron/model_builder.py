@@ -14,6 +14,7 @@ from art.megatron import cpu_runtime
 from art.megatron.geometry import ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
+from art.megatron.specs.norms import QkTorchRMSNorm, SequenceParallelTorchRMSNorm
 
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
@@ -131,32 +132,11 @@ def build_transformer_config(
     return TransformerConfig(**kwargs)
 
 
-class SequenceParallelTorchRMSNorm(torch.nn.RMSNorm):
-    """torch RMSNorm usable under sequence parallel with the local spec.
-
-    Megatron's WrappedTorchNorm refuses sequence parallel only because nobody reduces the norm
-    weight's gradient over TP ranks that each saw a slice of the sequence. The norm itself is
-    row-wise, so a sequence shard is normalised exactly as in the full row. Marking the weight
-    `sequence_parallel` lets Megatron's gradient finalisation (finalize_model_grads) all-reduce
-    it, which is what Transformer Engine's and apex's norms do.
-    """
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
-        super().__init__(hidden_size, eps=eps)
-        self.weight.sequence_parallel = bool(config.sequence_parallel)
-
-
-class _QkTorchRMSNorm(torch.nn.RMSNorm):
-    """Per-head q/k RMSNorm for the local spec; it sees whole heads, never sequence shards."""
-
-    def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_: object) -> None:
-        super().__init__(hidden_size, eps=eps)
-
-
 def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=None):
     """Megatron's layer spec for this implementation. With the local spec and a config that
     turns sequence parallel on, the torch norms are swapped for ones that accept it (see
-    above), and a block spec for this pipeline stage is returned so the final norm is too."""
+    specs/norms.py), and a block spec for this pipeline stage is returned so the final norm
+    is too."""
     from megatron.core.models.gpt import gpt_layer_specs
 
     num_experts = geometry.num_experts or None
@@ -211,8 +191,8 @@ def _sequence_parallel_local_block_spec(spec, config):
     layer.pre_mlp_layernorm = SequenceParallelTorchRMSNorm
     attention = layer.self_attention.submodules
     if attention.q_layernorm is not IdentityOp:
-        attention.q_layernorm = _QkTorchRMSNorm
-        attention.k_layernorm = _QkTorchRMSNorm
+        attention.q_layernorm = QkTorchRMSNorm
+        attention.k_layernorm = QkTorchRMSNorm
     # A TransformerBlockSubmodules is used as given, so it lists only this stage's layers.
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config),

@@ -11,7 +11,8 @@ import torch
 from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
 from art.megatron.distributed import shutdown_distributed
-from art.megatron.lora import load_adapter, lora_modules
+from art.megatron.lora import lora_modules
+from art.megatron.lora_peft import load_adapter
 from art.megatron.model_builder import build_gpt_model
 from art.megatron.provider import Provider
 

@@ -10,7 +10,8 @@ import pytest
 import torch
 from peft import LoraConfig
 
-from art.megatron.lora import export_adapter, lora_modules
+from art.megatron.lora import lora_modules
+from art.megatron.lora_peft import export_adapter
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
 

@@ -27,7 +27,7 @@ def _driver():
 
 
 def _adapter(trainer) -> dict[str, list]:
-    from art.megatron.lora import adapter_state_dict
+    from art.megatron.lora_peft import adapter_state_dict
 
     state = adapter_state_dict(trainer.model)  # collective over TP: every rank calls it
     return {k: v.flatten().tolist() for k, v in sorted(state.items())}

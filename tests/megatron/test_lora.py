@@ -9,15 +9,12 @@ import torch
 from peft import LoraConfig
 from safetensors.torch import load_file
 
-from art.megatron.lora import (
+from art.megatron.lora import LoraLinear, apply_lora, lora_modules, lora_parameters
+from art.megatron.lora_peft import (
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
-    LoraLinear,
-    apply_lora,
     export_adapter,
     load_adapter,
-    lora_modules,
-    lora_parameters,
 )
 from art.megatron.model_builder import build_gpt_model
 from art.megatron.provider import Provider

@@ -99,7 +99,8 @@ def test_pretrained_with_a_shipped_config_name_is_an_error_before_building():
 
 def test_adapter_loads_in_peft_and_merged_export_loads_in_transformers(megatron_process,
                                                                       folders, tmp_path):
-    from art.megatron.lora import export_adapter, lora_modules
+    from art.megatron.lora import lora_modules
+    from art.megatron.lora_peft import export_adapter
 
     folder = folders["qwen3"]
     lora = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear")

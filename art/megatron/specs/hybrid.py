@@ -31,7 +31,7 @@ def hybrid_block_spec(geometry: ModelGeometry, config: Any) -> Any:
     )
     from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-    from art.megatron.model_builder import SequenceParallelTorchRMSNorm, _QkTorchRMSNorm
+    from art.megatron.specs.norms import QkTorchRMSNorm, SequenceParallelTorchRMSNorm
 
     offset = get_transformer_layer_offset(config)
     specs = []
@@ -48,7 +48,7 @@ def hybrid_block_spec(geometry: ModelGeometry, config: Any) -> Any:
             layer.input_layernorm = IdentityOp
             layer.self_attention = gated_delta_net_spec()
         elif layer.self_attention.submodules.q_layernorm is not IdentityOp:
-            layer.self_attention.submodules.q_layernorm = _QkTorchRMSNorm
-            layer.self_attention.submodules.k_layernorm = _QkTorchRMSNorm
+            layer.self_attention.submodules.q_layernorm = QkTorchRMSNorm
+            layer.self_attention.submodules.k_layernorm = QkTorchRMSNorm
         specs.append(spec)
     return TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelTorchRMSNorm)

@@ -8,7 +8,7 @@ parameter; `layouts` says how they are split over TP / expert-TP ranks.
 """
 
 from art.megatron.weights.checkpoint import CheckpointError, HFCheckpoint, open_checkpoint
-from art.megatron.weights.family import UnsupportedCheckpointError, family_for
+from art.megatron.weights.family import UnsupportedCheckpointError
 from art.megatron.weights.load import (
     LoadReport,
     PreparedCheckpoint,
@@ -17,6 +17,7 @@ from art.megatron.weights.load import (
     prepare_checkpoint,
 )
 from art.megatron.weights.pretrained import checkpoint_folder, prepare_pretrained
+from art.megatron.weights.registry import family_for
 
 __all__ = [
     "CheckpointError", "HFCheckpoint", "LoadReport", "PreparedCheckpoint",

@@ -100,7 +100,8 @@ def _assemble(contributions: list[_Contribution],
 
 
 def _adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    from art.megatron.lora import adapter_state_dict, lora_modules
+    from art.megatron.lora import lora_modules
+    from art.megatron.lora_peft import adapter_state_dict
 
     if not lora_modules(model):
         raise CheckpointError("merge_lora=True but the model has no LoRA adapters")
@@ -116,7 +117,7 @@ def _lora_scaling(model: nn.Module) -> float:
 
 def _merge(state: dict[str, torch.Tensor], adapters: Mapping[str, torch.Tensor],
            scaling: float) -> None:
-    from art.megatron.lora import PEFT_KEY_PREFIX
+    from art.megatron.lora_peft import PEFT_KEY_PREFIX
 
     for key, a in adapters.items():
         if not key.endswith(".lora_A.weight"):

@@ -1,4 +1,4 @@
-"""What every decoder family shares: the registry by architecture, the config checks, and the
+"""What every decoder family shares: the family protocol, the config checks, and the
 Megatron <-> HF maps of embeddings, attention, norms and a dense SwiGLU MLP.
 
 Megatron names here are global: `decoder.layers.<i>` is layer i of the whole model (HF
@@ -37,30 +37,6 @@ class Family(Protocol):
     def check_config(self, config: Mapping[str, Any], geometry: ModelGeometry) -> None: ...
 
     def tensor_maps(self, geometry: ModelGeometry) -> dict[str, TensorMap]: ...
-
-
-def families() -> tuple[Family, ...]:
-    from art.megatron.weights import llama, qwen3, qwen3_moe
-
-    return (qwen3.FAMILY, llama.FAMILY, qwen3_moe.FAMILY)
-
-
-def family_for(config: Mapping[str, Any]) -> Family:
-    """The family of a HF config, by its `architectures` entry (then `model_type`)."""
-    cfg = text_config(config)
-    names = list(cfg.get("architectures") or config.get("architectures") or [])
-    model_type = str(cfg.get("model_type", ""))
-    for family in families():
-        if any(n in family.architectures for n in names) or (
-            not names and model_type == family.name
-        ):
-            return family
-    supported = sorted(a for f in families() for a in f.architectures)
-    seen = names[0] if names else f"model_type {model_type!r}"
-    raise UnsupportedCheckpointError(
-        f"architecture {seen} is not supported for loading weights; supported: "
-        f"{', '.join(supported)}"
-    )
 
 
 def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -156,5 +132,5 @@ def dense_decoder_maps(g: ModelGeometry) -> dict[str, TensorMap]:
 
 
 __all__ = ["COLUMN", "Family", "UnsupportedCheckpointError", "attention_maps",
-           "check_common_config", "dense_decoder_maps", "embedding_maps", "family_for",
-           "swiglu_maps"]
+           "check_common_config", "dense_decoder_maps", "embedding_maps", "swiglu_maps",
+           "text_config"]

@@ -21,8 +21,9 @@ from torch import nn
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.weights.checkpoint import CheckpointError, HFCheckpoint, open_checkpoint
-from art.megatron.weights.family import Family, family_for, text_config
+from art.megatron.weights.family import Family, text_config
 from art.megatron.weights.layouts import VOCAB, Piece, TensorMap, pieces
+from art.megatron.weights.registry import family_for
 
 # Tensors some checkpoints carry that the model recomputes or shares; never loaded.
 _IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")

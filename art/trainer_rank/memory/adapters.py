@@ -1,5 +1,6 @@
-"""Resident terms of checkpoint slots: adapters loaded beside the runtime's own (trainable:
-factors, gradients, fp32 Adam state) and forward-only snapshots (factors only)."""
+"""LoRA parameters per rank, and the resident terms of checkpoint slots: adapters loaded beside
+the runtime's own (trainable: factors, gradients, fp32 Adam state) and forward-only snapshots
+(factors only)."""
 
 from __future__ import annotations
 
@@ -21,9 +22,7 @@ def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLa
     rank = lora.resident_adapter_rank or lora.rank
     if not rank or not (lora.resident_adapters or lora.resident_snapshots):
         return []
-    from art.trainer_rank.memory.model import _lora_params_per_rank
-
-    per = _lora_params_per_rank(g, replace(lora, rank=rank), layout)
+    per = lora_params_per_rank(g, replace(lora, rank=rank), layout)
     terms = []
     if lora.resident_adapters:
         n = lora.resident_adapters
@@ -35,3 +34,24 @@ def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLa
         terms.append(Term("resident snapshots (forward-only)", int(n * per * b), "resident",
                           f"{n} x {per:,} params (r={rank}) x {b} B"))
     return terms
+
+
+def lora_params_per_rank(g: ModelGeometry, lora: LoraShape, layout: ParallelLayout) -> int:
+    """LoRA parameters one rank holds for one adapter: A and B of every targeted linear, the
+    TP-split factor sliced, the other replicated."""
+    r, h, tp = lora.rank, g.hidden_size, layout.tensor_parallel
+    q = g.num_attention_heads * g.head_dim
+    kv = g.num_query_groups * g.head_dim
+    per_target = {
+        "linear_qkv": 3 * r * h + r * (q + 2 * kv) / tp,  # A replicated per projection
+        "linear_proj": r * q / tp + h * r,
+        "linear_fc1": 2 * r * h + r * 2 * g.ffn_hidden_size / tp,
+        "linear_fc2": r * g.ffn_hidden_size / tp + h * r,
+    }
+    total = 0.0
+    for i in range(g.num_layers):
+        for t in lora.target_modules:
+            if t in ("linear_qkv", "linear_proj") and g.layer_types[i] != "attention":
+                continue
+            total += per_target.get(t, 0.0)
+    return int(total)

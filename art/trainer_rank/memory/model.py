@@ -30,7 +30,7 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.adapters import resident_adapter_terms
+from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.memory.budget import AllocatorReserve
 from art.trainer_rank.memory.estimate import Estimate, Term
 from art.trainer_rank.memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
@@ -205,7 +205,7 @@ class MemoryModel:
                       f"{params / 1e9:.3f}B params/rank x {b} B (TP{tp}"
                       f"{f', PP{pp}' if pp > 1 else ''})")]
         if self.lora.rank:
-            lora_params = _lora_params_per_rank(g, self.lora, self.layout)
+            lora_params = lora_params_per_rank(g, self.lora, self.layout)
             terms.append(Term("LoRA params + grads", int(lora_params * 2 * b), "resident",
                               f"{lora_params:,} params x (param + grad) x {b} B"))
             terms.append(Term("optimizer state (LoRA, Adam)",
@@ -650,22 +650,3 @@ def _megatron_targets(targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:
     if "all-linear" in targets:
         return ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2", "in_proj", "out_proj")
     return tuple(sorted({names.get(t, t) for t in targets}))
-
-
-def _lora_params_per_rank(g: ModelGeometry, lora: LoraShape, layout: ParallelLayout) -> int:
-    r, h, tp = lora.rank, g.hidden_size, layout.tensor_parallel
-    q = g.num_attention_heads * g.head_dim
-    kv = g.num_query_groups * g.head_dim
-    per_target = {
-        "linear_qkv": 3 * r * h + r * (q + 2 * kv) / tp,  # A replicated per projection
-        "linear_proj": r * q / tp + h * r,
-        "linear_fc1": 2 * r * h + r * 2 * g.ffn_hidden_size / tp,
-        "linear_fc2": r * g.ffn_hidden_size / tp + h * r,
-    }
-    total = 0.0
-    for i in range(g.num_layers):
-        for t in lora.target_modules:
-            if t in ("linear_qkv", "linear_proj") and g.layer_types[i] != "attention":
-                continue
-            total += per_target.get(t, 0.0)
-    return int(total)
