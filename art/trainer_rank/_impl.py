@@ -59,7 +59,7 @@ from art.trainer_rank.memory.device import (
     release_memory,
 )
 from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.probing import TrainerProbe, probe_tokens_for_limit
+from art.trainer_rank.memory.probing import TrainerProbe
 from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import in_lockstep
@@ -141,17 +141,23 @@ class TrainerRank(SlotMethods):
                     policies.append(full)
                 usable = _agree.min_over_replica(device_usable_bytes(
                     next(self.model.parameters()).device, self.options.test_memory_limit_bytes))
-                tokens = probe_tokens_for_limit(
-                    self.model, provider.implementation, MemoryModel.for_provider(provider),
-                    usable)
+                # The probe runs only at sizes whose micro-batch fits the limit (what it
+                # allocates is the trainer's too), grad and no-grad separately.
                 self.probe = coefficients = TrainerProbe(
-                    provider, self.model, policies=policies, tokens=tokens,
+                    provider, self.model, policies=policies,
                     cache_dir=self.options.resolved_probe_cache_dir(),
+                    default_model=replace(MemoryModel.for_provider(provider),
+                                          head_chunk_tokens=self.options.head_chunk_tokens),
+                    usable_bytes=usable,
                 )
             # Priced with the head chunk this trainer runs, not the compute path's default.
             memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
                                    head_chunk_tokens=self.options.head_chunk_tokens)
         self.memory_model = memory_model
+        with_coefficients = getattr(memory_model, "with_coefficients", None)
+        default_memory_model = (
+            with_coefficients(None)
+            if with_coefficients is not None and memory_model.coefficients is not None else None)
         self.layout = layout
         self.implementation = provider.implementation
         self.device = next(self.model.parameters()).device
@@ -179,6 +185,7 @@ class TrainerRank(SlotMethods):
             held_output_bytes=lambda shape: held_output_bytes(
                 shape, provider.geometry, provider.dtype),
             next_tp_model=self._next_tp_model,
+            default_memory_model=default_memory_model,
             policy=AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
                 cold_start_fraction=self.options.cold_start_fraction,
@@ -220,14 +227,22 @@ class TrainerRank(SlotMethods):
         """The slot a forward without its own selection runs with (None: the base model)."""
         return self.slots.active()
 
-    def usable_limit_bytes(self) -> int:
+    def usable_limit_bytes(self, held_bytes: int = 0) -> int:
         """What the next micro-batch may use, the minimum over this replica's TP/CP ranks.
-        Under a fixed limit (the CPU virtual one) resident checkpoint slots lower it; on a GPU
-        the free memory already reflects them."""
+        Under a fixed limit (the CPU virtual one) resident checkpoint slots and `held_bytes`
+        (what the trainer allocated for this micro-batch before reading the limit: the
+        gradient snapshot) lower it; on a GPU the free memory already reflects them."""
         usable = device_usable_bytes(self.device, self.options.test_memory_limit_bytes)
         if self.options.test_memory_limit_bytes is not None:
-            usable -= self.slots.resident_bytes()
+            usable -= self.slots.resident_bytes() + held_bytes
         return _agree.min_over_replica(usable)
+
+    def _plan(self, pending: list[Item], grad: bool, usable: int) -> Plan:
+        """Admission's plan at `usable`; a head tail probed on first use while pricing it
+        measures only at sizes that fit `usable`."""
+        if self.probe is not None:
+            self.probe.usable_bytes = usable
+        return self.admission.plan_next(pending, grad, usable)
 
     def _meter(self, usable: int) -> LiveBytesMeter:
         limit = self.options.test_memory_limit_bytes
@@ -417,9 +432,22 @@ class TrainerRank(SlotMethods):
             # Megatron's unfused-attention score buffer is priced inside every micro-batch:
             # release it so it is not also counted as live before this one.
             release_score_buffer()
+            # The gradient snapshot (for a caller-backward OOM) is taken before the limit is
+            # read, so what it holds is not also offered to the micro-batch.
+            snapshot = (
+                GradSnapshot(self.model) if grad and GradSnapshot.affordable(self.model) else None
+            )
+            held = 0 if snapshot is None else snapshot.nbytes
             with self.phases.collectives(PLAN, None):
-                usable = self.usable_limit_bytes()
-                plan = self.admission.plan_next(pending, grad, usable)
+                usable = self.usable_limit_bytes(held)
+                probed = len(self.probe.probed_tails) if self.probe is not None else 0
+                plan = self._plan(pending, grad, usable)
+                if self.probe is not None and len(self.probe.probed_tails) != probed:
+                    # A head tail was probed on first use while planning (below the limit
+                    # read before it): read the limit again after it and plan with that.
+                    release_memory()
+                    usable = self.usable_limit_bytes(held)
+                    plan = self._plan(pending, grad, usable)
                 _agree.check_same_plan(
                     f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
                     f"escalate={plan.escalate} usable={usable}"
@@ -427,6 +455,7 @@ class TrainerRank(SlotMethods):
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:
+                snapshot = None
                 assert plan.error is not None
                 error = plan.error
                 attempts = max((retries.get(i, 0) for i in plan.indices), default=0)
@@ -455,7 +484,7 @@ class TrainerRank(SlotMethods):
             )
             micro_batch += 1
             outcome = yield from self._run_plan(
-                plan, grad, usable, retries, context, measure_caller=measure_caller
+                plan, grad, usable, retries, context, snapshot, measure_caller=measure_caller
             )
             if outcome is not None:  # an OOM: the items go back to the queue, smaller next time
                 oom_count += 1
@@ -487,16 +516,15 @@ class TrainerRank(SlotMethods):
         usable: int,
         retries: dict[int, int],
         context: MicroBatchContext,
+        snapshot: GradSnapshot | None,
         *,
         measure_caller: bool,
     ) -> Iterator[MicroBatch]:
         """Run and yield one plan; returns the OOM exception when it ran out of memory and the
-        replica is one rank (with several, ranks/phases.py ends the call on every rank)."""
+        replica is one rank (with several, ranks/phases.py ends the call on every rank).
+        `snapshot`: the gradients as they were before the plan (grad plans of adapters)."""
         leaves = plan.leaves
         replica = _agree.replica_size()
-        snapshot = (
-            GradSnapshot(self.model) if grad and GradSnapshot.affordable(self.model) else None
-        )
         stack = contextlib.ExitStack()
         with stack:
             if plan.escalate:

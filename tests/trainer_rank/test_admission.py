@@ -47,14 +47,16 @@ class _Estimate:
 class LinearModel:
     recompute: object = SELECTIVE
     per_tp: int = 1
+    # < 1: stands for measured (probe) coefficients below the default formulas (scale 1)
+    scale: float = 1.0
 
     def estimate(self, shape):
         grad_mode = self.recompute.mode if shape.grad_enabled else "none"
         per_token = RATE[grad_mode] if shape.grad_enabled else 20
-        return _Estimate(per_token * shape.packed_tokens // self.per_tp)
+        return _Estimate(int(per_token * shape.packed_tokens * self.scale) // self.per_tp)
 
     def with_recompute(self, recompute):
-        return LinearModel(recompute, self.per_tp)
+        return LinearModel(recompute, self.per_tp, self.scale)
 
     def max_tokens_that_fit(self, usable_bytes, *, outputs, grad_enabled, sequences=1):
         per_token = RATE[self.recompute.mode] if grad_enabled else 20
@@ -191,6 +193,21 @@ def test_decline_names_mode_prices_remedies_and_says_which_fit():
     assert "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=2" in err.suggestion
     assert err.indices_not_run == (1,)
     assert err.predicted_peak_bytes == 120_000 and err.usable_limit_bytes == 100_000
+
+
+def test_next_tp_alternative_is_priced_with_the_decisions_coefficients():
+    # The decision prices with probe coefficients 0.8x the formulas; the next TP size has
+    # only formulas: it is priced at 0.8x them too, so a TP=2 that fits is offered.
+    adm = dataclasses.replace(admission(escalate_to_full_recompute=False),
+                              memory_model=LinearModel(scale=0.8),
+                              default_memory_model=LinearModel())
+    plan = adm.plan_next(items(2500), grad=True, usable_bytes=110_000)
+    assert plan.decision == DECLINED and plan.pricing.dynamic_bytes == 200_000
+    msg = str(plan.error)
+    # formulas at TP=2: 125,000 bytes (does not fit); x0.8: 100,000 (fits)
+    assert "At TP=2 (same recompute) it would need 97.7 KiB per rank" in msg
+    assert "x0.800" in msg and "fits (if" in msg
+    assert "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=2" in plan.error.suggestion
 
 
 def test_decline_when_nothing_fits_says_so():

@@ -34,7 +34,8 @@ def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_f
                           trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT)))
     assert trainer.probe is not None and trainer.probe.probed_tails == []
     # The key TP ranks agree on before probing is the probe's own.
-    assert trainer.probe._key(trainer.probe.modes, ()) == trainer.probe.key
+    assert trainer.probe._key(trainer.probe.modes, (), trainer.probe.tokens,
+                              trainer.probe.grad_tokens) == trainer.probe.key
     # The configured policy (grad and no grad) and the full-recompute escalation policy.
     assert {mode[2:] for mode in trainer.probe.modes} >= {(True, 0), (True, 1), (False, 0)}
     mbs = list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=2, logits=False,

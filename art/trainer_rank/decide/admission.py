@@ -162,6 +162,10 @@ class Admission:
     held_output_bytes: Callable[[MicroBatchShape], int] | None = None
     next_tp_model: Callable[[], tuple[int, MemoryModelLike] | None] | None = None
     policy: AdmissionPolicy = field(default_factory=AdmissionPolicy)
+    # The default formulas at this TP size when `memory_model` prices with measured (probe)
+    # coefficients: the next TP size can only be priced by the formulas, so its price is
+    # corrected by what the probe measured against them here (see `_next_tp_dynamic`).
+    default_memory_model: MemoryModelLike | None = None
 
     def __post_init__(self) -> None:
         self.clear_caches()
@@ -464,6 +468,25 @@ class Admission:
 
     # -- the message --------------------------------------------------------------------------
 
+    def _next_tp_dynamic(self, model: MemoryModelLike, shape: MicroBatchShape
+                         ) -> tuple[int, str]:
+        """The next TP size's dynamic peak for `shape`, priced like the decision: its default
+        formulas scaled by the ratio of this TP size's price (the decision's coefficients) to
+        this TP size's default formulas for the same shape. Without a probe the ratio is 1.
+        Returns the bytes and a note for the message."""
+        estimate = model.estimate(shape)
+        reserve = int(estimate.reserve_bytes)
+        if self.default_memory_model is None:
+            return int(estimate.dynamic_bytes), ""
+        here = self._model_for(self.recompute).estimate(shape)
+        formulas = self.default_memory_model.estimate(shape)
+        formulas_model = int(formulas.dynamic_bytes) - int(formulas.reserve_bytes)
+        if formulas_model <= 0:
+            return int(estimate.dynamic_bytes), ""
+        ratio = (int(here.dynamic_bytes) - int(here.reserve_bytes)) / formulas_model
+        needed = int(round((int(estimate.dynamic_bytes) - reserve) * ratio)) + reserve
+        return needed, f" (its formulas x{ratio:.3f}, the probe's ratio to them here)"
+
     def decline_error(
         self,
         item: Item,
@@ -522,12 +545,11 @@ class Admission:
                 lines.append(f"A larger TP size: not priced ({reason}).")
             else:
                 tp, model = next_tp
-                estimate = model.estimate(shape)
-                fits = int(estimate.dynamic_bytes) <= usable_bytes
+                needed, how = self._next_tp_dynamic(model, shape)
+                fits = needed <= usable_bytes
                 lines.append(
-                    f"At TP={tp} (same recompute) it would need {gib(int(estimate.dynamic_bytes))} "
-                    f"per rank: {'fits' if fits else 'does not fit'} (if the per-rank limit is "
-                    "the same)."
+                    f"At TP={tp} (same recompute) it would need {gib(needed)} per rank{how}: "
+                    f"{'fits' if fits else 'does not fit'} (if the per-rank limit is the same)."
                 )
                 if fits:
                     remedies.append(f"set ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE={tp}")

@@ -74,6 +74,11 @@ class GradSnapshot:
                 g = getattr(p, name, None)
                 self.saved.append((p, name, None if g is None else g.detach().clone()))
 
+    @property
+    def nbytes(self) -> int:
+        """What the copies hold (the trainer lowers a fixed limit by it)."""
+        return sum(g.untyped_storage().nbytes() for _, _, g in self.saved if g is not None)
+
     @staticmethod
     def affordable(model: Any) -> bool:
         total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)

@@ -227,13 +227,17 @@ _CACHE: dict[str, ProbeCoefficients] = {}
 
 def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
               lora_rank: int, modes: Iterable[tuple[str, str]], outputs: Iterable[str],
-              tokens: tuple[int, ...], device: str) -> str:
-    payload = json.dumps({
+              tokens: tuple[int, ...], device: str,
+              grad_tokens: tuple[int, ...] | None = None) -> str:
+    fields = {
         "geometry": geometry.to_dict() | {"source": ""},
         "implementation": implementation.key, "dtype": dtype, "layout": layout.summary,
         "lora": lora_rank, "modes": sorted(set(modes)), "outputs": sorted(set(outputs)),
         "tokens": list(tokens), "device": device,
-    }, sort_keys=True, default=str)
+    }
+    if grad_tokens is not None and tuple(grad_tokens) != tuple(tokens):
+        fields["grad_tokens"] = list(grad_tokens)
+    payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
@@ -456,9 +460,13 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
           modes: Iterable[tuple[str, frozenset[str], bool, int]],
           outputs: Iterable[tuple[OutputRequest, bool]] = (),
           tokens: tuple[int, ...] | None = None, cache_dir: str | Path | None = None,
-          progress: Callable[[str], None] | None = None) -> ProbeCoefficients:
+          progress: Callable[[str], None] | None = None,
+          grad_tokens: tuple[int, ...] | None = None) -> ProbeCoefficients:
     """Probe (layer kind, selective modules, grad, full-unit layers) modes and (outputs, grad)
     tails.
+
+    `grad_tokens` (a prefix of `tokens`): the points grad modes and grad tails are measured at
+    when fewer than `tokens` fit a memory limit (a grad peak is higher than a no-grad one).
 
     Modes whose modules include ones the probe cannot switch (MoE-level) are skipped: the
     memory model falls back to its formulas for them.
@@ -480,7 +488,10 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                     layout=layout, lora_rank=lora_rank,
                     modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
                     outputs=[f"{k}:{g}" for k, _, g in tails], tokens=tokens,
-                    device=device.type)
+                    device=device.type, grad_tokens=grad_tokens)
+    points = {False: tuple(tokens), True: tuple(grad_tokens or tokens)}
+    if not set(points[True]) <= set(points[False]):
+        raise ValueError(f"grad_tokens {points[True]} must be a subset of tokens {tokens}")
     if key in _CACHE:
         return _CACHE[key]
     path = Path(cache_dir) / f"probe-{key}.json" if cache_dir else None
@@ -506,30 +517,32 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             old = _set_modes(layer, mods)
             try:
                 rows = []
-                for t in tokens:
+                at = points[grad]
+                for t in at:
                     release_score_buffer()
                     rows.append(_measure_layer(layer, per_tokens[t], inner.config.hidden_size,
                                                torch_dtype, device, grad, full_layers))
             finally:
                 _restore_modes(layer, old)
             fit = ProbedLayer(
-                kept=Fit.fit(tokens, [r["kept"] for r in rows]),
-                forward=Fit.fit(tokens, [r["forward"] for r in rows]),
-                backward=Fit.fit(tokens, [r["backward"] for r in rows]),
-                output=Fit.fit(tokens, [r["output"] for r in rows]),
+                kept=Fit.fit(at, [r["kept"] for r in rows]),
+                forward=Fit.fit(at, [r["forward"] for r in rows]),
+                backward=Fit.fit(at, [r["backward"] for r in rows]),
+                output=Fit.fit(at, [r["output"] for r in rows]),
                 saves_input=all(r["saves_input"] for r in rows),
-                largest=Fit.fit(tokens, [r["largest"] for r in rows]),
+                largest=Fit.fit(at, [r["largest"] for r in rows]),
             )
             fitted_layers.append((kind, mode_key(mods, grad, full_layers), fit))
             if progress:
                 progress(f"probed {kind} {mode_key(mods, grad, full_layers)}")
         for okey, request, grad in tails:
+            at = points[grad]
             rows = [_measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)
-                    for t in tokens]
+                    for t in at]
             fitted_tails.append((okey, grad, ProbedTail(
-                kept=Fit.fit(tokens, [r["kept"] for r in rows]),
-                forward=Fit.fit(tokens, [r["forward"] for r in rows]),
-                backward=Fit.fit(tokens, [r["backward"] for r in rows]))))
+                kept=Fit.fit(at, [r["kept"] for r in rows]),
+                forward=Fit.fit(at, [r["forward"] for r in rows]),
+                backward=Fit.fit(at, [r["backward"] for r in rows]))))
     finally:
         release_score_buffer()
         inner.train(was_training)

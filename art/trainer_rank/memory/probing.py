@@ -51,28 +51,26 @@ def _probe_tokens(model: Any, implementation: Any) -> tuple[int, ...]:
 # The fewest probe points kept however small the limit: the probe's curves need three per
 # end for their quadratics, and these four cost well under a second on the test models.
 MIN_PROBE_POINTS = 4
-# Default formulas miss real peaks by up to 26% under and 65% over (bench/RESULTS.md, section 1),
-# and a peak grows at least linearly in tokens: twice the tokens the defaults admit covers every
-# size the measured coefficients could admit at the same limit.
-PROBE_TOKENS_MARGIN = 2.0
+LOGPROBS = OutputRequest(target_logprobs=True)
 
 
 def probe_tokens_for_limit(model: Any, implementation: Any, default_memory_model: Any,
-                           usable_bytes: int) -> tuple[int, ...]:
-    """The probe's token counts, up to the first one past anything `usable_bytes` can admit.
+                           usable_bytes: int, *, grad: bool = False,
+                           outputs: OutputRequest = LOGPROBS) -> tuple[int, ...]:
+    """The probe's token counts whose whole micro-batch (priced by the default formulas for
+    `grad` and `outputs`) fits `usable_bytes`, never fewer than MIN_PROBE_POINTS.
 
-    Probing a layer at 2,048 tokens costs seconds on CPU (the unfused attention scores are
-    quadratic) and is wasted when the limit admits a few hundred tokens; sizes past the last
-    point are still priced (the probe's quadratic extrapolation), they are just never expected.
+    One layer or the head tail at t tokens holds less than the whole micro-batch at t, so
+    the probe's own peak stays under the limit the trainer runs with (to within the defaults'
+    error): probing is something the trainer allocates too. Sizes past the last point are
+    still priced, by the quadratic through the last three points; a limit that cannot admit
+    a point does not admit much beyond it either.
     """
     tokens = _probe_tokens(model, implementation)
-    bound = PROBE_TOKENS_MARGIN * max(
-        default_memory_model.max_tokens_that_fit(usable_bytes, outputs=OutputRequest(
-            target_logprobs=True), grad_enabled=grad) for grad in (True, False))
-    for i, t in enumerate(tokens):
-        if t >= bound:
-            return tokens[:max(i + 1, MIN_PROBE_POINTS)]
-    return tokens
+    bound = default_memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
+                                                     grad_enabled=grad)
+    inside = sum(1 for t in tokens if t <= bound)
+    return tokens[:max(inside, MIN_PROBE_POINTS)]
 
 
 @contextlib.contextmanager
@@ -103,11 +101,19 @@ class TrainerProbe:
 
     def __init__(self, provider: Any, model: Any, *, policies: Iterable[Any],
                  cache_dir: str | Path | None = None,
-                 tokens: tuple[int, ...] | None = None) -> None:
+                 tokens: tuple[int, ...] | None = None,
+                 default_model: Any = None, usable_bytes: int | None = None) -> None:
+        """`default_model` and `usable_bytes` (both or neither): probe only at points whose
+        micro-batch the default formulas fit in the limit (grad and no-grad separately, and
+        per output mix for the tails); the trainer updates `usable_bytes` before each plan,
+        so a tail probed on first use stays under the limit read right before it."""
         self.provider = provider
         self.model = model
         self.cache_dir = Path(cache_dir) if cache_dir else None
-        self.tokens = tokens or _probe_tokens(model, provider.implementation)
+        self.default_model = default_model
+        self.usable_bytes = usable_bytes
+        self.tokens = tokens or self._points(LOGPROBS, False)
+        self.grad_tokens = self._points(LOGPROBS, True) if tokens is None else None
         lora = getattr(provider, "lora_config", None)
         self.lora_rank = int(lora.r) if lora is not None else 0
         modes: set[Mode] = set()
@@ -115,7 +121,8 @@ class TrainerProbe:
             for grad in (True, False):
                 modes.update(probe_module.modes_for(provider.geometry, policy, grad))
         self.modes = sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
-        self.layers = self._agreed(modes=self.modes, outputs=())
+        self.layers = self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
+                                   grad_tokens=self.grad_tokens)
         self.tails: dict[tuple[str, bool], Any] = {}
         self.probed_tails: list[str] = []
 
@@ -132,7 +139,8 @@ class TrainerProbe:
                   ) -> tuple[int, int, int] | None:
         tail = self.tails.get((outputs.key, grad))
         if tail is None:
-            tail = self._agreed(modes=(), outputs=((outputs, grad),))
+            tail = self._agreed(modes=(), outputs=((outputs, grad),),
+                                tokens=self._points(outputs, grad))
             self.tails[(outputs.key, grad)] = tail
             self.probed_tails.append(f"{outputs.key}:{'grad' if grad else 'no-grad'}")
         return tail.tail_cost(outputs, grad, s)
@@ -145,9 +153,19 @@ class TrainerProbe:
         tails = tuple(t for c in self.tails.values() for t in c.tails)
         return replace(self.layers, tails=tails)
 
+    def _points(self, outputs: OutputRequest, grad: bool) -> tuple[int, ...]:
+        if self.default_model is None or self.usable_bytes is None:
+            return getattr(self, "tokens", None) or _probe_tokens(
+                self.model, self.provider.implementation)
+        return probe_tokens_for_limit(self.model, self.provider.implementation,
+                                      self.default_model, self.usable_bytes, grad=grad,
+                                      outputs=outputs)
+
     # -- probing, agreed over the replica ------------------------------------------------------
 
-    def _key(self, modes: Iterable[Mode], outputs: Iterable[tuple[OutputRequest, bool]]) -> str:
+    def _key(self, modes: Iterable[Mode], outputs: Iterable[tuple[OutputRequest, bool]],
+             tokens: tuple[int, ...] | None = None,
+             grad_tokens: tuple[int, ...] | None = None) -> str:
         # Mirrors how probe.probe() names its cache entry (same filtering of unprobeable modes).
         wanted = {m for m in modes if m[1] <= probe_module.PROBED_MODULES}
         provider = self.provider
@@ -155,12 +173,14 @@ class TrainerProbe:
             geometry=provider.geometry, implementation=provider.implementation,
             dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
             modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
-            outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=self.tokens,
+            outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
             device=next(probe_module._inner(self.model).parameters()).device.type,
+            grad_tokens=grad_tokens,
         )
 
     def _agreed(self, *, modes: Iterable[Mode],
-                outputs: Iterable[tuple[OutputRequest, bool]]) -> Any:
+                outputs: Iterable[tuple[OutputRequest, bool]], tokens: tuple[int, ...],
+                grad_tokens: tuple[int, ...] | None = None) -> Any:
         modes, outputs = list(modes), list(outputs)
         provider = self.provider
 
@@ -170,14 +190,14 @@ class TrainerProbe:
                     self.model, geometry=provider.geometry, layout=provider.layout,
                     implementation=provider.implementation, dtype=provider.dtype,
                     lora_rank=self.lora_rank, modes=modes, outputs=outputs,
-                    tokens=self.tokens, cache_dir=cache_dir)
+                    tokens=tokens, grad_tokens=grad_tokens, cache_dir=cache_dir)
 
         if _agree.replica_size() == 1:
             agreed = run(self.cache_dir)
         else:
             # Several ranks run the probe's layers together (TP collectives): all of them probe
             # or none does. A cached copy counts only when every rank of the replica has one.
-            key = self._key(modes, outputs)
+            key = self._key(modes, outputs, tokens, grad_tokens)
             path = self.cache_dir / f"probe-{key}.json" if self.cache_dir else None
             cached = key in probe_module._CACHE or (path is not None and path.is_file())
             if _agree.min_over_replica(int(cached)):
