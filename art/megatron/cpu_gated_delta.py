@@ -22,7 +22,12 @@ tokens. Arithmetic in fp32; A is rounded to k's dtype before use, as fla uses it
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,36 +35,87 @@ import torch
 CHUNK_TOKENS = 64
 
 
+@dataclass(frozen=True)
+class _Chunking:
+    """How a row of tokens is cut into chunks: each sequence (`cu_seqlens`, as fla's varlen
+    mode) is padded to whole chunks of its own, so no chunk spans two sequences."""
+
+    starts: tuple[int, ...]
+    lengths: tuple[int, ...]
+
+    @classmethod
+    def of(cls, tokens: int, cu_seqlens: torch.Tensor | None) -> _Chunking:
+        if cu_seqlens is None:
+            return cls((0,), (tokens,))
+        bounds = [int(b) for b in cu_seqlens.tolist()]
+        if bounds[0] != 0 or bounds[-1] != tokens or any(
+                b <= a for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(
+                f"cu_seqlens must rise strictly from 0 to the {tokens} tokens of the row, got "
+                f"{bounds}")
+        return cls(tuple(bounds[:-1]), tuple(b - a for a, b in zip(bounds, bounds[1:])))
+
+    def chunks(self, length: int) -> int:
+        return max(1, -(-length // CHUNK_TOKENS))
+
+    @property
+    def total_chunks(self) -> int:
+        return sum(self.chunks(n) for n in self.lengths)
+
+    @property
+    def first_chunks(self) -> frozenset[int]:
+        """The chunk index where each sequence starts (its recurrent state starts at zero)."""
+        firsts, cursor = [], 0
+        for n in self.lengths:
+            firsts.append(cursor)
+            cursor += self.chunks(n)
+        return frozenset(firsts)
+
+
 def _pad_tokens(x: torch.Tensor, total: int, edge: bool) -> torch.Tensor:
-    """Pad dim 1 (tokens) to `total` with zeros, or with the last token repeated (`edge`:
-    for the cumulated decay, whose chunk-local sum stays flat over zero-padded raw decay).
-    The padded tail comes after every real token, so causality keeps it from changing any
-    real output."""
-    pad = total - x.shape[1]
-    if pad == 0:
-        return x
-    if edge:
-        tail = x[:, -1:].expand(-1, pad, *x.shape[2:])
+    """A copy of x with dim 1 (tokens) padded to `total` with zeros, or with the last token
+    repeated (`edge`: for the cumulated decay, whose chunk-local sum stays flat over
+    zero-padded raw decay). The padded tail comes after every real token, so causality keeps
+    it from changing any real output. Always a copy, also without padding, so the working set
+    grows with the padded length alone (no cheaper case at whole chunks)."""
+    shape = list(x.shape)
+    shape[1] = total - x.shape[1]
+    if edge and shape[1]:
+        tail = x[:, -1:].expand(-1, shape[1], *x.shape[2:])
     else:
-        shape = list(x.shape)
-        shape[1] = pad
         tail = x.new_zeros(shape)
     return torch.cat([x, tail], dim=1)
 
 
-def _chunked(x: torch.Tensor, chunks: int, edge: bool = False) -> torch.Tensor:
-    """[B, T, H, ...] -> [B, H, N, C, ...] fp32, padded (differentiable)."""
-    x = _pad_tokens(x.float(), chunks * CHUNK_TOKENS, edge)
+def _chunked(x: torch.Tensor, layout: _Chunking, edge: bool = False) -> torch.Tensor:
+    """[B, T, H, ...] -> [B, H, N, C, ...] fp32, each sequence padded (differentiable)."""
+    x = x.float()
+    x = torch.cat([_pad_tokens(x[:, start:start + n], layout.chunks(n) * CHUNK_TOKENS, edge)
+                   for start, n in zip(layout.starts, layout.lengths)], dim=1)
     b, t, h = x.shape[:3]
-    x = x.reshape(b, chunks, CHUNK_TOKENS, h, *x.shape[3:])
+    x = x.reshape(b, layout.total_chunks, CHUNK_TOKENS, h, *x.shape[3:])
     return x.permute(0, 3, 1, 2, *range(4, x.dim())).contiguous()
 
 
-def _unchunked(x: torch.Tensor, tokens: int) -> torch.Tensor:
-    """[B, H, N, C, ...] -> [B, T, H, ...] (the padded tail dropped)."""
+def _unchunked(x: torch.Tensor, layout: _Chunking) -> torch.Tensor:
+    """[B, H, N, C, ...] -> [B, T, H, ...] (the padded tails dropped; may view padded
+    storage: see `_compact`)."""
     b, h, n, c = x.shape[:4]
     x = x.permute(0, 2, 3, 1, *range(4, x.dim()))
-    return x.reshape(b, n * c, h, *x.shape[4:])[:, :tokens]
+    x = x.reshape(b, n * c, h, *x.shape[4:])
+    parts, cursor = [], 0
+    for length in layout.lengths:
+        parts.append(x[:, cursor:cursor + length])
+        cursor += layout.chunks(length) * CHUNK_TOKENS
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+
+def _compact(x: torch.Tensor) -> torch.Tensor:
+    """x in storage of its own size: a view of padded storage, saved or returned, would keep
+    the padding alive (fla's tensors are [B, T, ...])."""
+    if x.untyped_storage().nbytes() > x.numel() * x.element_size() or not x.is_contiguous():
+        return x.clone(memory_format=torch.contiguous_format)
+    return x
 
 
 def _decay(g: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
@@ -78,9 +134,10 @@ def _strict_kkt(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.T
 
 
 def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, a: torch.Tensor, scale: float,
+             beta: torch.Tensor, a: torch.Tensor, scale: float, first_chunks: frozenset[int],
              want_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule from the WY inverse `a`; all [B, H, N, C, ...] fp32.
+    The recurrent state starts at zero at each of `first_chunks` (a sequence's first chunk).
     Differentiable in every input (backward rebuilds through it)."""
     b, h, n, _, dk = k.shape
     dv = v.shape[-1]
@@ -93,6 +150,8 @@ def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     state = q.new_zeros(b, h, dk, dv)
     outs = []
     for i in range(n):
+        if i and i in first_chunks:
+            state = torch.zeros_like(state)
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * g_last[:, :, i, None, None].exp() + k_to_end[:, :, i].transpose(
@@ -103,60 +162,59 @@ def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, scale: float, output_final_state: bool
+                beta: torch.Tensor, scale: float, output_final_state: bool, layout: _Chunking
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        tokens = q.shape[1]
-        chunks = max(1, -(-tokens // CHUNK_TOKENS))
-        g_cum = _chunked(g, chunks).cumsum(-1)  # chunk-local cumulative decay, fp32
-        k_c, beta_c = _chunked(k, chunks), _chunked(beta, chunks)
+        g_cum = _chunked(g, layout).cumsum(-1)  # chunk-local cumulative decay, fp32
+        k_c, beta_c = _chunked(k, layout), _chunked(beta, layout)
         eye = torch.eye(CHUNK_TOKENS)
         inverse = torch.linalg.solve_triangular(
             eye + _strict_kkt(k_c, beta_c, g_cum), eye.expand(*k_c.shape[:3], -1, -1),
             upper=False, unitriangular=True)
         # fla's solve_tril writes A in k's dtype; it is saved and used in that precision.
-        a_saved = _unchunked(inverse, tokens).to(k.dtype).contiguous()
+        a_saved = _compact(_unchunked(inverse, layout).to(k.dtype))
         del inverse
-        a_c = _chunked(a_saved, chunks)
-        out, final = _outputs(_chunked(q, chunks), k_c, _chunked(v, chunks), g_cum, beta_c,
-                              a_c, scale, output_final_state)
-        g_saved = _unchunked(g_cum, tokens).contiguous()
+        a_c = _chunked(a_saved, layout)
+        out, final = _outputs(_chunked(q, layout), k_c, _chunked(v, layout), g_cum, beta_c,
+                              a_c, scale, layout.first_chunks, output_final_state)
+        g_saved = _compact(_unchunked(g_cum, layout))
         ctx.save_for_backward(q, k, v, g_saved, beta, a_saved)
         ctx.scale = scale
+        ctx.layout = layout
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
-        return _unchunked(out, tokens).to(q.dtype).contiguous(), final
+        return _compact(_unchunked(out, layout).to(q.dtype)), final
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor | None) -> tuple:
         q, k, v, g_cum, beta, a_saved = ctx.saved_tensors
-        tokens = q.shape[1]
-        chunks = max(1, -(-tokens // CHUNK_TOKENS))
+        layout = ctx.layout
         with torch.enable_grad():
             # Rebuilt in fp32 from the saved set, as leaves; chunking happens under autograd.
             leaves = [x.detach().float().requires_grad_(True)
                       for x in (q, k, v, g_cum, beta, a_saved)]
             q_l, k_l, v_l, g_l, beta_l, a_l = leaves
-            a_c = _chunked(a_l, chunks)
+            a_c = _chunked(a_l, layout)
             out, final = _outputs(
-                _chunked(q_l, chunks), _chunked(k_l, chunks), _chunked(v_l, chunks),
-                _chunked(g_l, chunks, edge=True), _chunked(beta_l, chunks), a_c, ctx.scale,
-                d_final is not None)
-            roots, grads = [out], [_chunked(d_out, chunks)]
+                _chunked(q_l, layout), _chunked(k_l, layout), _chunked(v_l, layout),
+                _chunked(g_l, layout, edge=True), _chunked(beta_l, layout), a_c, ctx.scale,
+                layout.first_chunks, d_final is not None)
+            roots, grads = [out], [_chunked(d_out, layout)]
             if d_final is not None and final is not None:
                 roots.append(final)
                 grads.append(d_final.float())
             dq, dk, dv, dg, dbeta, da = torch.autograd.grad(roots, leaves, grads)
             # A = (I + L)^-1, so dL = -A^T dA A^T on L's strictly lower part.
-            a_det, da_c = a_c.detach(), _chunked(da, chunks)
+            a_det, da_c = a_c.detach(), _chunked(da, layout)
             d_lower = -(a_det.transpose(-1, -2) @ da_c @ a_det.transpose(-1, -2)).tril(-1)
-            lower = _strict_kkt(_chunked(k_l, chunks), _chunked(beta_l, chunks),
-                                _chunked(g_l, chunks, edge=True))
+            lower = _strict_kkt(_chunked(k_l, layout), _chunked(beta_l, layout),
+                                _chunked(g_l, layout, edge=True))
             dk2, dg2, dbeta2 = torch.autograd.grad(lower, [k_l, g_l, beta_l], d_lower)
         dk, dg, dbeta = dk + dk2, dg + dg2, dbeta + dbeta2
         # g was cumulated within each chunk: its gradient is the reverse cumulative sum.
-        dg = _chunked(dg, chunks).flip(-1).cumsum(-1).flip(-1)
-        dg = _unchunked(dg, tokens)
+        dg = _chunked(dg, layout).flip(-1).cumsum(-1).flip(-1)
+        dg = _unchunked(dg, layout)
         q_t, k_t, v_t, g_t, b_t = ctx.dtypes
-        return (dq.to(q_t), dk.to(k_t), dv.to(v_t), dg.to(g_t), dbeta.to(b_t), None, None)
+        return (dq.to(q_t), dk.to(k_t), dv.to(v_t), dg.to(g_t), dbeta.to(b_t), None, None,
+                None)
 
 
 def chunk_gated_delta_rule(
@@ -165,12 +223,20 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None, head_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's `chunk_gated_delta_rule` signature, the subset Megatron-Core 0.16.1 uses."""
-    if initial_state is not None or cu_seqlens is not None or head_first:
+    """fla's `chunk_gated_delta_rule` signature: the subset Megatron-Core 0.16.1 uses, and
+    `cu_seqlens` (fla's varlen mode: batch 1, one recurrence per sequence of the row; also
+    taken from `packed_sequences` when the caller passes none)."""
+    if initial_state is not None or head_first:
         raise ValueError(
             "the CPU gated delta rule supports what Megatron-Core 0.16.1's GatedDeltaNet "
-            "passes: no initial_state, no cu_seqlens, tokens-first layout"
+            "passes: no initial_state, tokens-first layout"
         )
+    if cu_seqlens is None:
+        cu_seqlens = _packed_cu_seqlens(q.shape[1], q.device)
+    if cu_seqlens is not None and (q.shape[0] != 1 or output_final_state):
+        raise ValueError(
+            f"cu_seqlens (packed sequences) needs batch 1 and no final state, got batch "
+            f"{q.shape[0]}, output_final_state={output_final_state}")
     if use_qk_l2norm_in_kernel:
         raise ValueError(
             "use_qk_l2norm_in_kernel=True: Megatron normalises q and k before the call; "
@@ -178,7 +244,8 @@ def chunk_gated_delta_rule(
         )
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), output_final_state)
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), output_final_state,
+                                      _Chunking.of(q.shape[1], cu_seqlens))
 
 
 class _L2Norm(torch.autograd.Function):
@@ -243,3 +310,58 @@ def apply_gated_norm(module: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.
     weight = norm.tp_weight() if hasattr(norm, "tp_weight") else norm.weight
     rows = x.reshape(-1, x.shape[-1])
     return _GatedRMSNorm.apply(rows, gate.reshape(-1, gate.shape[-1]), weight, eps)
+
+
+# The sequence lengths of the packed row the running Gated DeltaNet layer works on (None: one
+# sequence). Megatron-Core 0.16.1's GatedDeltaNet takes no cu_seqlens (it refuses
+# packed_seq_params), so the layer sets this around its forward and the two kernels that carry
+# state along the row read it: the causal conv (causal_conv1d's seq_idx on a GPU) and the
+# delta rule (fla's cu_seqlens).
+_PACKED_LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("gdn_packed_lengths",
+                                                                 default=None)
+
+
+@contextmanager
+def packed_sequences(lengths: Sequence[int] | None) -> Iterator[None]:
+    """Run the enclosed Gated DeltaNet kernels one recurrence per sequence of the row."""
+    token = _PACKED_LENGTHS.set(tuple(lengths) if lengths is not None and len(lengths) > 1
+                                else None)
+    try:
+        yield
+    finally:
+        _PACKED_LENGTHS.reset(token)
+
+
+def _packed_cu_seqlens(tokens: int, device: torch.device) -> torch.Tensor | None:
+    lengths = _PACKED_LENGTHS.get()
+    if lengths is None:
+        return None
+    if sum(lengths) != tokens:
+        raise ValueError(
+            f"the packed sequences add up to {sum(lengths)} tokens but the row holds {tokens}")
+    return torch.tensor([0, *itertools.accumulate(lengths)], device=device)
+
+
+class SegmentedCausalConv1d(torch.nn.Conv1d):
+    """The layer's depthwise causal conv; inside `packed_sequences`, each sequence gets its own
+    causal left padding, so no output mixes two sequences (what causal_conv1d's seq_idx does).
+    Returns the row's own length there (the caller's [..., :seq_len] keeps all of it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        lengths = _PACKED_LENGTHS.get()
+        if lengths is None:
+            return super().forward(x)
+        if sum(lengths) != x.shape[-1]:
+            raise ValueError(f"the packed sequences add up to {sum(lengths)} tokens but the "
+                             f"conv input holds {x.shape[-1]}")
+        width = self.kernel_size[0] - 1
+        pad = x.new_zeros(*x.shape[:-1], width)
+        pieces, spans, start, cursor = [], [], 0, 0
+        for n in lengths:
+            pieces += [pad, x[..., start:start + n]]
+            spans.append((cursor, n))  # where sequence's outputs start in y
+            start += n
+            cursor += width + n
+        y = torch.nn.functional.conv1d(torch.cat(pieces, dim=-1), self.weight, self.bias,
+                                       groups=self.groups)
+        return torch.cat([y[..., o:o + n] for o, n in spans], dim=-1)

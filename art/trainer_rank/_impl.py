@@ -170,7 +170,11 @@ class TrainerRank(SlotMethods):
             targets = [targets] if isinstance(targets, str) else sorted(targets)
             adapter = f"r{lora.r}:{','.join(targets)}"
 
-        share = shares_prefixes(provider.implementation, layout)
+        # Gated DeltaNet layers run one recurrence per sequence: a shared prefix laid out once
+        # would need its final state handed to each continuation, which they cannot take.
+        share = (shares_prefixes(provider.implementation, layout)
+                 and "linear_attention" not in provider.geometry.layer_types)
+        self.shares_prefixes = share
         self.admission = Admission(
             memory_model=memory_model,
             profiles=self.profiles,
@@ -544,7 +548,8 @@ class TrainerRank(SlotMethods):
                             lambda part, slot: run_sub_forward(
                                 self.model, [leaves[i] for i in part],
                                 implementation=self.implementation, layout=self.layout,
-                                device=self.device, groups=plan.groups(part),
+                                device=self.device,
+                                groups=plan.groups(part) if self.shares_prefixes else None,
                                 head_chunk_tokens=self.options.head_chunk_tokens,
                                 checkpoint=slot,
                             ),

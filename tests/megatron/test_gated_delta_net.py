@@ -9,9 +9,11 @@ from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 
 from art.megatron.cpu_gated_delta import (
     CHUNK_TOKENS,
+    SegmentedCausalConv1d,
     apply_gated_norm,
     chunk_gated_delta_rule,
     l2norm,
+    packed_sequences,
 )
 
 
@@ -70,6 +72,40 @@ def test_chunked_rule_keeps_fla_cores_saved_set():
     torch.testing.assert_close(g_cum[0, :CHUNK_TOKENS], g[0, :CHUNK_TOKENS].detach().cumsum(0))
     assert beta_kept.untyped_storage().data_ptr() == beta.untyped_storage().data_ptr()
     assert a.dtype == torch.bfloat16 and a.shape == (*k.shape[:3], CHUNK_TOKENS)
+
+
+def test_packed_sequences_run_one_recurrence_each():
+    """Three sequences packed in one row (fla's varlen cu_seqlens; the conv as causal_conv1d's
+    seq_idx): outputs and gradients equal running each sequence alone, and what the rule keeps
+    is [B, T, ...] in storage of its own size (no padded chunk storage kept alive, in fp32
+    too)."""
+    lengths = (70, 64, 20)
+    packed = _delta_inputs(torch.float32, 0.5, tokens=sum(lengths))
+    alone = [[x.detach()[:, a:a + n].clone().requires_grad_(True) for x in packed]
+             for a, n in zip((0, 70, 134), lengths)]
+    cu = torch.tensor([0, 70, 134, 154])
+    saved, out = _saved(lambda *a: chunk_gated_delta_rule(*a, cu_seqlens=cu)[0], *packed)
+    one, _ = _saved(lambda *a: chunk_gated_delta_rule(*a)[0], *_delta_inputs(torch.float32, 0.5))
+    for t in saved + one:
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), t.shape
+    with packed_sequences(lengths):  # how the layer hands the lengths to the kernel
+        out_ctx, _ = chunk_gated_delta_rule(*(x.detach() for x in packed))
+    torch.testing.assert_close(out_ctx, out.detach())
+    expected = torch.cat([chunk_gated_delta_rule(*xs)[0] for xs in alone], dim=1)
+    torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+    weight = torch.randn_like(out)
+    (out * weight).sum().backward()
+    (expected * weight).sum().backward()
+    for i, name in enumerate("qkvgb"):
+        torch.testing.assert_close(packed[i].grad, torch.cat([xs[i].grad for xs in alone], 1),
+                                   rtol=1e-4, atol=1e-5, msg=name)
+    conv = SegmentedCausalConv1d(6, 6, 4, groups=6, padding=3)
+    x = torch.randn(1, 6, sum(lengths))
+    with packed_sequences(lengths):
+        y = conv(x)
+    expected_conv = torch.cat([conv(x[..., a:a + n])[..., :n]
+                               for a, n in zip((0, 70, 134), lengths)], dim=-1)
+    torch.testing.assert_close(y, expected_conv)
 
 
 def test_l2norm_keeps_output_and_one_fp32_rstd_per_row():

@@ -72,3 +72,22 @@ def test_hybrid_runs_every_policy_within_an_oom_free_limit(megatron_process, pol
     assert all(ratio > 0 for ratio in ratios)
     lora_grads = [q.grad for n, q in model.named_parameters() if "lora" in n]
     assert lora_grads and all(gr is not None and torch.isfinite(gr).all() for gr in lora_grads)
+
+
+def test_packed_sequences_do_not_see_each_other_through_gated_delta_net_layers(megatron_process):
+    """Two sequences in one packed micro-batch: each one's log-probs equal running it alone
+    (Megatron's GatedDeltaNet runs a row as one sequence; the layer hands the row's sequences
+    to the conv and the delta rule)."""
+    p = _provider("none", None, None, None)
+    trainer = TrainerRank(TrainingRuntime.for_model(
+        p.build_model(seed=0), p,
+        trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT, probe_layers=False)))
+    g = torch.Generator().manual_seed(1)
+    a, b = (ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
+                         target_tokens=torch.randint(0, 256, (n,), generator=g)) for n in (70, 45))
+    with torch.no_grad():
+        together = [mb for mb in trainer.forward_micro_batches([a, b])]
+        alone = [mb for mb in trainer.forward_micro_batches([b])]
+    assert len(together) == 1 and together[0].stats.local_count == 2
+    torch.testing.assert_close(together[0].outputs[1].target_logprobs,
+                               alone[0].outputs[0].target_logprobs, rtol=1e-5, atol=1e-5)

@@ -22,6 +22,8 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
+from art.megatron.cpu_gated_delta import SegmentedCausalConv1d, packed_sequences
+
 
 class NormColumnParallelLinear(ColumnParallelLinear):
     """RMSNorm then ColumnParallelLinear: the local counterpart of TE's LayerNormLinear.
@@ -85,9 +87,26 @@ class GatedDeltaNetTP(GatedDeltaNet):
                  **kwargs: Any) -> None:
         state = torch.get_rng_state()
         super().__init__(config, submodules, *args, **kwargs)
+        # Same module and parameters; its forward keeps packed sequences apart.
+        self.conv1d.__class__ = SegmentedCausalConv1d
         if config.use_cpu_initialization and config.perform_initialization:
             torch.set_rng_state(state)
             self._initialise_full_size()
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                *args: Any, packed_seq_params: Any = None, **kwargs: Any) -> Any:
+        """Megatron's forward, one recurrence per sequence of a packed row.
+
+        Megatron-Core 0.16.1 runs the row as one sequence (and refuses `packed_seq_params`):
+        the conv and the recurrent state would carry one sequence into the next. The
+        sequences are read from the row's attention layout or mask and handed to the kernels
+        (`packed_sequences`)."""
+        lengths = packed_sequence_lengths(attention_mask, packed_seq_params)
+        if lengths is not None and len(lengths) > 1:
+            _check_segment_kernels()
+        with packed_sequences(lengths):
+            return super().forward(hidden_states, attention_mask, *args,
+                                   packed_seq_params=None, **kwargs)
 
     @torch.no_grad()
     def _initialise_full_size(self) -> None:
@@ -106,6 +125,58 @@ class GatedDeltaNetTP(GatedDeltaNet):
         out = torch.empty(self.hidden_size, v, dtype=torch.float32)
         self.config.output_layer_init_method(out)
         self.out_proj.weight.copy_(out.chunk(tp, dim=1)[rank])
+
+
+def packed_sequence_lengths(attention_mask: torch.Tensor | None, packed_seq_params: Any
+                            ) -> tuple[int, ...] | None:
+    """The lengths of the sequences packed in the row (None: one sequence, no mask).
+
+    From the attention layout when one is passed (segmented attention, THD cu_seqlens), else
+    from the block-diagonal causal mask (True = masked): a sequence starts where a token may
+    not see the one before it. A row whose tokens see more than their own sequence (a shared
+    prefix) is refused: each continuation would need the prefix's recurrent state."""
+    segments = getattr(packed_seq_params, "segments", None)
+    if segments is not None:
+        if any(segment.context for segment in segments):
+            raise ValueError(
+                "a Gated DeltaNet layer got a row with a shared prefix (a segment attends to "
+                "another's tokens); it runs one recurrence per sequence, so pack hybrid models "
+                "without shared prefixes")
+        return tuple(segment.length for segment in segments)
+    cu_seqlens = getattr(packed_seq_params, "cu_seqlens_q", None)
+    if cu_seqlens is not None:
+        bounds = cu_seqlens.tolist()
+        return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+    if attention_mask is None:
+        return None
+    mask = attention_mask.reshape(attention_mask.shape[-2], attention_mask.shape[-1])
+    rows = mask.shape[0]
+    starts = torch.zeros(rows, dtype=torch.bool, device=mask.device)
+    starts[0] = True
+    starts[1:] = mask.diagonal(-1)
+    index = torch.arange(rows, device=mask.device)
+    first = torch.cummax(torch.where(starts, index, 0), 0).values
+    if not torch.equal((~mask).sum(-1), index - first + 1):
+        raise ValueError(
+            "a Gated DeltaNet layer got an attention mask that is not block-diagonal causal "
+            "(some token sees beyond its own sequence, e.g. a shared prefix); it runs one "
+            "recurrence per sequence, so pack hybrid models without shared prefixes")
+    bounds = [*torch.nonzero(starts).flatten().tolist(), rows]
+    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+
+
+def _check_segment_kernels() -> None:
+    from megatron.core.ssm import gated_delta_net
+
+    from art.megatron import cpu_gated_delta
+
+    if (gated_delta_net.chunk_gated_delta_rule is not cpu_gated_delta.chunk_gated_delta_rule
+            or gated_delta_net.causal_conv1d_fn is not None):
+        raise ValueError(
+            "several sequences packed in one row reach a Gated DeltaNet layer whose kernels "
+            "(fla / causal_conv1d) Megatron-Core 0.16.1 calls without cu_seqlens or seq_idx; "
+            "only the CPU kernels (cpu_gated_delta) keep the sequences apart. Pack one sequence "
+            "per row")
 
 
 def gated_delta_net_spec() -> ModuleSpec:
