@@ -32,14 +32,20 @@ from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
 from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.memory.budget import AllocatorReserve
+from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
 from art.trainer_rank.memory.estimate import Estimate, Term
-from art.trainer_rank.memory.layers import FP32, Dims, LayerCost, layer_kind, price_layer
+from art.trainer_rank.memory.layers import Dims, LayerCost, layer_kind, price_layer
+from art.trainer_rank.memory.passes import (
+    backward_terms,
+    forward_pass,
+    forward_terms,
+    kept_note,
+    pre_decoder_terms,
+)
+from art.trainer_rank.memory.tail import TailCost, default_tail, largest_allocation
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 HEAD_CHUNK_TOKENS_DEFAULT = 2048
-INT64 = 8
-# The head backward's per-token side tensors: masks, clamped ids, fp32 per-token weights.
-HEAD_BOOKKEEPING_BYTES_PER_TOKEN = 32
 # LoRA training state per trainable parameter: fp32 Adam moments (2 x 4 bytes).
 ADAM_STATE_BYTES = 8
 
@@ -53,18 +59,6 @@ def default_head_chunk_tokens() -> int:
         return HEAD_CHUNK_TOKENS_DEFAULT
 
 
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.3f} GiB"
-
-
-def mode_key(modules: frozenset[str], grad: bool, full_layers: int = 0) -> str:
-    if not grad:
-        return f"nograd:full:{full_layers}" if full_layers else "nograd"
-    if full_layers:
-        return f"full:{full_layers}"
-    return "sel:" + "+".join(sorted(modules)) if modules else "none"
-
-
 @dataclass(frozen=True)
 class MemoryModel:
     geometry: ModelGeometry
@@ -73,14 +67,14 @@ class MemoryModel:
     implementation: Implementation
     lora: LoraShape
     dtype: str
-    coefficients: Any = None  # probe.ProbeCoefficients or None
+    coefficients: Coefficients | None = None  # measured by the probe; None: formulas
     alloc_conf: str | None = None
     worst_case_routing: bool = False
     head_chunk_tokens: int = 0  # 0: the compute path's HEAD_CHUNK_TOKENS
 
     def __init__(self, geometry: ModelGeometry, *, layout: ParallelLayout,
                  recompute: EffectiveRecompute, implementation: Implementation,
-                 lora: LoraShape, dtype: str, coefficients: Any = None,
+                 lora: LoraShape, dtype: str, coefficients: Coefficients | None = None,
                  alloc_conf: str | None = None, worst_case_routing: bool = False,
                  head_chunk_tokens: int = 0) -> None:
         if dtype not in DTYPE_BYTES:
@@ -101,7 +95,8 @@ class MemoryModel:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def for_provider(cls, provider: Any, *, coefficients: Any = None) -> MemoryModel:
+    def for_provider(cls, provider: Any, *, coefficients: Coefficients | None = None
+                     ) -> MemoryModel:
         import os
 
         lora_cfg = getattr(provider, "lora_config", None)
@@ -120,7 +115,7 @@ class MemoryModel:
     def with_recompute(self, recompute: EffectiveRecompute) -> MemoryModel:
         return replace(self, recompute=recompute)
 
-    def with_coefficients(self, coefficients: Any) -> MemoryModel:
+    def with_coefficients(self, coefficients: Coefficients | None) -> MemoryModel:
         return replace(self, coefficients=coefficients)
 
     # ------------------------------------------------------------------ sizes
@@ -147,7 +142,8 @@ class MemoryModel:
             return hit
         result: tuple[LayerCost, bool] | None = None
         if self.coefficients is not None:
-            cost = self.coefficients.layer_cost(kind, mode_key(modules, grad), s)
+            cost = self.coefficients.layer_cost(
+                kind, RecomputeMode(grad=grad, modules=modules).key, s)
             if cost is not None:
                 result = (cost, True)
         if result is None:
@@ -188,7 +184,8 @@ class MemoryModel:
         kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
         if len(kinds) != 1:
             return None
-        return self.coefficients.layer_cost(kinds.pop(), mode_key(frozenset(), grad, n), s)
+        return self.coefficients.layer_cost(
+            kinds.pop(), RecomputeMode(grad=grad, full_layers=n).key, s)
 
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
@@ -228,245 +225,40 @@ class MemoryModel:
         return hit
 
     def _estimate(self, batch: MicroBatchShape) -> Estimate:
-        g, b, tp, cp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel, \
-            self.layout.context_parallel
-        d = self.dims
+        g, b = self.geometry, self.dtype_bytes
         S = batch.packed_tokens
         # CP: the load-balanced split gives every rank the same share; the busiest rank
         # holds ceil(S / CP) tokens of every activation and attends to the whole sequence.
-        s = math.ceil(S / cp)
+        s = math.ceil(S / self.layout.context_parallel)
         grad = batch.grad_enabled
-        hidden_local = d.hidden_tokens(s) * g.hidden_size * b
+        hidden_local = self.dims.hidden_tokens(s) * g.hidden_size * b
         terms: list[Term] = list(self.resident_terms())
         resident = sum(t.bytes for t in terms)
-        probe_used = False
 
-        # ---- before the decoder (live through forward and backward)
-        pre: list[Term] = []
-        pre.append(Term("packed inputs", int(s * INT64 * 3), "forward",
-                        f"tokens, positions, targets: 3 x {s} x int64"))
-        unfused = self.implementation.attention == "unfused"
-        if unfused:
-            pre.append(Term("packed attention mask", int(s * S), "forward",
-                            f"bool [{s}, {S}] block-diagonal causal (local spec)"))
-            heads = g.num_attention_heads // tp
-            pre.append(Term("attention score buffer", int(heads * s * S * b), "forward",
-                            f"Megatron global memory buffer [{heads} x {s} x {S}] x {b} B; "
-                            "persists at the largest size seen, priced as new"))
-        if "attention" in g.layer_types:
-            rope_dim = g.head_dim
-            pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
-                            f"table + per-token index [{s}, {rope_dim}] fp32"))
-
-        # The compute path keeps the embedding output referenced for the whole decoder call,
-        # so it is live throughout; the first layer's saved input is that same storage.
-        pre.append(Term("embedding output", int(hidden_local), "forward",
-                        "decoder input, referenced until the decoder returns"))
-
-        layers = self._stage_layers()
-        # ---- forward through the layers
-        kept_total = 0.0
-        fwd_layers_peak = 0.0
-        fwd_peak_where = ""
-        x = hidden_local  # the embedding output, then each layer's output
-        units: list[dict[str, Any]] = []
-        i = 0
-        while i < len(layers):
-            index, lr = layers[i]
-            first = i == 0
-            x_in = 0.0 if first else x  # the first input is the embedding output (pre term)
-            if grad and lr.full_checkpoint_unit is not None:
-                n = lr.full_unit_layers
-                members = layers[i:i + n]
-                probed_unit = self._probed_unit(index, n, s)
-                if probed_unit is not None:
-                    # The probe measured this very checkpoint unit: use it as one "layer".
-                    probe_used = True
-                    peak = kept_total + x_in + probed_unit.forward
-                    if peak > fwd_layers_peak:
-                        fwd_layers_peak = peak
-                        fwd_peak_where = f"layers {index + 1}-{index + n} (no-grad run)"
-                    kept = probed_unit.kept - (x if first and probed_unit.saves_input else 0)
-                    units.append(dict(kind="layer", start=index, kept=kept, input=x,
-                                      costs=[replace(probed_unit, kept=int(kept))]))
-                    kept_total += kept
-                    x = probed_unit.output
-                    i += n
-                    continue
-                nograd = [self._layer_cost(j, frozenset(), s, False) for j, _ in members]
-                full = [self._layer_cost(j, frozenset(), s, True) for j, _ in members]
-                probe_used |= any(u for _, u in nograd + full)
-                peak = kept_total + x_in + max(c.forward for c, _ in nograd)
-                if peak > fwd_layers_peak:
-                    fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1} (no-grad run)"
-                units.append(dict(kind="full", start=index, kept=x_in, input=x,
-                                  costs=[c for c, _ in full]))
-                kept_total += x_in
-                i += n
-                continue
-            if not grad and lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
-                # Without grad Megatron still runs a full unit as one checkpoint (training
-                # mode): priced whole when the probe measured it.
-                n = lr.full_unit_layers
-                unit_cost = self._probed_unit(index, n, s, grad=False)
-                if unit_cost is not None:
-                    probe_used = True
-                    peak = kept_total + x_in + unit_cost.forward
-                    if peak > fwd_layers_peak:
-                        fwd_layers_peak = peak
-                        fwd_peak_where = f"layers {index + 1}-{index + n} (no grad)"
-                    units.append(dict(kind="layer", start=index, kept=0, input=x,
-                                      costs=[unit_cost]))
-                    x = unit_cost.output
-                    i += n
-                    continue
-                # Formulas: the unit's input stays referenced by the checkpoint while its
-                # later layers run.
-                members = layers[i:i + n]
-                costs = [self._layer_cost(j, frozenset(), s, False) for j, _ in members]
-                probe_used |= any(u for _, u in costs)
-                for k, (cost, _) in enumerate(costs):
-                    peak = kept_total + x_in + cost.forward + (x_in if k else 0.0)
-                    if peak > fwd_layers_peak:
-                        fwd_layers_peak = peak
-                        fwd_peak_where = f"layer {index + k + 1} (no grad, checkpoint unit)"
-                units.append(dict(kind="layer", start=index, kept=0, input=x,
-                                  costs=[costs[-1][0]]))
-                x = costs[-1][0].output
-                i += n
-                continue
-            modules = lr.selective_modules if grad else frozenset()
-            cost, used = self._layer_cost(index, modules, s, grad)
-            probe_used |= used
-            peak = kept_total + x_in + cost.forward
-            if peak > fwd_layers_peak:
-                fwd_layers_peak, fwd_peak_where = peak, f"layer {index + 1}"
-            kept = cost.kept - (x if first and cost.saves_input else 0)
-            units.append(dict(kind="layer", start=index, kept=kept, input=x,
-                              costs=[replace(cost, kept=int(kept))]))
-            kept_total += kept
-            x = cost.output
-            i += 1
-
-        # ---- the tail: final norm, hidden row, head, outputs, caller loss
-        tail = _tail_terms(self, batch, s, S)
-        probe_tail = None
-        if self.coefficients is not None:
-            probe_tail = self.coefficients.tail_cost(batch.outputs, grad, S)
-        if probe_tail is not None:
-            probe_used = True
-            tail_kept, tail_fwd, tail_bwd = probe_tail
-            tail_note = "probe"
-        else:
-            tail_kept, tail_fwd, tail_bwd = tail["kept"], tail["forward"], tail["backward"]
-            tail_note = tail["note"]
-
-        layer_kept_note = _kept_note(units, s)
+        pre = pre_decoder_terms(g, self.implementation, b, self.layout.tensor_parallel, s, S,
+                                hidden_local)
+        fp = forward_pass(self._stage_layers(), s, grad, hidden_local, self._layer_cost,
+                          self._probed_unit)
+        tail, tail_probed = self._tail(batch, s, S)
+        layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:
             routing = "worst-case" if self.worst_case_routing else "balanced"
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
-        if grad:
-            fwd_terms = [
-                *pre,
-                Term("layer activations kept (all layers)", int(kept_total), "forward",
-                     layer_kept_note),
-                Term("decoder output", int(x), "forward", "last layer output"),
-                Term("head + outputs (forward working set)", int(tail_fwd), "forward",
-                     tail_note),
-            ]
-            fwd_tail_peak = kept_total + x + tail_fwd
-            layer_fwd_excess = fwd_layers_peak - fwd_tail_peak
-            forward_where = "head"
-            if layer_fwd_excess > 0:
-                fwd_terms.append(Term("layer forward excess over head", int(layer_fwd_excess),
-                                      "forward", fwd_peak_where))
-                forward_where = fwd_peak_where
-        else:
-            fwd_layer_work = fwd_layers_peak - 0.0
-            tail_peak = x + tail_fwd
-            fwd_terms = [*pre]
-            if fwd_layer_work >= tail_peak:
-                fwd_terms.append(Term("largest layer working set (no grad)",
-                                      int(fwd_layer_work), "forward", fwd_peak_where))
-                forward_where = fwd_peak_where
-            else:
-                fwd_terms.append(Term("decoder output", int(x), "forward", "last layer output"))
-                fwd_terms.append(Term("head + outputs (no grad)", int(tail_fwd), "forward",
-                                      tail_note))
-                forward_where = "head"
+        fwd_terms, forward_where = forward_terms(pre, fp, tail, layer_kept_note, grad)
         forward_peak = sum(t.bytes for t in fwd_terms)
-
-        bwd_terms: list[Term] = []
-        backward_peak = 0
-        backward_where = ""
-        if grad:
-            # LoRA gradients are priced as resident (they exist from the first step on).
-            # Backward through the tail, then the layers top-down.
-            best = kept_total + x + tail_bwd
-            where = "head backward"
-            best_parts = [("layer activations kept (all layers)", kept_total, layer_kept_note),
-                          ("decoder output", x, "last layer output"),
-                          ("head + outputs + caller loss (backward)", tail_bwd, tail_note)]
-            outputs_held = tail_kept
-            below = kept_total
-            for unit in reversed(units):
-                below -= unit["kept"]
-                if unit["kind"] == "layer":
-                    cost = unit["costs"][0]
-                    peak = below + cost.kept + cost.backward + outputs_held
-                    if peak > best:
-                        best, where = peak, f"layer {unit['start'] + 1} backward"
-                        best_parts = [
-                            ("activations kept by layers below", below, ""),
-                            ("this layer's kept activations", cost.kept, ""),
-                            ("layer backward working set", cost.backward,
-                             "incoming grad, grads, rebuilt checkpoints"),
-                            ("outputs held by the caller", outputs_held, ""),
-                        ]
-                    continue
-                # A full-recompute unit: rebuild its layers with grad, then their backward.
-                costs: list[LayerCost] = unit["costs"]
-                dy = unit["input"]  # incoming gradient, the size of a hidden tensor
-                rebuilt = 0.0
-                unit_peak = 0.0
-                for k, cost in enumerate(costs):
-                    kept_k = cost.kept - (unit["input"] if k == 0 and cost.saves_input else 0)
-                    unit_peak = max(unit_peak, rebuilt + cost.forward + dy)
-                    rebuilt += kept_k
-                # Megatron's checkpoint backward holds the rebuilt unit output while it runs
-                # the backward of every layer of the unit.
-                held = costs[-1].output
-                for k in reversed(range(len(costs))):
-                    cost = costs[k]
-                    kept_k = cost.kept - (unit["input"] if k == 0 and cost.saves_input else 0)
-                    rebuilt -= kept_k
-                    unit_peak = max(unit_peak, rebuilt + kept_k + cost.backward + held)
-                peak = below + unit["kept"] + unit_peak + outputs_held
-                if peak > best:
-                    first, last = unit["start"] + 1, unit["start"] + len(costs)
-                    span = f"layer {first}" if first == last else f"layers {first}-{last}"
-                    best, where = peak, f"{span} backward (full recompute unit)"
-                    best_parts = [
-                        ("activations kept by layers below", below, "checkpoint inputs"),
-                        ("checkpoint unit input", unit["kept"], ""),
-                        ("full unit recompute + backward", unit_peak,
-                         f"{len(costs)} layer(s) rebuilt with grad + incoming grad"),
-                        ("outputs held by the caller", outputs_held, ""),
-                    ]
-            bwd_terms = [replace(t, phase="backward") for t in pre]
-            bwd_terms += [Term(n, int(v), "backward", note) for n, v, note in best_parts]
-            backward_peak = sum(t.bytes for t in bwd_terms)
-            backward_where = where
+        bwd_terms, backward_where = (backward_terms(pre, fp, tail, layer_kept_note) if grad
+                                     else ([], ""))
+        backward_peak = sum(t.bytes for t in bwd_terms)
 
         dynamic_core = max(forward_peak, backward_peak)
-        largest = _largest_allocation(self, batch, s, S)
+        largest = largest_allocation(self, batch, s, S)
         reserve = AllocatorReserve(self.implementation.device, self.alloc_conf)
         reserve_bytes = reserve.reserve_bytes(dynamic_core, largest)
         terms += fwd_terms + bwd_terms
         terms.append(Term("allocator reserve", int(reserve_bytes), "reserve",
                           reserve.describe(dynamic_core, largest)))
         source = "defaults"
-        if probe_used and self.coefficients is not None:
+        if (fp.probe_used or tail_probed) and self.coefficients is not None:
             source = f"probe:{self.coefficients.key}"
             if self.coefficients.partial_for(self.geometry):
                 source += " (+defaults for unprobed layer kinds)"
@@ -485,6 +277,16 @@ class MemoryModel:
             batch=batch,
             peak_at=peak_at,
         )
+
+    def _tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:
+        """The tail as the probe measured it for these outputs (at the whole row), else as
+        the formulas price it; and whether the probe's was used."""
+        if self.coefficients is not None:
+            probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
+            if probed is not None:
+                kept, forward, backward = probed
+                return TailCost(kept, forward, backward, "probe"), True
+        return default_tail(self, batch, s), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,
                             grad_enabled: bool, sequences: int = 1) -> int:
@@ -513,100 +315,6 @@ class MemoryModel:
             else:
                 hi = mid
         return lo
-
-
-def _default_cost(d: Dims, kind: str, modules: frozenset[str], s: int, grad: bool,
-                  worst_case_routing: bool) -> LayerCost:
-    return price_layer(d, kind, modules, s, grad=grad, worst_case_routing=worst_case_routing)
-
-
-def _kept_note(units: list[dict[str, Any]], s: int) -> str:
-    counts: dict[str, list[float]] = {}
-    for unit in units:
-        label = "full checkpoint inputs" if unit["kind"] == "full" else "layers"
-        counts.setdefault(label, []).append(unit["kept"])
-    parts = []
-    for label, values in counts.items():
-        per_tok = sum(values) / len(values) / max(1, s)
-        parts.append(f"{len(values)} {label} x {per_tok / 1024:.2f} KiB/tok avg")
-    return "; ".join(parts) + f" x {s} tok"
-
-
-def _tail_terms(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> dict[str, Any]:
-    """Default pricing of final norm + head + outputs + caller loss, read from P's head.
-
-    `kept`: what stays live through the layers' backward (the hidden row the caller's frame
-    holds, the requested outputs); `forward` / `backward`: peaks above the decoder output.
-    """
-    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
-    out = batch.outputs
-    grad = batch.grad_enabled
-    rows = s  # the decoder output is gathered to the full row on every TP rank
-    hidden_row = rows * g.hidden_size * b
-    # The final norm's weight is frozen, so its multiply keeps nothing: the inverse rms per
-    # row, plus torch's fp32 upcast of the input in low precision.
-    norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
-                                   if model.implementation.norm == "torch" and b < FP32 else 0)
-    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
-    vocab_local = g.vocab_size / tp
-    chunk = min(model.head_chunk_tokens, rows)
-    # One chunk: [chunk, vocab/TP] logits in the model dtype, upcast to fp32 (a copy only in
-    # low precision; shift and exp run in place on it); top-k: the shard's values and ids,
-    # gathered over TP, their top-k and the ids gathered at it.
-    upcast = chunk * vocab_local * FP32 if b < FP32 else 0.0
-    top_k = chunk * out.top_k * ((FP32 + INT64) * (tp + 1) + INT64)
-    chunk_fwd = chunk * vocab_local * b + upcast + top_k if uses_head else 0.0
-    held = hidden_row
-    if out.target_logprobs:
-        held += rows * FP32
-    if out.top_k:
-        held += rows * out.top_k * (FP32 + INT64)
-    if out.logits:
-        held += rows * g.vocab_size * FP32
-    saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
-    bookkeeping = rows * HEAD_BOOKKEEPING_BYTES_PER_TOKEN if uses_head else 0.0
-    forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
-    note = f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}"
-    backward = 0.0
-    if grad:
-        caller = 0.0
-        if out.hidden_states:
-            # The caller's fp32 mean-square: an fp32 copy (low precision) and its gradient.
-            caller = rows * g.hidden_size * FP32 * (2 if b < FP32 else 1)
-            forward += rows * g.hidden_size * FP32 if b < FP32 else 0.0
-        if out.logits:
-            caller += rows * g.vocab_size * FP32
-        # Head backward, per chunk: the logits rebuilt (the softmax and its gradient run in
-        # place on them; in low precision an fp32 copy and the gradient cast back for the
-        # matmul), the chunk's input gradient; plus the zero-initialised gradient of the whole
-        # hidden row and per-token bookkeeping (target masks, clamped ids, fp32 weights).
-        low = FP32 + b if b < FP32 else 0
-        chunk_bwd = (chunk * vocab_local * (b + low) + chunk * g.hidden_size * b
-                     if uses_head else 0.0)
-        # The caller's gradient of the top-k log-probs and its fp32 sum over k.
-        top_k_grads = rows * out.top_k * FP32 * 2
-        grads = hidden_row + bookkeeping + top_k_grads
-        backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
-    return {"kept": held, "forward": forward, "backward": backward, "note": note}
-
-
-def d_hidden_local(model: MemoryModel, s: int) -> float:
-    return model.dims.hidden_tokens(s) * model.geometry.hidden_size * model.dtype_bytes
-
-
-def _largest_allocation(model: MemoryModel, batch: MicroBatchShape, s: int, S: int) -> int:
-    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
-    sizes = [s * g.hidden_size * b]
-    out = batch.outputs
-    if out.target_logprobs or out.top_k or out.logits:
-        chunk = min(model.head_chunk_tokens, s)
-        sizes.append(chunk * g.vocab_size / tp * FP32)
-    if out.logits:
-        sizes.append(s * g.vocab_size * FP32)
-    if model.implementation.attention == "unfused":
-        sizes.append(g.num_attention_heads / tp * s * S * FP32)
-    sizes.append(s * 2 * g.ffn_hidden_size / tp * b)
-    return int(max(sizes))
 
 
 def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:

@@ -38,9 +38,9 @@ import torch
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory.coefficients import RecomputeMode
 from art.trainer_rank.memory.layers import LayerCost, layer_kind
 from art.trainer_rank.memory.measure import meter_for, release_score_buffer
-from art.trainer_rank.memory.model import mode_key
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -486,7 +486,8 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     tails = sorted({(o.key, o, g) for o, g in outputs}, key=lambda t: (t[0], t[2]))
     key = cache_key(geometry=geometry, implementation=implementation, dtype=dtype,
                     layout=layout, lora_rank=lora_rank,
-                    modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
+                    modes=[(k, RecomputeMode(grad=g, modules=m, full_layers=n).key)
+                   for k, m, g, n in wanted],
                     outputs=[f"{k}:{g}" for k, _, g in tails], tokens=tokens,
                     device=device.type, grad_tokens=grad_tokens)
     points = {False: tuple(tokens), True: tuple(grad_tokens or tokens)}
@@ -532,9 +533,10 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 saves_input=all(r["saves_input"] for r in rows),
                 largest=Fit.fit(at, [r["largest"] for r in rows]),
             )
-            fitted_layers.append((kind, mode_key(mods, grad, full_layers), fit))
+            mode = RecomputeMode(grad=grad, modules=mods, full_layers=full_layers)
+            fitted_layers.append((kind, mode.key, fit))
             if progress:
-                progress(f"probed {kind} {mode_key(mods, grad, full_layers)}")
+                progress(f"probed {kind} {mode.key}")
         for okey, request, grad in tails:
             at = points[grad]
             rows = [_measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)

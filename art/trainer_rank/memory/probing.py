@@ -30,8 +30,8 @@ import torch
 
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory import probe as probe_module
+from art.trainer_rank.memory.coefficients import RecomputeMode
 from art.trainer_rank.memory.layers import LayerCost
-from art.trainer_rank.memory.model import mode_key
 from art.trainer_rank.ranks import agree as _agree
 
 Mode = tuple[str, frozenset[str], bool, int]
@@ -172,7 +172,8 @@ class TrainerProbe:
         return probe_module.cache_key(
             geometry=provider.geometry, implementation=provider.implementation,
             dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
-            modes=[(k, mode_key(m, g, n)) for k, m, g, n in wanted],
+            modes=[(k, RecomputeMode(grad=g, modules=m, full_layers=n).key)
+                   for k, m, g, n in wanted],
             outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
             device=next(probe_module._inner(self.model).parameters()).device.type,
             grad_tokens=grad_tokens,

@@ -1,0 +1,249 @@
+"""The chain composition's term builders: what lives before the decoder, the forward pass
+through the layers of the busiest stage, the forward peak's terms, and the backward pass from
+the top. MemoryModel.estimate sums what they return (see model.py for the chain)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.implementation import Implementation
+from art.megatron.recompute import LayerRecompute
+from art.trainer_rank.memory.estimate import Term
+from art.trainer_rank.memory.layers import FP32, LayerCost
+from art.trainer_rank.memory.tail import INT64, TailCost
+
+# (layer index, selective modules, tokens, grad) -> (cost, whether the probe measured it)
+LayerPricer = Callable[[int, frozenset[str], int, bool], tuple[LayerCost, bool]]
+# (first layer index, layers in the unit, tokens, grad) -> the probe's cost of the whole unit
+UnitPricer = Callable[..., LayerCost | None]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One step of the forward chain, in the order the backward undoes it: a layer (or a
+    checkpoint unit the probe measured as one), or a full-recompute unit whose layers are
+    rebuilt with grad in the backward (`full`)."""
+
+    full: bool
+    start: int  # index of its first layer
+    kept: float  # what it keeps for backward (a full unit: its input)
+    input: float  # its input's bytes (a full unit: also the incoming gradient's)
+    costs: tuple[LayerCost, ...]
+
+
+@dataclass
+class ForwardPass:
+    units: list[Unit] = field(default_factory=list)
+    kept_total: float = 0.0  # kept by all layers when the decoder returns
+    peak: float = 0.0  # the layers' forward peak (above the pre-decoder terms)
+    peak_where: str = ""
+    output: float = 0.0  # the decoder output's bytes
+    probe_used: bool = False
+
+    def reach(self, peak: float, where: str) -> None:
+        if peak > self.peak:
+            self.peak, self.peak_where = peak, where
+
+
+def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, tp: int,
+                      s: int, S: int, hidden_local: float) -> list[Term]:
+    """Live through forward and backward: packed inputs, the unfused mask and score buffer,
+    the rotary table, the embedding output."""
+    pre = [Term("packed inputs", int(s * INT64 * 3), "forward",
+                f"tokens, positions, targets: 3 x {s} x int64")]
+    if implementation.attention == "unfused":
+        pre.append(Term("packed attention mask", int(s * S), "forward",
+                        f"bool [{s}, {S}] block-diagonal causal (local spec)"))
+        heads = g.num_attention_heads // tp
+        pre.append(Term("attention score buffer", int(heads * s * S * b), "forward",
+                        f"Megatron global memory buffer [{heads} x {s} x {S}] x {b} B; "
+                        "persists at the largest size seen, priced as new"))
+    if "attention" in g.layer_types:
+        rope_dim = g.head_dim
+        pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
+                        f"table + per-token index [{s}, {rope_dim}] fp32"))
+    # The compute path keeps the embedding output referenced for the whole decoder call,
+    # so it is live throughout; the first layer's saved input is that same storage.
+    pre.append(Term("embedding output", int(hidden_local), "forward",
+                    "decoder input, referenced until the decoder returns"))
+    return pre
+
+
+def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
+                 hidden_local: float, layer_cost: LayerPricer,
+                 probed_unit: UnitPricer) -> ForwardPass:
+    """Layer i starts with what layers < i kept plus its input and peaks at its `forward`
+    above that; a full-recompute unit keeps only its input and runs its layers without grad."""
+    fp = ForwardPass(output=hidden_local)  # the embedding output, then each layer's output
+    i = 0
+    while i < len(layers):
+        index, lr = layers[i]
+        first = i == 0
+        x = fp.output
+        x_in = 0.0 if first else x  # the first input is the embedding output (pre term)
+        if grad and lr.full_checkpoint_unit is not None:
+            n = lr.full_unit_layers
+            members = layers[i:i + n]
+            unit_cost = probed_unit(index, n, s)
+            if unit_cost is not None:
+                # The probe measured this very checkpoint unit: use it as one "layer".
+                fp.probe_used = True
+                fp.reach(fp.kept_total + x_in + unit_cost.forward,
+                         f"layers {index + 1}-{index + n} (no-grad run)")
+                kept = unit_cost.kept - (x if first and unit_cost.saves_input else 0)
+                fp.units.append(Unit(False, index, kept, x, (replace(unit_cost, kept=int(kept)),)))
+                fp.kept_total += kept
+                fp.output = unit_cost.output
+                i += n
+                continue
+            nograd = [layer_cost(j, frozenset(), s, False) for j, _ in members]
+            full = [layer_cost(j, frozenset(), s, True) for j, _ in members]
+            fp.probe_used |= any(u for _, u in nograd + full)
+            fp.reach(fp.kept_total + x_in + max(c.forward for c, _ in nograd),
+                     f"layer {index + 1} (no-grad run)")
+            fp.units.append(Unit(True, index, x_in, x, tuple(c for c, _ in full)))
+            fp.kept_total += x_in
+            i += n
+            continue
+        if not grad and lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
+            # Without grad Megatron still runs a full unit as one checkpoint (training
+            # mode): priced whole when the probe measured it.
+            n = lr.full_unit_layers
+            unit_cost = probed_unit(index, n, s, grad=False)
+            if unit_cost is not None:
+                fp.probe_used = True
+                fp.reach(fp.kept_total + x_in + unit_cost.forward,
+                         f"layers {index + 1}-{index + n} (no grad)")
+                fp.units.append(Unit(False, index, 0, x, (unit_cost,)))
+                fp.output = unit_cost.output
+                i += n
+                continue
+            # Formulas: the unit's input stays referenced by the checkpoint while its
+            # later layers run.
+            members = layers[i:i + n]
+            costs = [layer_cost(j, frozenset(), s, False) for j, _ in members]
+            fp.probe_used |= any(u for _, u in costs)
+            for k, (cost, _) in enumerate(costs):
+                fp.reach(fp.kept_total + x_in + cost.forward + (x_in if k else 0.0),
+                         f"layer {index + k + 1} (no grad, checkpoint unit)")
+            fp.units.append(Unit(False, index, 0, x, (costs[-1][0],)))
+            fp.output = costs[-1][0].output
+            i += n
+            continue
+        modules = lr.selective_modules if grad else frozenset()
+        cost, used = layer_cost(index, modules, s, grad)
+        fp.probe_used |= used
+        fp.reach(fp.kept_total + x_in + cost.forward, f"layer {index + 1}")
+        kept = cost.kept - (x if first and cost.saves_input else 0)
+        fp.units.append(Unit(False, index, kept, x, (replace(cost, kept=int(kept)),)))
+        fp.kept_total += kept
+        fp.output = cost.output
+        i += 1
+    return fp
+
+
+def kept_note(units: list[Unit], s: int) -> str:
+    counts: dict[str, list[float]] = {}
+    for unit in units:
+        label = "full checkpoint inputs" if unit.full else "layers"
+        counts.setdefault(label, []).append(unit.kept)
+    parts = []
+    for label, values in counts.items():
+        per_tok = sum(values) / len(values) / max(1, s)
+        parts.append(f"{len(values)} {label} x {per_tok / 1024:.2f} KiB/tok avg")
+    return "; ".join(parts) + f" x {s} tok"
+
+
+def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str,
+                  grad: bool) -> tuple[list[Term], str]:
+    """The forward peak as terms, and where it is. With grad: everything kept, the decoder
+    output and the head's working set, plus how far a layer's own peak rises above that.
+    Without grad nothing is kept: the larger of one layer's working set and the head's."""
+    x = fp.output
+    if grad:
+        terms = [
+            *pre,
+            Term("layer activations kept (all layers)", int(fp.kept_total), "forward",
+                 layer_kept_note),
+            Term("decoder output", int(x), "forward", "last layer output"),
+            Term("head + outputs (forward working set)", int(tail.forward), "forward",
+                 tail.note),
+        ]
+        layer_excess = fp.peak - (fp.kept_total + x + tail.forward)
+        if layer_excess > 0:
+            terms.append(Term("layer forward excess over head", int(layer_excess), "forward",
+                              fp.peak_where))
+            return terms, fp.peak_where
+        return terms, "head"
+    if fp.peak >= x + tail.forward:
+        return [*pre, Term("largest layer working set (no grad)", int(fp.peak), "forward",
+                           fp.peak_where)], fp.peak_where
+    return [*pre, Term("decoder output", int(x), "forward", "last layer output"),
+            Term("head + outputs (no grad)", int(tail.forward), "forward", tail.note)], "head"
+
+
+def _full_unit_peak(unit: Unit) -> float:
+    """A full-recompute unit's backward: its layers rebuilt with grad, then their backward
+    while Megatron's checkpoint holds the rebuilt unit output."""
+    costs = unit.costs
+    dy = unit.input  # incoming gradient, the size of a hidden tensor
+    rebuilt = 0.0
+    peak = 0.0
+    for k, cost in enumerate(costs):
+        kept_k = cost.kept - (unit.input if k == 0 and cost.saves_input else 0)
+        peak = max(peak, rebuilt + cost.forward + dy)
+        rebuilt += kept_k
+    held = costs[-1].output
+    for k in reversed(range(len(costs))):
+        cost = costs[k]
+        kept_k = cost.kept - (unit.input if k == 0 and cost.saves_input else 0)
+        rebuilt -= kept_k
+        peak = max(peak, rebuilt + kept_k + cost.backward + held)
+    return peak
+
+
+def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str
+                   ) -> tuple[list[Term], str]:
+    """The backward peak as terms, and where it is: the head's backward, then each layer
+    top-down at its `backward` above what it and the layers below keep. LoRA gradients are
+    priced as resident (they exist from the first step on)."""
+    best = fp.kept_total + fp.output + tail.backward
+    where = "head backward"
+    parts = [("layer activations kept (all layers)", fp.kept_total, layer_kept_note),
+             ("decoder output", fp.output, "last layer output"),
+             ("head + outputs + caller loss (backward)", tail.backward, tail.note)]
+    outputs_held = tail.kept
+    below = fp.kept_total
+    for unit in reversed(fp.units):
+        below -= unit.kept
+        if not unit.full:
+            cost = unit.costs[0]
+            peak = below + cost.kept + cost.backward + outputs_held
+            if peak > best:
+                best, where = peak, f"layer {unit.start + 1} backward"
+                parts = [
+                    ("activations kept by layers below", below, ""),
+                    ("this layer's kept activations", cost.kept, ""),
+                    ("layer backward working set", cost.backward,
+                     "incoming grad, grads, rebuilt checkpoints"),
+                    ("outputs held by the caller", outputs_held, ""),
+                ]
+            continue
+        unit_peak = _full_unit_peak(unit)
+        peak = below + unit.kept + unit_peak + outputs_held
+        if peak > best:
+            first, last = unit.start + 1, unit.start + len(unit.costs)
+            span = f"layer {first}" if first == last else f"layers {first}-{last}"
+            best, where = peak, f"{span} backward (full recompute unit)"
+            parts = [
+                ("activations kept by layers below", below, "checkpoint inputs"),
+                ("checkpoint unit input", unit.kept, ""),
+                ("full unit recompute + backward", unit_peak,
+                 f"{len(unit.costs)} layer(s) rebuilt with grad + incoming grad"),
+                ("outputs held by the caller", outputs_held, ""),
+            ]
+    terms = [replace(t, phase="backward") for t in pre]
+    terms += [Term(n, int(v), "backward", note) for n, v, note in parts]
+    return terms, where

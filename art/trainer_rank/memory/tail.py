@@ -1,0 +1,110 @@
+"""Default pricing of the chain's tail (final norm, chunked vocab head, requested outputs, the
+caller's loss and its backward) and of the largest single allocation of a micro-batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._request import MicroBatchShape
+from art.trainer_rank.memory.layers import FP32
+
+INT64 = 8
+# The head backward's per-token side tensors: masks, clamped ids, fp32 per-token weights.
+HEAD_BOOKKEEPING_BYTES_PER_TOKEN = 32
+
+
+class PricedModel(Protocol):
+    """What the tail's pricing reads of a memory model."""
+
+    geometry: ModelGeometry
+    layout: ParallelLayout
+    implementation: Implementation
+    head_chunk_tokens: int
+
+    @property
+    def dtype_bytes(self) -> int: ...
+
+
+@dataclass(frozen=True)
+class TailCost:
+    """`kept`: what stays live through the layers' backward (the hidden row the caller's frame
+    holds, the requested outputs); `forward` / `backward`: peaks above the decoder output."""
+
+    kept: float
+    forward: float
+    backward: float
+    note: str
+
+
+def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost:
+    """Final norm + head + outputs + caller loss, priced from the compute path's head."""
+    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
+    out = batch.outputs
+    grad = batch.grad_enabled
+    rows = s  # the decoder output is gathered to the full row on every TP rank
+    hidden_row = rows * g.hidden_size * b
+    # The final norm's weight is frozen, so its multiply keeps nothing: the inverse rms per
+    # row, plus torch's fp32 upcast of the input in low precision.
+    norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
+                                   if model.implementation.norm == "torch" and b < FP32 else 0)
+    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
+    vocab_local = g.vocab_size / tp
+    chunk = min(model.head_chunk_tokens, rows)
+    # One chunk: [chunk, vocab/TP] logits in the model dtype, upcast to fp32 (a copy only in
+    # low precision; shift and exp run in place on it); top-k: the shard's values and ids,
+    # gathered over TP, their top-k and the ids gathered at it.
+    upcast = chunk * vocab_local * FP32 if b < FP32 else 0.0
+    top_k = chunk * out.top_k * ((FP32 + INT64) * (tp + 1) + INT64)
+    chunk_fwd = chunk * vocab_local * b + upcast + top_k if uses_head else 0.0
+    held = hidden_row
+    if out.target_logprobs:
+        held += rows * FP32
+    if out.top_k:
+        held += rows * out.top_k * (FP32 + INT64)
+    if out.logits:
+        held += rows * g.vocab_size * FP32
+    saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
+    bookkeeping = rows * HEAD_BOOKKEEPING_BYTES_PER_TOKEN if uses_head else 0.0
+    forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
+    note = f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}"
+    backward = 0.0
+    if grad:
+        caller = 0.0
+        if out.hidden_states:
+            # The caller's fp32 mean-square: an fp32 copy (low precision) and its gradient.
+            caller = rows * g.hidden_size * FP32 * (2 if b < FP32 else 1)
+            forward += rows * g.hidden_size * FP32 if b < FP32 else 0.0
+        if out.logits:
+            caller += rows * g.vocab_size * FP32
+        # Head backward, per chunk: the logits rebuilt (the softmax and its gradient run in
+        # place on them; in low precision an fp32 copy and the gradient cast back for the
+        # matmul), the chunk's input gradient; plus the zero-initialised gradient of the whole
+        # hidden row and per-token bookkeeping (target masks, clamped ids, fp32 weights).
+        low = FP32 + b if b < FP32 else 0
+        chunk_bwd = (chunk * vocab_local * (b + low) + chunk * g.hidden_size * b
+                     if uses_head else 0.0)
+        # The caller's gradient of the top-k log-probs and its fp32 sum over k.
+        top_k_grads = rows * out.top_k * FP32 * 2
+        grads = hidden_row + bookkeeping + top_k_grads
+        backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
+    return TailCost(kept=held, forward=forward, backward=backward, note=note)
+
+
+def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:
+    """The largest single tensor of the micro-batch (what the allocator reserve must fit)."""
+    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
+    sizes = [s * g.hidden_size * b]
+    out = batch.outputs
+    if out.target_logprobs or out.top_k or out.logits:
+        chunk = min(model.head_chunk_tokens, s)
+        sizes.append(chunk * g.vocab_size / tp * FP32)
+    if out.logits:
+        sizes.append(s * g.vocab_size * FP32)
+    if model.implementation.attention == "unfused":
+        sizes.append(g.num_attention_heads / tp * s * S * FP32)
+    sizes.append(s * 2 * g.ffn_hidden_size / tp * b)
+    return int(max(sizes))
