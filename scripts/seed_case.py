@@ -50,7 +50,7 @@ such public config exists, so the shipped `Qwen3.5-27B` config is used):
 
 
 def estimate(tp: int, mode: str) -> dict:
-    from art.trainer_rank._cli import main
+    from art.trainer_rank.cli.main import main
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):

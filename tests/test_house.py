@@ -31,8 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # the trainer's knobs and the orchestrator
     ("art.trainer_rank._options", "art.trainer_rank._impl"),
     # the public API and the command line
-    ("art.trainer_rank._cli", "art.trainer_rank._plan", "art.trainer_rank.__main__",
-     "art.trainer_rank"),
+    ("art.trainer_rank.cli", "art.trainer_rank.__main__", "art.trainer_rank"),
 )
 
 

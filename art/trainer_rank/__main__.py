@@ -1,7 +1,7 @@
-"""`python -m art.trainer_rank estimate ...` (see _cli.py)."""
+"""`python -m art.trainer_rank estimate | plan` (the parser is in cli/main.py)."""
 
 import sys
 
-from art.trainer_rank._cli import main
+from art.trainer_rank.cli.main import main
 
 sys.exit(main())

@@ -8,7 +8,8 @@ import sys
 
 import pytest
 
-from art.trainer_rank._cli import main, parse_size_bytes
+from art.trainer_rank.cli.args import parse_size_bytes
+from art.trainer_rank.cli.main import main
 
 GIB = 2**30
 SEED = ["--model", "Qwen3.5-27B", "--sequences", "16355,16355", "--outputs", "hidden_states",

@@ -9,8 +9,10 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
-from art.trainer_rank._cli import main as cli_main
-from art.trainer_rank._plan import (
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.cli.main import main as cli_main
+from art.trainer_rank.cli.plan import plot_plan
+from art.trainer_rank.cli.planner import (
     GIB,
     GPU_MEMORY_GIB,
     POLICIES,
@@ -19,10 +21,8 @@ from art.trainer_rank._plan import (
     max_packed_tokens,
     memory_model_for,
     plan,
-    plot_plan,
     scaled_batch,
 )
-from art.trainer_rank._request import MicroBatchShape, OutputRequest
 
 from _tiny import tiny_dense
 

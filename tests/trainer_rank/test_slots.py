@@ -212,8 +212,8 @@ def test_resident_slots_are_priced_as_the_store_holds_them(megatron_process, tmp
     """The estimate's resident-adapter terms equal what the store really keeps resident (a
     trainable slot: factors + grads + fp32 master + 2 moments; a snapshot: factors), and
     `plan` prices them per cell."""
-    from art.trainer_rank._plan import plan
     from art.trainer_rank._request import LoraShape, MicroBatchShape
+    from art.trainer_rank.cli.planner import plan
     from art.trainer_rank.memory.model import MemoryModel
 
     a = _adapter(tmp_path, "a", 1)

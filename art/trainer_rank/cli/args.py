@@ -1,0 +1,119 @@
+"""The command line's shared flags: the model, one micro-batch (sequences, shared prefix,
+outputs, grad), LoRA and resident checkpoint slots; memory sizes with units."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from typing import Any
+
+from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_UNITS = {"": 2**30, "gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6,
+          "tib": 2**40, "tb": 10**12, "b": 1}
+
+
+def parse_size_bytes(text: str) -> int:
+    """'107.192GB' -> bytes (decimal), '141GiB' or '141' -> bytes (binary GiB)."""
+    match = _SIZE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"memory size {text!r} is not a number with an optional unit (GiB, GB, MiB, MB); "
+            "a bare number means GiB"
+        )
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _lengths(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"--sequences takes a comma list of token counts, got {text!r}"
+        ) from exc
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"--sequences needs lengths >= 1, got {text!r}")
+    return values
+
+
+def add_workload_arguments(p: argparse.ArgumentParser) -> None:
+    """The micro-batch and model flags that `estimate` and `plan` share."""
+    p.add_argument("--model", required=True,
+                   help="shipped model name (e.g. Qwen3.5-27B) or a config.json / checkpoint path")
+    batch = p.add_mutually_exclusive_group(required=True)
+    batch.add_argument("--sequences", type=_lengths,
+                       help="packed sequence lengths in tokens, comma separated")
+    batch.add_argument("--tokens", type=int, help="one sequence of this many tokens")
+    p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
+                   help="the --sequences are one group (a prompt's rollouts) sharing their first "
+                        "TOKENS tokens: the packed row holds them once (prefix-tree packing)")
+    p.add_argument("--packed-tokens", type=int, default=0,
+                   help="tokens in the packed row when it differs from the sum (prefer "
+                        "--shared-prefix, which derives it from the group's shape)")
+    p.add_argument("--outputs", default="logprobs",
+                   help="requested outputs, e.g. logprobs,top_k=20,hidden_states "
+                        "(default logprobs)")
+    p.add_argument("--no-grad", action="store_true", help="a scoring forward (no backward)")
+    p.add_argument("--lora-rank", type=int, default=1, help="LoRA rank (0: no adapter)")
+    p.add_argument("--resident-adapters", type=int, default=0,
+                   help="trainable checkpoint slots loaded beside the runtime's adapter")
+    p.add_argument("--resident-snapshots", type=int, default=0,
+                   help="forward-only checkpoint snapshots resident")
+    p.add_argument("--resident-adapter-rank", type=int, default=0,
+                   help="LoRA rank of the resident slots (default: --lora-rank)")
+    p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
+                   help="flash: Transformer Engine spec, cu_seqlens, no s^2 term (GPU); "
+                        "unfused: local spec with s^2 scores and a bool mask")
+    p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
+
+
+def workload_batch(args: argparse.Namespace) -> MicroBatchShape:
+    """The MicroBatchShape the workload flags describe: a group of --sequences sharing
+    --shared-prefix tokens packs to sum - (n - 1) x prefix tokens (the prefix once)."""
+    lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
+    prefix = getattr(args, "shared_prefix", 0) or 0
+    if args.packed_tokens < 0:
+        raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
+    if prefix < 0 or prefix > min(lengths):
+        raise ValueError(
+            f"--shared-prefix must be between 0 and the shortest sequence ({min(lengths)} "
+            f"tokens), got {prefix}"
+        )
+    packed = args.packed_tokens
+    if prefix:
+        if len(lengths) < 2:
+            raise ValueError("--shared-prefix needs a group: give --sequences with 2 or more")
+        shared = sum(lengths) - (len(lengths) - 1) * prefix
+        if packed and packed != shared:
+            raise ValueError(
+                f"--packed-tokens {packed} contradicts --shared-prefix {prefix} ({len(lengths)} "
+                f"sequences of {sum(lengths)} tokens pack to {shared}); give one of them"
+            )
+        packed = shared
+    return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
+                           grad_enabled=not args.no_grad, padded_tokens=packed)
+
+
+def shared_prefix_caveat(args: argparse.Namespace, device: str) -> str | None:
+    """The warning that a --shared-prefix row is one TrainerRank packs only on CPU: the
+    packed-layout attention refuses CUDA tensors, so on a GPU each rollout is packed in full
+    and the shared row's price is below what would run."""
+    prefix = getattr(args, "shared_prefix", 0) or 0
+    if not prefix or device != "cuda" or not args.sequences:
+        return None
+    full = sum(args.sequences)
+    return (
+        f"note: --shared-prefix {prefix} prices the prefix-tree row; on a GPU this build packs "
+        f"every rollout in full ({full} tokens), since its packed-layout attention runs on CPU "
+        f"only. For what TrainerRank runs on a GPU, drop --shared-prefix (or pass "
+        f"--packed-tokens {full})."
+    )
+
+
+def lora_shape_from_args(args: Any) -> LoraShape:
+    """The LoraShape of --lora-rank and the resident checkpoint slots."""
+    return LoraShape(rank=max(args.lora_rank, 0),
+                     resident_adapters=getattr(args, "resident_adapters", 0),
+                     resident_snapshots=getattr(args, "resident_snapshots", 0),
+                     resident_adapter_rank=getattr(args, "resident_adapter_rank", 0))
