@@ -34,7 +34,7 @@ from art.trainer_rank._types import (
     TrainerRankSlotStateError,
     Unset,
 )
-from art.trainer_rank.compute.execute import detached_output, run_sub_forward
+from art.trainer_rank.compute.execute import detached_output, pack_leaves, run_sub_forward
 from art.trainer_rank.compute.items import (
     Item,
     deal_to_ranks,
@@ -63,16 +63,23 @@ from art.trainer_rank.memory.probing import TrainerProbe
 from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import in_lockstep
-from art.trainer_rank.ranks.phases import CALLER_BACKWARD, PLAN, MicroBatchContext, PhaseAgreement
+from art.trainer_rank.ranks.phases import (
+    CALLER_BACKWARD,
+    OOM,
+    PLAN,
+    MicroBatchContext,
+    PhaseAgreement,
+)
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.optimizer_step import (
     GraphLedger,
+    check_step,
     dp_reduce,
     optim_step,
     output_tensors,
     zero_grad,
 )
-from art.trainer_rank.slots.routing import run_by_adapter
+from art.trainer_rank.slots.routing import adapter_groups, run_by_adapter
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import BUILTIN, SlotStore
 
@@ -200,6 +207,7 @@ class TrainerRank(SlotMethods):
         # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
         self.phases = PhaseAgreement(self.options.fault_timeout_s)
         self._calls = 0
+        self._steps = 0
         # The probe's backward ran through the adapters: start from clean gradients.
         self.zero_grad()
 
@@ -340,13 +348,19 @@ class TrainerRank(SlotMethods):
                 f"group(s) with a graph no backward has reached ({', '.join(live[:4])}); run "
                 "their backward or drop them (del) before stepping. Nothing was changed")
         loaded = [n for n in names if n != BUILTIN]
-        metrics = self._step_loaded_slots(loaded, params, scale_grads)
-        if BUILTIN in names:
-            metrics.update(optim_step(
-                chunks=self.chunks, optimizer=self.optimizer, params=params,
-                scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
-            ))
-            self._grad_slots.discard(BUILTIN)
+        if BUILTIN in names:  # refusals before any collective, the same on every rank
+            check_step(chunks=self.chunks, optimizer=self.optimizer, params=params,
+                       scale_grads=scale_grads, on_live_graphs=on_live_graphs)
+        self._steps += 1
+        # A failure on one rank inside the step's collectives ends it on every rank.
+        with self.phases.optimizer_step(self._steps):
+            metrics = self._step_loaded_slots(loaded, params, scale_grads)
+            if BUILTIN in names:
+                metrics.update(optim_step(
+                    chunks=self.chunks, optimizer=self.optimizer, params=params,
+                    scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
+                ))
+                self._grad_slots.discard(BUILTIN)
         self.graphs.clear()
         return metrics
 
@@ -414,7 +428,7 @@ class TrainerRank(SlotMethods):
             yield from self._micro_batch_loop(local, grad, measure_caller=measure_caller)
         except TrainerRankMemoryError:
             fault = self.phases.fault
-            if fault is not None:
+            if fault is not None and fault.kind == OOM and fault.context is not None:
                 # Every rank of the job records the failing micro-batch's miss, then saves.
                 ctx = fault.context
                 self.profiles.record_miss(ctx.signature, ctx.packed_tokens, ctx.usable_bytes,
@@ -535,10 +549,15 @@ class TrainerRank(SlotMethods):
                 stack.enter_context(full_recompute(self.model))
             meter = stack.enter_context(self._meter(usable))
             ooms_before = cuda_oom_count(self.device)
+            slot_of = [c for item in plan.items for c in item.checkpoints]
+            prepared, outcome = self._prepare(plan, slot_of, usable, replica)
+            if outcome is not None:  # agreed by every rank of the replica: recovered
+                stack.close()
+                release_memory()
+                return outcome
             failed_sub: tuple[int, ...] | None = None
             try:
                 leaf_outputs: list[ForwardOutput] = []
-                slot_of = [c for item in plan.items for c in item.checkpoints]
                 with torch.set_grad_enabled(grad), self.phases.compute(context, replica):
                     for sub in plan.sub_forwards:
                         failed_sub = sub
@@ -551,7 +570,7 @@ class TrainerRank(SlotMethods):
                                 device=self.device,
                                 groups=plan.groups(part) if self.shares_prefixes else None,
                                 head_chunk_tokens=self.options.head_chunk_tokens,
-                                checkpoint=slot,
+                                checkpoint=slot, batch=prepared.pop(tuple(part), None),
                             ),
                             adapter_key=self.slots.adapter_key,
                         ))
@@ -561,6 +580,7 @@ class TrainerRank(SlotMethods):
                         c for c, f in zip(slot_of, flags) if c is not None and not f)
             except torch.OutOfMemoryError as exc:
                 leaf_outputs = []
+                prepared.clear()
                 self._record_oom(plan, failed_sub, usable, exc)
                 stack.close()
                 if snapshot is not None:
@@ -635,6 +655,32 @@ class TrainerRank(SlotMethods):
             self.profiles.observe(plan.signature, plan.shape.packed_tokens, measured,
                                   plan.pricing.model_peak_bytes)
         return None
+
+    def _prepare(self, plan: Plan, slot_of: list[str | None], usable: int, replica: int
+                 ) -> tuple[dict[tuple[int, ...], Any], BaseException | None]:
+        """Pack the micro-batch's first forward (its first sub-forward's first adapter group)
+        before any collective of the micro-batch, then vote: an OOM there on any rank of the
+        replica is recorded as the same miss on every rank, and the items are planned again.
+        Returns the packed batch by leaf positions, or the OOM when the vote found one."""
+        first = plan.sub_forwards[0]
+        positions = adapter_groups([slot_of[i] for i in first])[0][1]
+        part = [first[p] for p in positions]
+        prepared: dict[tuple[int, ...], Any] = {}
+        error: BaseException | None = None
+        try:
+            prepared[tuple(part)] = pack_leaves(
+                [plan.leaves[i] for i in part], implementation=self.implementation,
+                layout=self.layout, device=self.device, groups=plan.groups(part))
+        except torch.OutOfMemoryError as exc:
+            error = exc
+        failed_rank = self.phases.vote(error is not None, replica)
+        if failed_rank is None:
+            return prepared, None
+        prepared.clear()
+        error = error or torch.OutOfMemoryError(
+            f"rank {failed_rank} ran out of memory packing items {plan.indices}")
+        self._record_oom(plan, first, usable, error)
+        return {}, error
 
     def _save_profiles(self) -> None:
         # One writer per replica (its ranks hold the same profiles); replicas merge on disk

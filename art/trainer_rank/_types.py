@@ -317,6 +317,31 @@ def _rebuild_memory_error(
     )
 
 
+class TrainerRankPeerError(RuntimeError):
+    """Another rank of the job raised an exception (not an out-of-memory error) inside a phase
+    with collectives; this rank cannot complete them, so it ends the call too. The failing
+    rank raises its own exception; this error names that rank, the phase and the exception."""
+
+    def __init__(self, message: str, *, failing_rank: int = -1, phase: str = "",
+                 error_type: str = "", error_message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.failing_rank = int(failing_rank)
+        self.phase = phase
+        self.error_type = error_type
+        self.error_message = error_message
+
+    def __reduce__(self):
+        return (_rebuild_peer_error, (type(self), self.message, self.failing_rank, self.phase,
+                                      self.error_type, self.error_message))
+
+
+def _rebuild_peer_error(cls: type[TrainerRankPeerError], message: str, failing_rank: int,
+                        phase: str, error_type: str, error_message: str) -> TrainerRankPeerError:
+    return cls(message, failing_rank=failing_rank, phase=phase, error_type=error_type,
+               error_message=error_message)
+
+
 class TrainerRankRuntimeSupportError(RuntimeError):
     """The requested run needs something this runtime does not support (e.g. pipeline stages)."""
 

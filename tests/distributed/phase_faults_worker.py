@@ -1,6 +1,7 @@
-"""torchrun worker (2 ranks, TP=2 with sequence parallel, gloo): OOMs injected on rank 1 only,
-one scenario per phase, each in a fresh job world (its own store and process groups, since a
-fault in a phase with collectives closes them).
+"""torchrun worker (2 ranks, TP=2 with sequence parallel, gloo): faults injected on rank 1 only,
+one scenario per phase and kind (an OOM, or another exception: a bug, the caller's own), each
+in a fresh job world (its own store and process groups, since a fault in a phase with
+collectives closes them).
 
 argv: out_dir, fault_timeout_s, then one free port per world (the fault-free run's, then one
 per scenario). Writes rank<r>.json: per
@@ -28,6 +29,7 @@ from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
 from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import (
+    AdamParams,
     ForwardInput,
     TrainerRank,
     TrainerRankMemoryError,
@@ -42,13 +44,57 @@ from _tiny import tiny_dense  # noqa: E402
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 LIMIT_BYTES = 48 * 2**20
-# (scenario, injected location on rank 1, which of its allocations there fails: a fraction of
-# what the fault-free run made there)
+# (scenario, what rank 1 raises (None: an OOM), where, which of its allocations there fails: a
+# fraction of what the fault-free run made there). "packing" fails the first packing
+# allocation: micro-batch 0's, before any of its collectives (recovered by the vote);
+# "optimizer step": in Megatron's gradient norm, before its model-parallel all-reduce;
+# "caller loop": the caller's loop body raises after it received micro-batch 0.
 SCENARIOS = [
-    ("forward layer", "layer forward", 0.25),
-    ("heads", "head", 0.5),
-    ("caller backward", "caller backward", 0.5),
+    ("packing", None, "packing", 1e-9),
+    ("forward layer", None, "layer forward", 0.25),
+    ("heads", None, "head", 0.5),
+    ("caller backward", None, "caller backward", 0.5),
+    ("optimizer step", None, "optimizer step", 0.0),
+    ("error in forward layer", ValueError, "layer forward", 0.25),
+    ("error in optimizer step", ValueError, "optimizer step", 0.0),
+    ("error in caller loop", ValueError, "caller loop", 0.0),
 ]
+# How long a rank that left the loop waits for its peers to leave too (the fault timeout).
+CALLER_LOOP_TIMEOUT_S = 3.0
+
+
+class StepFault:
+    """Rank 1's failure inside Megatron's optimizer step: its gradient-norm computation raises
+    before the all-reduce the other rank is then blocked in."""
+
+    def __init__(self, raises: type[Exception] | None, active: bool) -> None:
+        self.raises = raises
+        self.active = active  # the other rank steps for real
+        self.fired: str | None = None
+        self.fired_at: float | None = None
+
+    def __enter__(self) -> StepFault:
+        import megatron.core.optimizer.optimizer as optimizer_module
+
+        if not self.active:
+            return self
+
+        self._module = optimizer_module
+        self._original = optimizer_module.get_grad_norm_fp32
+        fault = self
+
+        def grad_norm(*args, **kwargs):
+            fault.fired, fault.fired_at = "optimizer step", time.time()
+            if fault.raises is not None:
+                raise fault.raises("injected in the gradient norm")
+            raise torch.OutOfMemoryError("injected: out of memory in the gradient norm")
+
+        optimizer_module.get_grad_norm_fp32 = grad_norm
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.active:
+            self._module.get_grad_norm_fp32 = self._original
 
 
 def start_world(port: int) -> None:
@@ -78,22 +124,39 @@ def leaves(value) -> list:
     return [value] if not isinstance(value, list) else [y for v in value for y in leaves(v)]
 
 
-def trainer(provider: Provider, fault_timeout_s: float) -> TrainerRank:
+def provider() -> Provider:
+    return Provider(
+        tiny_dense(num_layers=2),
+        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(WORLD),
+                                "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
+        dtype="float32", implementation=Implementation.cpu_local(),
+    )
+
+
+def trainer(fault_timeout_s: float, *, step: bool = False) -> TrainerRank:
+    """A trainer on a fresh provider; `step`: LoRA adapters with Megatron's DDP and optimizer
+    (what optim_step steps), else the base model, forwards only."""
     return TrainerRank(build_runtime_for_provider(
-        provider, build_optimizer=False, wrap_ddp=False, trainable_parameter_mode="base_model",
+        provider(), build_optimizer=step, wrap_ddp=step,
+        trainable_parameter_mode="lora" if step else "base_model",
         trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT_BYTES,
                                            probe_layers=False, fault_timeout_s=fault_timeout_s)))
 
 
-def run(trainer: TrainerRank, injector: Injector) -> dict:
+def run(trainer: TrainerRank, injector: Injector, *, step: StepFault | None = None,
+        leave_loop: type[Exception] | None = None) -> dict:
     """The documented training loop: an OOM in the caller's backward is caught and the loop
-    iterates on; anything else ends it."""
+    iterates on; anything else ends it. `step`: an optimizer step follows, with that fault;
+    `leave_loop`: the loop body raises it at the first micro-batch."""
     seen: list[int] = []
     result: dict = {"error": None}
     with injector:
         try:
             for mb in trainer.forward_micro_batches(inputs()):
                 loss = sum(-o.target_logprobs.sum() for out in mb.outputs for o in leaves(out))
+                if leave_loop is not None:
+                    injector.fired, injector.fired_at = "caller loop", time.time()
+                    raise leave_loop("injected in the caller's loop body")
                 injector.in_caller_backward = True
                 try:
                     loss.backward()
@@ -103,13 +166,21 @@ def run(trainer: TrainerRank, injector: Injector) -> dict:
                 finally:
                     injector.in_caller_backward = False
                 del loss
+            if step is not None:
+                with step:
+                    trainer.optim_step(params=AdamParams(learning_rate=1e-3, grad_clip_norm=1.0))
         except Exception as exc:  # noqa: BLE001 - the test checks the type
             result["error"] = {"type": type(exc).__name__, "text": str(exc),
-                               "memory_error": isinstance(exc, TrainerRankMemoryError)}
+                               "memory_error": isinstance(exc, TrainerRankMemoryError),
+                               "failing_rank": getattr(exc, "failing_rank", None),
+                               "error_type": getattr(exc, "error_type", None)}
+    if step is not None and step.fired is not None:
+        injector.fired, injector.fired_at = step.fired, step.fired_at
     result.update(
         ended_at=time.time(), fired=injector.fired, fired_at=injector.fired_at,
         counts=dict(injector.counts), seen=seen,
         decisions=[s.decision for s in trainer.stats_history],
+        retries=[s.retries for s in trainer.stats_history],
         profiles={sig: {"observations": p.observations, "misses": p.misses}
                   for sig, p in sorted(trainer.profiles.profiles.items())},
     )
@@ -119,26 +190,25 @@ def run(trainer: TrainerRank, injector: Injector) -> dict:
 def main() -> None:
     out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
     cpu_runtime.install()
-    provider = Provider(
-        tiny_dense(num_layers=2),
-        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(WORLD),
-                                "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
-        dtype="float32", implementation=Implementation.cpu_local(),
-    )
     results: dict = {}
     start_world(int(ports[0]))
-    clean = run(trainer(provider, fault_timeout_s), Injector())
+    clean = run(trainer(fault_timeout_s), Injector())
     results["clean"] = clean
     assert clean["error"] is None and clean["counts"], clean["error"]
-    for k, (name, location, fraction) in enumerate(SCENARIOS, start=1):
+    for k, (name, raises, location, fraction) in enumerate(SCENARIOS, start=1):
         # The fault-free run's allocation counts place the fault (on rank 1 only).
         nth = max(1, int(clean["counts"].get(location, 0) * fraction))
-        injector = Injector(location, nth) if RANK == 1 else Injector()
+        mine = RANK == 1
+        injector = Injector(location, nth, raises) if mine and fraction else Injector()
+        step = StepFault(raises, mine) if location == "optimizer step" else None
         end_world()  # a fault closes the groups: every scenario gets a world of its own
         start_world(int(ports[k]))
         # A hang shows where each rank waits (the test's own timeout then fails it).
         faulthandler.dump_traceback_later(3 * fault_timeout_s)
-        results[name] = run(trainer(provider, fault_timeout_s), injector)
+        timeout_s = CALLER_LOOP_TIMEOUT_S if location == "caller loop" else fault_timeout_s
+        results[name] = run(
+            trainer(timeout_s, step=step is not None), injector, step=step,
+            leave_loop=raises if mine and location == "caller loop" else None)
         faulthandler.cancel_dump_traceback_later()
         print(f"rank {RANK} {name}: fired={results[name]['fired']} "
               f"error={(results[name]['error'] or {}).get('text', '')[:300]}", flush=True)

@@ -1,8 +1,11 @@
-"""Per-rank OOMs under torchrun, TP=2 with sequence parallel (gloo): an OOM injected on rank 1
-only, in each phase of a micro-batch (phase_faults_worker.py). In a layer's forward, the heads
-or the caller's backward, both ranks
-leave the call with the same TrainerRankMemoryError naming rank 1, the micro-batch and the
-phase, within the fault timeout of the fault: no hang, no rank carrying on alone."""
+"""Per-rank faults under torchrun, TP=2 with sequence parallel (gloo): a fault injected on rank 1
+only, in each phase of a micro-batch and in the optimizer step (phase_faults_worker.py, one
+torchrun launch for every scenario). An OOM in a layer's forward, the heads, the caller's
+backward or the optimizer step: both ranks leave the call with the same TrainerRankMemoryError
+naming rank 1 and the phase. Another exception (a bug in a layer's forward or in the step,
+the caller's loop body raising on rank 1 only): rank 1 raises its own exception, rank 0 a
+TrainerRankPeerError naming rank 1, the phase and the exception. Every rank ends within the
+fault timeout of the fault: no hang, no rank carrying on alone."""
 
 from __future__ import annotations
 
@@ -17,31 +20,82 @@ from _torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("phase_faults_worker.py")
 FAULT_TIMEOUT_S = 20.0
-FATAL = {"forward layer": "in the forward of micro-batch",
-         "heads": "in the heads of micro-batch",
-         "caller backward": "in the caller backward of micro-batch"}
+FATAL = {"forward layer": "in the forward of micro-batch 0",
+         "heads": "in the heads of micro-batch 0",
+         "caller backward": "in the caller backward of micro-batch 0"}
+# scenario: (what rank 0 reads in its TrainerRankPeerError, the type rank 1 raised itself)
+ERRORS = {
+    "error in forward layer": ("rank 1 raised ValueError: injected at allocation", "ValueError"),
+    "error in optimizer step": ("rank 1 raised ValueError: injected in the gradient norm in the "
+                                "optimizer step (step 1)", "ValueError"),
+    "error in caller loop": ("rank 1 raised RuntimeError: the caller left the micro-batch loop",
+                             "ValueError"),
+}
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
-    ports = [str(free_port()) for _ in range(4)]
+    ports = [str(free_port()) for _ in range(9)]  # the fault-free world, then one per scenario
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=240)
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _ended_in_time(rows: list[dict], scenario: str) -> None:
+    fired_at = rows[1]["fired_at"]
+    assert rows[1]["fired"] is not None and rows[0]["fired"] is None, scenario
+    for row in rows:
+        assert row["error"] is not None, scenario
+        assert row["ended_at"] - fired_at < FAULT_TIMEOUT_S, scenario
 
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("scenario", list(FATAL))
 def test_oom_inside_collectives_ends_every_rank_with_the_same_error(ranks, scenario):
     rows = [r[scenario] for r in ranks]
-    fired_at = rows[1]["fired_at"]
-    assert rows[1]["fired"] is not None and rows[0]["fired"] is None
+    _ended_in_time(rows, scenario)
     for row in rows:
         error = row["error"]
-        assert error is not None and error["memory_error"], (scenario, error)
-        assert f"rank 1 ran out of memory {FATAL[scenario]} 0" in error["text"]
+        assert error["memory_error"], (scenario, error)
+        assert f"rank 1 ran out of memory {FATAL[scenario]}" in error["text"]
         assert "items [0, 1, 2, 3]" in error["text"]
-        assert row["ended_at"] - fired_at < FAULT_TIMEOUT_S, scenario
         assert row["seen"] == []  # nobody carried on with the micro-batch
     assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
+
+
+@pytest.mark.torchrun
+def test_oom_before_any_collective_is_agreed_and_recovered_on_every_rank(ranks):
+    rows = [r["packing"] for r in ranks]
+    assert rows[1]["fired"] == "packing" and rows[0]["fired"] is None
+    for row in rows:
+        assert row["error"] is None, row["error"]
+        assert sorted(row["seen"]) == [0, 1, 2, 3]  # every item delivered, once
+        # The same miss on both ranks, and the items planned again after it.
+        assert any(p["misses"] for p in row["profiles"].values())
+        assert max(row["retries"]) >= 1
+    assert rows[0]["profiles"] == rows[1]["profiles"]
+    assert rows[0]["decisions"] == rows[1]["decisions"]
+
+
+@pytest.mark.torchrun
+def test_oom_in_the_optimizer_step_ends_every_rank_with_the_same_error(ranks):
+    rows = [r["optimizer step"] for r in ranks]
+    _ended_in_time(rows, "optimizer step")
+    for row in rows:
+        assert row["error"]["memory_error"], row["error"]
+        assert "rank 1 ran out of memory in the optimizer step (step 1)" in row["error"]["text"]
+        assert sorted(row["seen"]) == [0, 1, 2, 3]  # the forwards ran; the step did not end
+    assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("scenario", list(ERRORS))
+def test_an_exception_on_one_rank_ends_every_rank(ranks, scenario):
+    rows = [r[scenario] for r in ranks]
+    _ended_in_time(rows, scenario)
+    peer_text, own_type = ERRORS[scenario]
+    assert rows[1]["error"]["type"] == own_type and "injected" in rows[1]["error"]["text"]
+    peer = rows[0]["error"]
+    assert peer["type"] == "TrainerRankPeerError", peer
+    assert peer["failing_rank"] == 1 and peer_text in peer["text"], peer["text"]

@@ -29,11 +29,14 @@ LIMIT_BYTES = 64 * 2**20
 
 class Injector:
     """Wraps LiveBytesMeter._grow: counts the allocations made in each place, and at the
-    `fail_nth` allocation made in `fail_location` makes that allocation fail as a real OOM."""
+    `fail_nth` allocation made in `fail_location` makes that allocation fail as a real OOM
+    (or, with `raises`, raise that exception there instead: a bug at that point)."""
 
-    def __init__(self, fail_location: str | None = None, fail_nth: int = 0) -> None:
+    def __init__(self, fail_location: str | None = None, fail_nth: int = 0,
+                 raises: type[Exception] | None = None) -> None:
         self.fail_location = fail_location
         self.fail_nth = fail_nth
+        self.raises = raises
         self.counts: Counter = Counter()
         self.in_caller_backward = False
         self.fired: str | None = None
@@ -65,6 +68,9 @@ class Injector:
                     and injector.counts[where] == injector.fail_nth):
                 injector.fired = where
                 injector.fired_at = time.time()
+                if injector.raises is not None:
+                    raise injector.raises(
+                        f"injected at allocation {injector.fail_nth} in the {where}")
                 meter.limit_bytes = meter._live_bytes  # this allocation now crosses it
             return original(meter, nbytes, func)
 

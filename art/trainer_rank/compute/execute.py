@@ -15,7 +15,13 @@ from art.trainer_rank._types import ForwardInput, ForwardOutput, TopK
 from art.trainer_rank.compute.forward import decoder_hidden_states
 from art.trainer_rank.compute.heads import compute_heads
 from art.trainer_rank.compute.items import outputs_union
-from art.trainer_rank.compute.packing import IGNORE_INDEX, pack_sequences, pack_targets, unpack
+from art.trainer_rank.compute.packing import (
+    IGNORE_INDEX,
+    PackedBatch,
+    pack_sequences,
+    pack_targets,
+    unpack,
+)
 
 
 def run_sub_forward(
@@ -28,16 +34,14 @@ def run_sub_forward(
     head_chunk_tokens: int,
     checkpoint: str | None = None,
     groups: Sequence[int] | None = None,
+    batch: PackedBatch | None = None,
 ) -> list[ForwardOutput]:
     """One packed forward over `leaves` under the caller's grad mode. `groups`: consecutive
-    leaves per indivisible group (their shared prefixes are laid out once); None = none."""
-    batch = pack_sequences(
-        [leaf.input_tokens for leaf in leaves],
-        implementation=implementation,
-        layout=layout,
-        device=device,
-        groups=groups,
-    )
+    leaves per indivisible group (their shared prefixes are laid out once); None = none.
+    `batch`: the leaves already packed (pack_leaves), else they are packed here."""
+    if batch is None:
+        batch = pack_leaves(leaves, implementation=implementation, layout=layout,
+                            device=device, groups=groups)
     wanted = outputs_union(leaves)
     # K targets per position: the widest request; narrower ones are padded with IGNORE_INDEX.
     columns = max((leaf.targets_per_position for leaf in leaves), default=0)
@@ -91,6 +95,19 @@ def run_sub_forward(
             no_grad=not torch.is_grad_enabled(),
         ))
     return outputs
+
+
+def pack_leaves(
+    leaves: Sequence[ForwardInput],
+    *,
+    implementation: Implementation,
+    layout: ParallelLayout,
+    device: torch.device,
+    groups: Sequence[int] | None = None,
+) -> PackedBatch:
+    """The packed row of one forward: this rank's own allocations, no collective."""
+    return pack_sequences([leaf.input_tokens for leaf in leaves], implementation=implementation,
+                          layout=layout, device=device, groups=groups)
 
 
 def detached_output(out: ForwardOutput) -> ForwardOutput:

@@ -31,6 +31,11 @@ def _replica_group() -> Any:
     return parallel_state.get_tensor_and_context_parallel_group()
 
 
+def replica_group() -> Any:
+    """The process group of this model replica's TP/CP ranks."""
+    return _replica_group()
+
+
 def _replica_size() -> int:
     from megatron.core import parallel_state
 

@@ -1,12 +1,18 @@
 """One agreement protocol between the ranks of a job, phase by phase of a micro-batch.
 
-Phases, in order: plan (collectives only: the agreed limit and plan), forward and heads
+Phases, in order: plan (collectives only: the agreed limit and plan), prepare (packing the
+micro-batch's first forward: this rank's own allocations, no collective), forward and heads
 (Megatron's tensor-parallel collectives), caller backward (the caller's `loss.backward()`:
-collectives again), optimizer step. An out-of-memory error is handled by where it happened:
+collectives again), optimizer step (gradient reduction over data-parallel ranks, the
+gradient norm over model-parallel ranks). An out-of-memory error is handled by where it
+happened:
 
+- prepare: no peer can be inside a collective of this micro-batch yet, so every rank of the
+  replica reaches the vote that follows it (an all-reduce on a buffer allocated up front).
+  The vote agrees on the failure, every rank records the same miss, and the items are
+  planned again (smaller, split, escalated or declined): recovered, on every rank.
 - any phase when the model replica is one rank: no peer can be inside a collective of this
-  micro-batch, so the rank records the miss and plans the items again (smaller, split,
-  escalated or declined).
+  micro-batch, so the rank records the miss and plans the items again.
 - forward, heads, caller backward or optimizer step on a replica of several ranks: a peer may
   be blocked in a collective the failing rank will never enter. The failing rank publishes a
   `Fault` to the job's store (the c10d rendezvous store: a side channel that no blocked
@@ -20,6 +26,14 @@ collectives again), optimizer step. An out-of-memory error is handled by where i
 A collective waiting on a peer that neither finishes nor fails ends when the process group's
 own timeout fires (`init_process_group(timeout=...)`; gloo raises, NCCL's watchdog aborts);
 the fault timeout bounds how long a rank then waits for the `Fault` that names the cause.
+
+Other exceptions (a bug, a caller's exception) raised on one rank inside these phases take the
+same path with an "error" fault: the failing rank raises its own exception, every other rank
+a `TrainerRankPeerError` naming the failing rank, the phase and the exception. A caller that
+leaves the micro-batch loop on one rank only (its loop body raised) closes the generator while
+the micro-batch is with it: that rank waits up to the fault timeout for the other ranks of its
+replica to leave at the same micro-batch (a `break` on every rank ends there, nothing closed),
+and otherwise publishes the departure as an "error" fault.
 """
 
 from __future__ import annotations
@@ -39,20 +53,30 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from art.trainer_rank._types import TrainerRankMemoryError
+from art.trainer_rank._types import TrainerRankMemoryError, TrainerRankPeerError
+from art.trainer_rank.ranks import agree as _agree
 
 logger = logging.getLogger("art.trainer_rank")
 
 PLAN = "plan"
+PREPARE = "prepare"
 FORWARD = "forward"
 HEADS = "heads"
 CALLER_BACKWARD = "caller backward"
 OPTIMIZER_STEP = "optimizer step"
+CALLER_LOOP = "caller's loop body"
+
+# What a fault is: an out-of-memory error, or any other exception.
+OOM = "oom"
+ERROR = "error"
 
 FAULT_KEY = "art_trainer_rank/fault"
 FAULT_COUNT_KEY = "art_trainer_rank/fault_count"
+LEFT_KEY = "art_trainer_rank/left"
 # A p2p tag no one sends on: a receive on it that times out closes the gloo pair.
 _CLOSE_TAG = 0x7A27
+# The vote's value for "no failure": above every rank number, so MIN finds the lowest failing rank.
+_NO_FAILURE = 2**62
 # How often the watcher asks the store, while collectives are in flight.
 _WATCH_INTERVAL_S = 0.1
 
@@ -74,13 +98,17 @@ class MicroBatchContext:
 
 @dataclass(frozen=True)
 class Fault:
-    """An out-of-memory error on one rank, as every rank of the job reports it."""
+    """An error on one rank, as every rank of the job reports it: `kind` OOM (an
+    out-of-memory error) or ERROR (any other exception, `error_type` its class name).
+    `context`: the micro-batch in flight; None in the optimizer step."""
 
     rank: int
     phase: str
     where: str
     detail: str
-    context: MicroBatchContext
+    context: MicroBatchContext | None
+    kind: str = OOM
+    error_type: str = ""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))
@@ -89,10 +117,17 @@ class Fault:
     def from_json(cls, text: str) -> Fault:
         raw = json.loads(text)
         ctx = raw.pop("context")
-        ctx["items"] = tuple(ctx["items"])
-        return cls(context=MicroBatchContext(**ctx), **raw)
+        if ctx is not None:
+            ctx["items"] = tuple(ctx["items"])
+            ctx = MicroBatchContext(**ctx)
+        return cls(context=ctx, **raw)
 
-    def error(self) -> TrainerRankMemoryError:
+    def error(self) -> RuntimeError:
+        """The error every rank but the failing one raises (for an OOM, the failing one too)."""
+        if self.kind == ERROR:
+            return self._peer_error()
+        if self.context is None:
+            return self._step_error()
         ctx = self.context
         where = f", {self.where}" if self.where else ""
         return TrainerRankMemoryError(
@@ -109,6 +144,36 @@ class Fault:
             recompute_summary=ctx.recompute_summary,
             suggestion="restart the job; the miss is recorded and the planner admits less",
             indices_not_run=ctx.items,
+        )
+
+    def _step_error(self) -> TrainerRankMemoryError:
+        where = f" ({self.where})" if self.where else ""
+        return TrainerRankMemoryError(
+            f"optim_step: rank {self.rank} ran out of memory in the optimizer step{where}: "
+            f"{self.detail}. The other ranks were inside the step's collectives (gradient "
+            "reduction over data-parallel ranks, the gradient norm), which the failing rank "
+            "cannot complete, so the step ends here on every rank of the job and the process "
+            "groups are closed; some ranks' parameters may be updated and others not. Restart "
+            "the job from the last saved checkpoint with more memory left for the optimizer "
+            "(fewer resident checkpoint slots, or a lower usable limit for the forwards)",
+            suggestion="restart from the last checkpoint with more memory left for the step",
+        )
+
+    def _peer_error(self) -> TrainerRankPeerError:
+        where = f", {self.where}" if self.where else ""
+        ctx = self.context
+        at = (f" of micro-batch {ctx.micro_batch} (call {ctx.call}, items {list(ctx.items)}"
+              f"{where})" if ctx is not None else (f" ({self.where})" if self.where else ""))
+        what = "optim_step" if self.phase == OPTIMIZER_STEP else "forward_micro_batches"
+        message = self.detail.split(": ", 1)[1] if ": " in self.detail else self.detail
+        return TrainerRankPeerError(
+            f"{what}: rank {self.rank} raised {self.detail} in the {self.phase}{at}. The other "
+            "ranks of the job were inside or next to this phase's collectives, which that rank "
+            "will not complete, so the call ends here on every rank and the process groups are "
+            f"closed. Rank {self.rank}'s own traceback shows the cause; fix it and restart the "
+            "job",
+            failing_rank=self.rank, phase=self.phase, error_type=self.error_type,
+            error_message=message,
         )
 
 
@@ -153,6 +218,7 @@ class PhaseAgreement:
         self.fault_timeout_s = float(fault_timeout_s)
         self.fault: Fault | None = None
         self._store: Any = None
+        self._vote: torch.Tensor | None = None
         # Held by the watcher while it acts and by the main thread when it disarms it or
         # closes the groups, so the groups are closed once, and never after the phase ended.
         self._lock = threading.Lock()
@@ -162,6 +228,11 @@ class PhaseAgreement:
 
             self._store = distributed_c10d._get_default_store()
             self.rank = dist.get_rank()
+            device = (torch.device("cuda", torch.cuda.current_device())
+                      if dist.get_backend() == "nccl" else torch.device("cpu"))
+            # Allocated once, here: a vote right after an OOM, or the agreement that ends a
+            # step, must not need new memory.
+            self._vote = torch.zeros(1, dtype=torch.int64, device=device)
             self._watch = threading.Event()
             threading.Thread(target=_watch_for_faults, args=(weakref.ref(self), self._watch),
                              name="art-trainer-rank-faults", daemon=True).start()
@@ -179,14 +250,28 @@ class PhaseAgreement:
         if self.fault is not None:
             raise self.fault.error()
 
+    def vote(self, failed: bool, replica_size: int) -> int | None:
+        """Every rank of the replica at the same point, no collective in flight: the lowest
+        failing global rank, or None when every rank got through."""
+        if replica_size == 1 or self._vote is None:
+            return self.rank if failed else None
+        with self.collectives(PREPARE, None):
+            self._vote.fill_(self.rank if failed else _NO_FAILURE)
+            dist.all_reduce(self._vote, op=dist.ReduceOp.MIN, group=_agree.replica_group())
+            lowest = int(self._vote.item())
+        return None if lowest == _NO_FAILURE else lowest
+
     # -- failures --------------------------------------------------------------------------
 
     def abandon(self, exc: BaseException, phase: str, where: str,
-                context: MicroBatchContext) -> TrainerRankMemoryError:
-        """This rank ran out of memory where peers may be blocked in a collective: publish
-        the fault, close this rank's process groups, and return the agreed error."""
-        mine = Fault(self.rank, phase, where, _first_line(exc), context)
-        if exc.__traceback__ is not None:
+                context: MicroBatchContext | None) -> BaseException:
+        """This rank failed where peers may be blocked in a collective: publish the fault,
+        close this rank's process groups, and return what this rank raises: the agreed
+        TrainerRankMemoryError for an out-of-memory error, else its own exception."""
+        oom = isinstance(exc, torch.OutOfMemoryError)
+        mine = Fault(self.rank, phase, where, _first_line(exc), context,
+                     OOM if oom else ERROR, type(exc).__name__)
+        if oom and exc.__traceback__ is not None:
             traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
         self.fault = mine
         if self._store is not None:
@@ -196,20 +281,20 @@ class PhaseAgreement:
                 self.fault = self._wait_for_fault() or mine
         logger.error("rank %d: %s", self.rank, self.fault.error())
         self.close()
-        return self.fault.error()
+        return self.fault.error() if oom else exc
 
     def peer_failed(self, exc: BaseException, phase: str) -> BaseException:
         """A collective failed on this rank: the error of the fault a peer published, after
-        closing this rank's groups in turn; the original error when no rank published one
-        within the fault timeout (the cause is not an OOM)."""
+        closing this rank's groups in turn; an error naming the failed collective when no
+        rank published one within the fault timeout."""
         if self.fault is None:
             self.fault = self._wait_for_fault()
         self.close()
         if self.fault is None:
             return RuntimeError(
                 f"a collective of the {phase} failed on rank {self.rank} and no rank reported "
-                f"an out-of-memory error within {self.fault_timeout_s:g} s "
-                f"(ART_TRAINER_RANK_FAULT_TIMEOUT_S): {_first_line(exc)}"
+                f"a fault within {self.fault_timeout_s:g} s (ART_TRAINER_RANK_FAULT_TIMEOUT_S): "
+                f"{_first_line(exc)}"
             )
         return self.fault.error()
 
@@ -228,6 +313,12 @@ class PhaseAgreement:
         except (RuntimeError, dist.DistError):
             return None
         return Fault.from_json(self._store.get(FAULT_KEY).decode())
+
+    def publishes(self, exc: BaseException, size: int) -> bool:
+        """Whether this rank's exception must be published before it leaves: peers may be
+        blocked on it (several ranks), and it is not itself the report of a peer's fault."""
+        return (size > 1 and self._store is not None and not is_communication_error(exc)
+                and not isinstance(exc, (TrainerRankMemoryError, TrainerRankPeerError)))
 
     # -- guards ----------------------------------------------------------------------------
 
@@ -268,11 +359,31 @@ class PhaseAgreement:
         with self.collectives(FORWARD, context), self.watching(replica_size):
             try:
                 yield
-            except torch.OutOfMemoryError as exc:
-                if replica_size == 1:
+            except Exception as exc:
+                if not self.publishes(exc, replica_size):
                     raise
                 phase, where = where_in_model(exc)
                 raise self.abandon(exc, phase, where, context) from None
+
+    @contextlib.contextmanager
+    def optimizer_step(self, step: int) -> Iterator[None]:
+        """One optimizer step. Its collectives span the job (data-parallel gradient reduction,
+        the model-parallel gradient norm), so a failure on any rank is published and every
+        rank ends the step with it; the ranks leave the step together (one all-reduce on a
+        buffer allocated up front), so a rank that failed after its last collective (in its
+        own parameter update) still takes the others with it."""
+        job = dist.get_world_size() if self._store is not None else 1
+        where = f"step {step}"
+        with self.collectives(OPTIMIZER_STEP, None), self.watching(job):
+            try:
+                yield
+            except Exception as exc:
+                if not self.publishes(exc, job):
+                    raise
+                raise self.abandon(exc, OPTIMIZER_STEP, where, None) from None
+            if job > 1 and self._vote is not None:
+                self._vote.fill_(1)
+                dist.all_reduce(self._vote)
 
     @contextlib.contextmanager
     def caller_phase(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
@@ -284,9 +395,40 @@ class PhaseAgreement:
         try:
             with self.watching(replica_size):
                 yield
+        except GeneratorExit:
+            if replica_size > 1 and self._store is not None:
+                self._left_loop(context, replica_size)
+            raise
         finally:
             if token in _CALLER.stack:
                 _CALLER.stack.remove(token)
+
+    def _left_loop(self, context: MicroBatchContext, replica_size: int) -> None:
+        """The caller closed the micro-batch generator while this micro-batch was with it (an
+        exception in its loop body, or a break). A break on every rank of the replica at the
+        same micro-batch ends the call there; otherwise the departure is published, since the
+        other ranks are in (or about to enter) collectives this rank will not join."""
+        if self.fault is not None or self._closed:
+            return  # the call already ends on every rank with the published fault
+        root = dist.get_global_rank(_agree.replica_group(), 0)
+        key = f"{LEFT_KEY}/{root}/{context.call}/{context.micro_batch}"
+        deadline = time.monotonic() + self.fault_timeout_s
+        try:
+            left = self._store.add(key, 1)
+            while left < replica_size and time.monotonic() < deadline:
+                if self._store.check([FAULT_KEY]):
+                    return  # a peer's fault: its error reaches the peers, nothing to add
+                time.sleep(_WATCH_INTERVAL_S / 2)
+                left = self._store.add(key, 0)
+        except (RuntimeError, dist.DistError):
+            return  # the store is gone: the job is over
+        if left >= replica_size:
+            return
+        self.abandon(RuntimeError(
+            f"the caller left the micro-batch loop (an exception in its loop body, or a break "
+            f"on this rank only) while micro-batch {context.micro_batch} was with it; the other "
+            f"ranks of its replica did not leave within {self.fault_timeout_s:g} s"),
+            CALLER_LOOP, "", context)
 
 
 def _watch_for_faults(agreement_ref: Any, armed: threading.Event) -> None:
@@ -339,9 +481,10 @@ def install_backward_guard() -> None:
         with agreement.collectives(CALLER_BACKWARD, context):
             try:
                 return _ORIGINAL_BACKWARD(*args, **kwargs)
-            except torch.OutOfMemoryError as exc:
-                if replica_size == 1:
-                    raise  # the caller catches it and iterates on: recovered locally
+            except Exception as exc:
+                # One rank: the caller catches an OOM and iterates on (recovered locally).
+                if not agreement.publishes(exc, replica_size):
+                    raise
                 raise agreement.abandon(exc, CALLER_BACKWARD, "", context) from None
 
     backward.__doc__ = _ORIGINAL_BACKWARD.__doc__

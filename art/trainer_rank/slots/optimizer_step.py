@@ -124,17 +124,16 @@ def _configs(optimizer: Any) -> list[Any]:
     return list({id(o.config): o.config for o in optimizers}.values())
 
 
-def optim_step(
+def check_step(
     *,
     chunks: list[Any],
     optimizer: Any | None,
     params: AdamParams,
     scale_grads: float,
-    ledger: GraphLedger,
     on_live_graphs: str,
-) -> dict[str, float]:
-    """One optimizer step over the trainable parameters; returns grad norm, learning rate,
-    whether the update was applied, and the count of zero gradients."""
+) -> None:
+    """The step's refusals (bad arguments, no optimizer, no DDP wrapping), raised before any
+    collective: every rank raises the same and nothing is changed."""
     if not isinstance(params, AdamParams):
         raise TypeError(f"optim_step(params=...) needs an AdamParams, got {type(params).__name__}")
     if on_live_graphs not in ON_LIVE_GRAPHS:
@@ -152,6 +151,22 @@ def optim_step(
             "optim_step: the model chunks are not wrapped in Megatron's DistributedDataParallel "
             "(build the runtime with build_training_runtime)"
         )
+
+
+def optim_step(
+    *,
+    chunks: list[Any],
+    optimizer: Any | None,
+    params: AdamParams,
+    scale_grads: float,
+    ledger: GraphLedger,
+    on_live_graphs: str,
+) -> dict[str, float]:
+    """One optimizer step over the trainable parameters; returns grad norm, learning rate,
+    whether the update was applied, and the count of zero gradients."""
+    check_step(chunks=chunks, optimizer=optimizer, params=params, scale_grads=scale_grads,
+               on_live_graphs=on_live_graphs)
+    scale = float(scale_grads)
     live = ledger.live()
     if live and on_live_graphs == "error":
         raise TrainerRankSlotStateError(
