@@ -290,7 +290,8 @@ class TrainerRank(SlotMethods):
                 *fingerprint(items), sum(1 for item in items if item.grad)))
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         local = deal_to_ranks(items, dp_size)[dp_rank]
-        yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch)
+        yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch,
+                               finish=self._merge_profiles_over_data_parallel)
 
     def dp_rank_forward(
         self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
@@ -681,6 +682,16 @@ class TrainerRank(SlotMethods):
             f"rank {failed_rank} ran out of memory packing items {plan.indices}")
         self._record_oom(plan, first, usable, error)
         return {}, error
+
+    def _merge_profiles_over_data_parallel(self) -> None:
+        """Every DP rank took this call: each leaves it holding every replica's observations
+        and misses, so all ranks plan the next call from the same profile."""
+        if _agree.data_parallel_rank_and_size()[1] == 1:
+            return
+        with self.phases.collectives(PLAN, None):
+            gathered = _agree.all_gather_over_data_parallel(self.profiles.profiles)
+        self.profiles.merge_from(gathered)
+        self._save_profiles()
 
     def _save_profiles(self) -> None:
         # One writer per replica (its ranks hold the same profiles); replicas merge on disk

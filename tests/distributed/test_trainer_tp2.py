@@ -1,7 +1,8 @@
 """TrainerRank under torchrun (gloo, CPU): TP=2 outputs and gradients, with and without
 sequence parallel, equal TP=1 on every rank,
-the replica agrees on the smallest usable limit; DP=2 deals whole items without overlap and a
-mismatched call raises on every rank instead of hanging."""
+the replica agrees on the smallest usable limit; DP=2 deals whole items without overlap, a
+mismatched call raises on every rank instead of hanging, and after a call where only rank 1
+ran out of memory both ranks hold the same profile, that miss included."""
 
 from __future__ import annotations
 
@@ -67,3 +68,8 @@ def test_dp2_deals_whole_items_and_rejects_mismatched_calls(two_ranks):
     dealt = [set(row["seen"]) for row in rows]
     assert not dealt[0] & dealt[1] and dealt[0] | dealt[1] == {"0", "1", "2", "3", "4"}
     assert rows[0]["usable"][0] == 32 * 2**20 and rows[1]["usable"][0] == 30 * 2**20
+    # Only rank 1 ran out of memory (and recovered); each replica measured its own items.
+    # After the call both hold every observation and that miss: the same profile.
+    assert rows[1]["fired"] == "layer forward" and rows[0]["fired"] is None
+    assert rows[0]["profiles"] == rows[1]["profiles"]
+    assert any(misses for _, misses in rows[0]["profiles"].values())

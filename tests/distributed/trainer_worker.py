@@ -1,7 +1,8 @@
 """torchrun worker for TrainerRank: first forward_micro_batches at TP = WORLD_SIZE (outputs
 and gradients), without and with sequence parallel, then, in the same processes, TP=1 /
-DP = WORLD_SIZE (dealing and the mismatched-call error). `run("tp")` is also called
-in-process by the test for the TP=1 reference."""
+DP = WORLD_SIZE (dealing, the mismatched-call error, and an OOM on rank 1 only whose miss
+every rank holds after the call). `run("tp")` is also called in-process by the test for the
+TP=1 reference."""
 
 from __future__ import annotations
 
@@ -21,6 +22,9 @@ from art.megatron.train import build_runtime_for_provider
 from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
 
 from _tiny import tiny_dense
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reliability"))
+from _faults import Injector  # noqa: E402
 
 
 def inputs(extra: bool = False) -> list:
@@ -73,22 +77,26 @@ def run(mode: str) -> dict:
         except RuntimeError as exc:
             result["plan_mismatch_error"] = str(exc)
     seen: dict[int, list[dict]] = {}
-    for mb in trainer.forward_micro_batches(inputs()):
-        loss = 0.0
-        for index, out in zip(mb.indices, mb.outputs):
-            rows = []
-            for o in leaves(out):
-                loss = loss - o.target_logprobs.sum()
-                rows.append({
-                    "logprobs": o.target_logprobs.tolist(),
-                    "top_tokens": o.top_k.tokens.tolist(),
-                    "top_logprobs": o.top_k.logprobs.tolist(),
-                    "logits_shape": list(o.logits.shape),
-                    "logits_sum": float(o.logits.double().sum()),
-                    "hidden_sum": float(o.hidden_states.double().sum()),
-                })
-            seen[index] = rows
-        loss.backward()
+    # DP: rank 1 alone runs out of memory in a layer's forward (recovered on that replica).
+    injector = Injector("layer forward", 2) if mode == "dp" and rank == 1 else Injector()
+    with injector:
+        for mb in trainer.forward_micro_batches(inputs()):
+            loss = 0.0
+            for index, out in zip(mb.indices, mb.outputs):
+                rows = []
+                for o in leaves(out):
+                    loss = loss - o.target_logprobs.sum()
+                    rows.append({
+                        "logprobs": o.target_logprobs.tolist(),
+                        "top_tokens": o.top_k.tokens.tolist(),
+                        "top_logprobs": o.top_k.logprobs.tolist(),
+                        "logits_shape": list(o.logits.shape),
+                        "logits_sum": float(o.logits.double().sum()),
+                        "hidden_sum": float(o.hidden_states.double().sum()),
+                    })
+                seen[index] = rows
+            if isinstance(loss, torch.Tensor):  # not an empty micro-batch (DP lockstep)
+                loss.backward()
     # The final norm's weight is replicated over TP: its gradient compares directly with TP=1.
     final_norm = trainer.model.decoder.final_layernorm.weight
     result.update(
@@ -102,6 +110,9 @@ def run(mode: str) -> dict:
         probe_digest=hashlib.sha256(trainer.probe.snapshot().to_json().encode()).hexdigest(),
         probe_tails=trainer.probe.probed_tails,
         probed=[("coefficients: probe:" in s.term_table) for s in trainer.stats_history],
+        fired=injector.fired,
+        profiles={sig: [p.observations, p.misses]
+                  for sig, p in sorted(trainer.profiles.profiles.items())},
     )
     return result
 

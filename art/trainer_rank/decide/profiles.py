@@ -156,6 +156,14 @@ class ProfileStore:
         with _locked(self.path):
             self._merge_and_replace()
 
+    def merge_from(self, others: list[dict[str, Profile]]) -> None:
+        """These profiles become the merge of `others` (every data-parallel replica's, in DP
+        rank order): the same inputs give the same profiles on every rank."""
+        merged: dict[str, Profile] = {}
+        for profiles in others:
+            merged = merge_profiles(merged, profiles)
+        self.profiles = merged
+
     def _merge_and_replace(self) -> None:
         assert self.path is not None
         merged = merge_profiles(_read(self.path, warn=False), self.profiles)

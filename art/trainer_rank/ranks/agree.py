@@ -53,6 +53,19 @@ def data_parallel_rank_and_size() -> tuple[int, int]:
     )
 
 
+def all_gather_over_data_parallel(obj: Any) -> list[Any]:
+    """`obj` of every data-parallel rank (same TP/CP position), in DP rank order."""
+    _, dp_size = data_parallel_rank_and_size()
+    if dp_size == 1:
+        return [obj]
+    from megatron.core import parallel_state
+
+    out: list[Any] = [None] * dp_size
+    dist.all_gather_object(out, obj, group=parallel_state.get_data_parallel_group(
+        with_context_parallel=False))
+    return out
+
+
 def check_same_call(what: str, values: tuple[int, ...]) -> None:
     """All ranks passed the same top-level list (counts compared); a mismatch raises on every
     rank, after the collective, so no rank waits for a peer that already left."""

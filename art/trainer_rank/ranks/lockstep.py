@@ -4,11 +4,14 @@ Each rank plans its own share; before every yield the ranks of the data-parallel
 (has a micro-batch, items in it). A rank that is done yields an empty micro-batch while any
 other still has one, so a collective in the caller's loop body always meets its partners.
 The same sum gives upstream's global progress fields (global_start / global_stop / count).
-An exception on one rank is held until every rank is done, then raised there.
+An exception on one rank is held until every rank is done, then raised there; `finish` runs
+on every rank once all are done (before a held exception is raised), e.g. to exchange what
+each rank learned in the call.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -16,6 +19,8 @@ import torch
 import torch.distributed as dist
 
 from art.trainer_rank._types import MicroBatch
+
+logger = logging.getLogger("art.trainer_rank")
 
 
 def _data_parallel_group() -> Any | None:
@@ -28,7 +33,8 @@ def _data_parallel_group() -> Any | None:
 
 
 def in_lockstep(
-    micro_batches: Iterator[MicroBatch], empty: Callable[[], MicroBatch]
+    micro_batches: Iterator[MicroBatch], empty: Callable[[], MicroBatch],
+    finish: Callable[[], None] | None = None,
 ) -> Iterator[MicroBatch]:
     group = _data_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -66,5 +72,12 @@ def in_lockstep(
         close = getattr(micro_batches, "close", None)
         if close is not None:
             close()
+    if finish is not None:
+        try:
+            finish()
+        except Exception:
+            if held is None:
+                raise
+            logger.exception("finishing the call failed after an earlier error")
     if held is not None:
         raise held
