@@ -26,7 +26,7 @@ from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.compute.execute import run_sub_forward
 from art.trainer_rank.compute.items import Item, outputs_union
 from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 SEED_SAFETY_FACTOR = 1.10
 
@@ -84,7 +84,7 @@ class MicroBatchRunner:
         release_score_buffer()
         started = time.perf_counter()
         self.runs += 1
-        meter = LiveBytesMeter(limit_bytes=limit, device="cpu")
+        meter = MemoryMeter(limit_bytes=limit, device="cpu")
         try:
             with meter:
                 outputs = run_sub_forward(

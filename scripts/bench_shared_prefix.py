@@ -41,7 +41,7 @@ from art.megatron.model_builder import (  # noqa: E402
 from art.trainer_rank._types import ForwardInput  # noqa: E402
 from art.trainer_rank.compute.execute import run_sub_forward  # noqa: E402
 from art.trainer_rank.compute.packing import pack_sequences  # noqa: E402
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter  # noqa: E402
+from art.trainer_rank.memory.meter import MemoryMeter  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[ForwardInput]]:
@@ -67,7 +67,7 @@ def run_group(model, leaves, implementation, layout, shared: bool) -> tuple[floa
     batch = pack_sequences([leaf.input_tokens for leaf in leaves], implementation=implementation,
                            layout=layout, groups=[len(leaves)] if shared else None)
     start = time.perf_counter()
-    with LiveBytesMeter() as meter:
+    with MemoryMeter() as meter:
         outputs = run_sub_forward(model, leaves, implementation=implementation, layout=layout,
                                   device=torch.device("cpu"), head_chunk_tokens=2048,
                                   groups=[len(leaves)] if shared else None)

@@ -4,7 +4,7 @@ Makes a random Qwen3-shaped checkpoint with transformers (fp32, about 250 MB), t
 under torchrun at TP=1 and TP=2. Each rank builds its model first (the shard exists before the
 load starts) and then measures, during `load_into` only:
 - meter peak: the peak of tensor storages created inside the load as the project's meter
-  (LiveBytesMeter) counts them. It counts safetensors' slices at the size of the whole
+  (MemoryMeter) counts them. It counts safetensors' slices at the size of the whole
   tensor they view, although that storage is the memory-mapped file, not allocated memory;
   so it is the largest single tensor, not a private allocation;
 - anonymous RSS: the peak rise of the process's RssAnon (sampled every 0.2 ms by a thread),
@@ -72,7 +72,7 @@ def worker(folder: Path, out: Path) -> None:
     from art.megatron.provider import Provider
     from art.megatron.settings import load_settings
     from art.megatron.weights import load_into, prepare_checkpoint
-    from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+    from art.trainer_rank.memory.meter import MemoryMeter
 
     tp = os.environ.get("WORLD_SIZE", "1")
     settings = load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": tp,
@@ -85,7 +85,7 @@ def worker(folder: Path, out: Path) -> None:
     sampler = _RssSampler()
     sampler.start()
     started = time.perf_counter()
-    with LiveBytesMeter(device="cpu") as meter:
+    with MemoryMeter(device="cpu") as meter:
         report = load_into(model, prepared)
     seconds = time.perf_counter() - started
     sampler.stop()

@@ -59,8 +59,8 @@ from art.trainer_rank.memory.device import (
     release_memory,
 )
 from art.trainer_rank.memory.measure import release_score_buffer
+from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.probing import TrainerProbe
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import in_lockstep
 from art.trainer_rank.ranks.phases import (
@@ -256,10 +256,9 @@ class TrainerRank(SlotMethods):
             self.probe.usable_bytes = usable
         return self.admission.plan_next(pending, grad, usable)
 
-    def _meter(self, usable: int) -> LiveBytesMeter:
+    def _meter(self, usable: int) -> MemoryMeter:
         limit = self.options.test_memory_limit_bytes
-        return LiveBytesMeter(limit_bytes=None if limit is None else usable,
-                              device=self.device.type)
+        return MemoryMeter(limit_bytes=None if limit is None else usable, device=self.device)
 
     # -- public API ---------------------------------------------------------------------------
 

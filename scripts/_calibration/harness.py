@@ -3,9 +3,9 @@
 One cell = one (geometry, recompute policy, LoRA rank, layout) model and one micro-batch
 (packed lengths, outputs, grad). It runs exactly the trainer's compute path: P's
 `pack_sequences` -> `decoder_hidden_states` -> `compute_heads` -> the caller loss
-(the cell's, `losses.py`) -> backward, inside the meter (`measure.py`), starting from the state
-before the micro-batch (weights, LoRA grads and optimizer state already live; Megatron's
-attention score buffer cleared, so the micro-batch pays for it as a first call would).
+(the cell's, `losses.py`) -> backward, inside the memory meter (`memory/meter.py`), starting
+from the state before the micro-batch (weights, LoRA grads and optimizer state already live;
+Megatron's attention score buffer cleared, so the micro-batch pays for it as a first call would).
 
 The comparison is on the dynamic part: measured = peak of bytes allocated inside the
 micro-batch; predicted = max(forward peak, backward peak) of the estimate, i.e. the dynamic
@@ -34,7 +34,8 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.measure import meter_for, release_score_buffer
+from art.trainer_rank.memory.measure import release_score_buffer
+from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.model import MemoryModel
 from art.trainer_rank.memory.probe import modes_for, probe
 
@@ -172,7 +173,7 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
     inner = unwrap_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
     release_score_buffer()
-    meter = meter_for(device)
+    meter = MemoryMeter(device=device)
     with meter:
         from art.trainer_rank.compute.packing import pack_sequences
 
@@ -189,14 +190,12 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                     top_k=outputs.top_k, logits=outputs.logits)
             if grad:
                 loss = LOSS_BY_NAME[loss_name](outputs, heads, hidden)
-        if device.type == "cuda":
-            meter._update()
+        meter.synchronize()
         forward_peak = meter.peak_bytes
         if grad:
             loss.backward()
             del loss
-        if device.type == "cuda":
-            meter._update()
+        meter.synchronize()
         del heads, hidden, batch
     return int(meter.peak_bytes), int(forward_peak)
 

@@ -20,7 +20,7 @@ from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_t
 from art.trainer_rank.compute.forward import decoder_hidden_states
 from art.trainer_rank.compute.heads import compute_heads
 from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 from _tiny import tiny_dense
 
@@ -66,7 +66,7 @@ def run(reference: dict, sequence_parallel: bool, rank: int, tp: int) -> dict:
     batch = pack_sequences(
         reference["sequences"], implementation=Implementation.cpu_local(), layout=layout
     )
-    with LiveBytesMeter(device="cpu") as meter:
+    with MemoryMeter(device="cpu") as meter:
         hidden = decoder_hidden_states(model, batch)
         heads = compute_heads(
             model, hidden, target_tokens=next_token_targets(batch), top_k=TOP_K, logits=True,

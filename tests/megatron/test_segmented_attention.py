@@ -15,7 +15,7 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.packed_attention import segmented_flash_attention
 from art.trainer_rank.memory.layers import Dims, _segmented_flash_costs
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 # A prompt, a deeper shared part with two children, a sibling completion, and a pad block.
 TREE = AttentionLayout(16, (
@@ -98,7 +98,7 @@ def test_an_8k_row_runs_within_the_priced_transients():
     q, k, v = _qkv(s, 4, 2, 16)
     q_bytes, kv_bytes = s * 64 * 4, s * 32 * 4
     kept, forward, backward = _segmented_flash_costs(d, s, q_bytes, kv_bytes)
-    with LiveBytesMeter() as meter:
+    with MemoryMeter() as meter:
         out = segmented_flash_attention(q, k, v, layout, 0.25)
         forward_seen = meter.peak_bytes - out.untyped_storage().nbytes() - kept
         grad = torch.randn_like(out)

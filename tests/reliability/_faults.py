@@ -22,13 +22,13 @@ from _fuzz import Leaf, ReferencePool, _check_leaf, _loss, _to_input
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank.memory import virtual_limit
+from art.trainer_rank.memory import meter as meter_module
 
 LIMIT_BYTES = 64 * 2**20
 
 
 class Injector:
-    """Wraps LiveBytesMeter._grow: counts the allocations made in each place, and at the
+    """Wraps MemoryMeter._grow: counts the allocations made in each place, and at the
     `fail_nth` allocation made in `fail_location` makes that allocation fail as a real OOM
     (or, with `raises`, raise that exception there instead: a bug at that point)."""
 
@@ -41,7 +41,7 @@ class Injector:
         self.in_caller_backward = False
         self.fired: str | None = None
         self.fired_at: float | None = None  # wall clock, to time how fast every rank ended
-        self._original = virtual_limit.LiveBytesMeter._grow
+        self._original = meter_module.MemoryMeter._grow
 
     def _location(self) -> str:
         if self.in_caller_backward:
@@ -74,11 +74,11 @@ class Injector:
                 meter.limit_bytes = meter._live_bytes  # this allocation now crosses it
             return original(meter, nbytes, func)
 
-        virtual_limit.LiveBytesMeter._grow = grow
+        meter_module.MemoryMeter._grow = grow
         return self
 
     def __exit__(self, *exc) -> None:
-        virtual_limit.LiveBytesMeter._grow = self._original
+        meter_module.MemoryMeter._grow = self._original
 
 
 def _flatten(value):

@@ -9,7 +9,7 @@ from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
 from art.trainer_rank.compute.heads import compute_heads, output_weight
 from art.trainer_rank.compute.packing import IGNORE_INDEX
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 from _tiny import tiny_dense
 
@@ -106,7 +106,7 @@ def test_heads_hold_one_chunk_of_logits_not_the_whole_row(model, top_k):
     hidden.requires_grad_(True)
     weight.requires_grad_(False)
     try:
-        with LiveBytesMeter(device="cpu") as meter:
+        with MemoryMeter(device="cpu") as meter:
             out = compute_heads(
                 model, hidden, target_tokens=targets, top_k=top_k, chunk_tokens=chunk_tokens
             )
@@ -123,7 +123,7 @@ def test_heads_hold_one_chunk_of_logits_not_the_whole_row(model, top_k):
     assert chunk_bytes < forward_peak < chunk_bytes + outputs_bytes
     # Backward: one chunk, hidden's gradient buffer, the outputs' gradients.
     assert chunk_bytes < backward_extra < chunk_bytes + hidden.numel() * 4 + outputs_bytes
-    with LiveBytesMeter(device="cpu") as meter, torch.no_grad():
+    with MemoryMeter(device="cpu") as meter, torch.no_grad():
         compute_heads(model, hidden, target_tokens=targets, logits=True, chunk_tokens=4)
     assert meter.peak_bytes >= full_logits_bytes
 

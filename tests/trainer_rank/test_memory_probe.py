@@ -1,10 +1,10 @@
-"""Storage meter, layer probe and the calibration harness on real tiny Megatron-Core models."""
+"""Memory meter, layer probe and the calibration harness on real tiny Megatron-Core models."""
 
 from __future__ import annotations
 
 import torch
 
-from art.trainer_rank.memory.measure import StorageMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 # The production points' spacing (about 1.5x apart), stopping where test rows stop.
@@ -13,7 +13,7 @@ SLICE_PROBE_TOKENS = (48, 64, 96, 128, 192, 256, 384)
 
 def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
     outside = torch.ones(1000)
-    with StorageMeter() as meter:
+    with MemoryMeter(device="cpu") as meter:
         view = outside.view(10, 100)  # a view of a storage that existed before: no allocation
         doubled = outside * 2  # 4000 bytes
         alias = doubled[:10]  # a view: same storage

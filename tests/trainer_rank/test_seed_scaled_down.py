@@ -27,7 +27,7 @@ from art.trainer_rank import (
     format_stats_table,
 )
 from art.trainer_rank.compute.execute import run_sub_forward
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 LIMIT_BYTES = 16 * 2**20
 LENGTHS = (140, 116)  # one group, like the seed's two ~16-20k-token sequences
@@ -91,7 +91,7 @@ def test_the_seed_formula_would_admit_this_group():
 def test_selective_really_exceeds_the_limit(seed_runtime):
     provider, model = seed_runtime
     leaves = _group()[0]
-    with pytest.raises(torch.OutOfMemoryError), LiveBytesMeter(limit_bytes=LIMIT_BYTES):
+    with pytest.raises(torch.OutOfMemoryError), MemoryMeter(limit_bytes=LIMIT_BYTES):
         outs = run_sub_forward(model, leaves, implementation=provider.implementation,
                                layout=provider.layout, device=torch.device("cpu"),
                                head_chunk_tokens=2048)

@@ -10,7 +10,7 @@ from _trainer_helpers import loss_of, make_inputs, provider
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank.memory.virtual_limit import LiveBytesMeter
+from art.trainer_rank.memory.meter import MemoryMeter
 
 LIMIT = 6 * 2**20
 
@@ -34,14 +34,14 @@ def _run(trainer: TrainerRank, lengths: list[int], *, grad: bool, **outputs) -> 
 def test_probe_and_first_use_head_tails_stay_under_the_limit(built):
     p, model = built
     options = TrainerRankOptions(test_memory_limit_bytes=LIMIT)
-    with LiveBytesMeter(device="cpu") as start:
+    with MemoryMeter(device="cpu") as start:
         trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=options))
     assert 0 < start.peak_bytes <= LIMIT
     # Each call asks for a new output mix, so the head tail is probed inside it.
     for grad, outputs in ((True, dict(top_k=4, logits=True, hidden_states=True)),
                           (False, dict(top_k=2, logits=True, hidden_states=False))):
         before = len(trainer.probe.probed_tails)
-        with LiveBytesMeter(device="cpu") as call:
+        with MemoryMeter(device="cpu") as call:
             _run(trainer, [16], grad=grad, **outputs)
         assert len(trainer.probe.probed_tails) > before
         assert 0 < call.peak_bytes <= LIMIT, (grad, call.peak_bytes, LIMIT)

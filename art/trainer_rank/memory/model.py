@@ -235,8 +235,10 @@ class MemoryModel:
         terms: list[Term] = list(self.resident_terms())
         resident = sum(t.bytes for t in terms)
 
-        pre = pre_decoder_terms(g, self.implementation, b, self.layout.tensor_parallel, s, S,
-                                hidden_local)
+        pre = pre_decoder_terms(
+            g, self.implementation, b, self.layout.tensor_parallel, s, S, hidden_local,
+            checkpointed_attention_layers=sum(
+                1 for lr in self.recompute.layers if "core_attn" in lr.selective_modules))
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local, self._layer_cost,
                           self._probed_unit)
         tail, tail_probed = self._tail(batch, s, S)

@@ -14,6 +14,8 @@ from art.trainer_rank.memory.estimate import Term
 from art.trainer_rank.memory.layers import FP32, LayerCost
 from art.trainer_rank.memory.tail import INT64, TailCost
 
+INT32 = 4
+
 # (layer index, selective modules, tokens, grad) -> (cost, whether the probe measured it)
 LayerPricer = Callable[[int, frozenset[str], int, bool], tuple[LayerCost, bool]]
 # (first layer index, layers in the unit, tokens, grad) -> the probe's cost of the whole unit
@@ -48,9 +50,10 @@ class ForwardPass:
 
 
 def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, tp: int,
-                      s: int, S: int, hidden_local: float) -> list[Term]:
+                      s: int, S: int, hidden_local: float,
+                      checkpointed_attention_layers: int = 0) -> list[Term]:
     """Live through forward and backward: packed inputs, the unfused mask and score buffer,
-    the rotary table, the embedding output."""
+    the rotary table, the embedding output, the checkpointed attention's mask-type tensors."""
     pre = [Term("packed inputs", int(s * INT64 * 3), "forward",
                 f"tokens, positions, targets: 3 x {s} x int64")]
     if implementation.attention == "unfused":
@@ -64,6 +67,13 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
         rope_dim = g.head_dim
         pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
                         f"table + per-token index [{s}, {rope_dim}] fp32"))
+    if checkpointed_attention_layers:
+        # Megatron's checkpointed core attention passes the mask type as a new one-element
+        # int32 tensor per layer (transformer/attention.py, _checkpointed_attention_forward);
+        # the checkpoint keeps it until backward, and without grad one outlives its layer.
+        pre.append(Term("checkpointed attention mask-type tensors",
+                        int(checkpointed_attention_layers * INT32), "forward",
+                        f"{checkpointed_attention_layers} layer(s) x 1 int32"))
     # The compute path keeps the embedding output referenced for the whole decoder call,
     # so it is live throughout; the first layer's saved input is that same storage.
     pre.append(Term("embedding output", int(hidden_local), "forward",

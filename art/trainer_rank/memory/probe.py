@@ -2,7 +2,7 @@
 
 Formulas drift from kernels, so the probe runs a real transformer layer of the built model
 (same spec, dtype, LoRA adapters, device) under each recompute mode the policy uses, at three
-small token counts, and measures with the storage meter (CPU) or allocator stats (GPU):
+small token counts, and measures with the memory meter (CPU: live storages; GPU: allocator stats):
 - kept: what the layer holds for backward (its input when it saves it, not its output);
 - forward: the peak above the state at the layer's start (input live);
 - backward: the peak above the state right before its backward, incoming gradient included
@@ -40,7 +40,8 @@ from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory.coefficients import RecomputeMode
 from art.trainer_rank.memory.layers import LayerCost, layer_kind
-from art.trainer_rank.memory.measure import meter_for, release_score_buffer
+from art.trainer_rank.memory.measure import release_score_buffer
+from art.trainer_rank.memory.meter import MemoryMeter
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -342,7 +343,7 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
             (y * 1.0).sum().backward()
     del y
     x0.grad = None
-    meter = meter_for(device)
+    meter = MemoryMeter(device=device)
     with meter, torch.set_grad_enabled(grad):
         x = x0 * 1.0
         x_bytes = _storage_nbytes(x)
@@ -374,10 +375,8 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
             "output": y_bytes, "saves_input": saves_input, "largest": largest}
 
 
-def _sync(device: torch.device, meter: Any) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-        meter._update()
+def _sync(device: torch.device, meter: MemoryMeter) -> None:
+    meter.synchronize()
 
 
 def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> torch.Tensor:
@@ -426,7 +425,7 @@ def _measure_tail(model: Any, inputs: _Inputs, outputs: OutputRequest, dtype: to
     x0 = torch.randn(inputs.rows, 1, inner.config.hidden_size, dtype=dtype, device=device,
                      requires_grad=grad)
     targets = torch.randint(0, inner.vocab_size, (batch.padded_tokens,), device=device)
-    meter = meter_for(device)
+    meter = MemoryMeter(device=device)
     with meter, torch.set_grad_enabled(grad):
         x = x0 * 1.0
         _sync(device, meter)

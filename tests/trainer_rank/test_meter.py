@@ -1,4 +1,6 @@
-"""LiveBytesMeter: exact live-byte accounting on CPU, and a limit that raises a real OOM."""
+"""MemoryMeter: exact live-byte accounting on CPU (cross-checked against MemTracker), one op
+classification (c10d collectives included), a limit that raises a real OOM, and the CUDA
+backend's fields built from allocator statistics."""
 
 from __future__ import annotations
 
@@ -10,11 +12,15 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-from art.trainer_rank.memory.virtual_limit import (
-    ENV_TEST_MEMORY_LIMIT,
-    LiveBytesMeter,
-    test_memory_limit_bytes,
+from art.trainer_rank.memory.meter import (
+    FRESH,
+    VIEW,
+    WRITTEN,
+    CudaReading,
+    MemoryMeter,
+    output_kinds,
 )
+from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 
 from _tiny import tiny_dense
 
@@ -57,7 +63,7 @@ def test_peak_equals_memtracker_over_forward_and_backward(megatron_process, mode
     tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(0))
     _fresh_megatron_buffer()
     tracker = MemTracker()
-    with tracker, LiveBytesMeter(device="cpu") as meter:
+    with tracker, MemoryMeter(device="cpu") as meter:
         _step(model, tokens)
     snapshot = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
     params_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
@@ -73,7 +79,7 @@ def test_peak_equals_memtracker_over_forward_and_backward(megatron_process, mode
 
 def test_resize_views_in_place_and_preexisting_storages():
     before = torch.zeros(1000)
-    with LiveBytesMeter(device="cpu") as meter:
+    with MemoryMeter(device="cpu") as meter:
         before.add_(1.0)  # in place on a storage that existed before: nothing new
         assert meter.live_bytes == 0
         x = torch.empty(1000)
@@ -95,10 +101,10 @@ def test_resize_views_in_place_and_preexisting_storages():
 
 
 def test_nested_meters_both_count_and_an_active_meter_cannot_reenter():
-    outer = LiveBytesMeter(device="cpu")
+    outer = MemoryMeter(device="cpu")
     with outer:
         a = torch.ones(100)
-        with LiveBytesMeter(device="cpu") as inner:
+        with MemoryMeter(device="cpu") as inner:
             b = torch.ones(50)
             with pytest.raises(RuntimeError, match="already active"):
                 inner.__enter__()
@@ -114,7 +120,7 @@ def test_limit_raises_out_of_memory_in_forward_and_in_backward(megatron_process)
     tokens = torch.randint(0, 256, (1, 48), generator=torch.Generator().manual_seed(1))
     _step(model, tokens)  # allocate the persistent scratch (rotary table, score buffer) first
     model.zero_grad(set_to_none=True)
-    with LiveBytesMeter(device="cpu") as meter:
+    with MemoryMeter(device="cpu") as meter:
         logits = model(tokens, torch.arange(48)[None], attention_mask=None)
         forward_peak = meter.peak_bytes
         logits.float().pow(2).mean().backward()
@@ -124,7 +130,7 @@ def test_limit_raises_out_of_memory_in_forward_and_in_backward(megatron_process)
     assert total_peak > forward_peak  # full recompute: backward rebuilds a layer, adds grads
 
     between = (forward_peak + total_peak) // 2
-    with LiveBytesMeter(limit_bytes=between, device="cpu") as meter:
+    with MemoryMeter(limit_bytes=between, device="cpu") as meter:
         logits = model(tokens, torch.arange(48)[None], attention_mask=None)
         loss = logits.float().pow(2).mean()
         with pytest.raises(torch.OutOfMemoryError, match="virtual memory limit exceeded"):
@@ -134,7 +140,7 @@ def test_limit_raises_out_of_memory_in_forward_and_in_backward(megatron_process)
     gc.collect()
     assert meter.live_bytes == 0
 
-    with LiveBytesMeter(limit_bytes=forward_peak // 2, device="cpu") as meter:
+    with MemoryMeter(limit_bytes=forward_peak // 2, device="cpu") as meter:
         with pytest.raises(torch.OutOfMemoryError, match=ENV_TEST_MEMORY_LIMIT):
             model(tokens, torch.arange(48)[None], attention_mask=None)
     gc.collect()
@@ -151,7 +157,7 @@ def test_limit_from_environment():
     with pytest.raises(ValueError, match="positive"):
         test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: "0"})
     with pytest.raises(ValueError, match="positive"):
-        LiveBytesMeter(limit_bytes=0)
+        MemoryMeter(limit_bytes=0)
 
 
 @pytest.mark.skipif(
@@ -160,8 +166,89 @@ def test_limit_from_environment():
     "via set_per_process_memory_fraction) can only run on a GPU machine",
 )
 def test_cuda_path_reads_the_allocator():
-    with LiveBytesMeter(device="cuda") as meter:
+    with MemoryMeter(device="cuda") as meter:
         x = torch.empty(1 << 20, device="cuda")
         assert meter.live_bytes >= 4 << 20
         del x
     assert meter.peak_bytes >= 4 << 20
+
+
+def test_one_classification_for_every_op_c10d_collectives_included(megatron_process):
+    assert output_kinds(torch.ops.aten.add.Tensor) == (FRESH,)
+    assert output_kinds(torch.ops.aten.add_.Tensor) == (WRITTEN,)
+    assert output_kinds(torch.ops.aten.view.default) == (VIEW,)
+    assert output_kinds(torch.ops.aten.lift_fresh.default) == (FRESH,)
+    # c10d collectives fill the buffers they are given; the functional ones return new ones.
+    assert output_kinds(torch.ops.c10d.allreduce_.default) == (WRITTEN,)
+    assert output_kinds(torch.ops._c10d_functional.all_reduce.default) == (FRESH,)
+    import torch.distributed as dist
+    from torch.distributed import _functional_collectives as functional
+
+    given = torch.ones(1000)
+    with MemoryMeter(device="cpu") as meter:
+        dist.all_reduce(given)  # into a buffer that existed before: nothing new
+        assert meter.live_bytes == 0
+        out, src = torch.empty(2000), torch.ones(2000)  # 8000 bytes each
+        dist.all_gather_into_tensor(out, src)  # writes into `out`: counted once
+        assert meter.live_bytes == 16000 and meter.allocations == 2
+        reduced = functional.all_reduce(given, "sum", dist.group.WORLD).wait()  # a new tensor
+        assert meter.live_bytes == 20000 and meter.largest_allocation_bytes == 8000
+        del out, src, reduced
+    assert meter.live_bytes == 0
+
+
+class ScriptedAllocator:
+    """Stands in for the CUDA caching allocator (no GPU here): returns the statistics a test
+    scripts, and records what the meter asks of it."""
+
+    def __init__(self) -> None:
+        self.stats = {"allocated_bytes.all.current": 1000, "allocated_bytes.all.peak": 1000,
+                      "reserved_bytes.all.current": 4096,
+                      "inactive_split_bytes.all.current": 0}
+        self.calls: list[str] = []
+
+    def synchronize(self) -> None:
+        self.calls.append("synchronize")
+
+    def memory_stats(self):
+        return dict(self.stats)
+
+    def reset_peak_memory_stats(self) -> None:
+        self.calls.append("reset_peak")
+        self.stats["allocated_bytes.all.peak"] = self.stats["allocated_bytes.all.current"]
+
+    def total_memory(self) -> int:
+        return 100_000
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        self.calls.append(f"fraction={fraction:g}")
+
+
+def test_cuda_meter_fields_from_allocator_statistics_without_a_gpu():
+    reading = CudaReading.from_stats({"allocated_bytes.all.current": 7000,
+                                      "allocated_bytes.all.peak": 9000,
+                                      "reserved_bytes.all.current": 16000,
+                                      "inactive_split_bytes.all.current": 512}, 1000)
+    assert reading == CudaReading(live_bytes=6000, peak_bytes=8000, reserved_bytes=16000,
+                                  inactive_split_bytes=512)
+    allocator = ScriptedAllocator()
+    with MemoryMeter(limit_bytes=49_000, device="cuda", cuda_allocator=allocator) as meter:
+        # The tensors are CPU ones (no GPU); the largest allocation is seen by the same
+        # dispatch classification whatever the device, the totals come from the allocator.
+        a = torch.empty(3000)  # 12000 bytes: the largest
+        a.add_(1.0)  # written, not allocated
+        b = a[:10]  # a view
+        c = torch.empty(100)
+        allocator.stats.update({"allocated_bytes.all.current": 13400,
+                                "allocated_bytes.all.peak": 25000,
+                                "inactive_split_bytes.all.current": 2048})
+        assert meter.live_bytes == 12400 and meter.peak_bytes == 24000
+        assert meter.inactive_split_bytes == 2048
+        meter.reset_peak()
+        assert meter.peak_bytes == 12400
+        del a, b, c
+    assert meter.largest_allocation_bytes == 12000
+    assert meter.tracked_storages == 0  # the CUDA backend keeps no per-storage records
+    # The limit sits on top of what was live on entry, as a fraction of the device.
+    assert allocator.calls[1:3] == ["reset_peak", "fraction=0.5"]
+    assert allocator.calls[-1] == "fraction=1"

@@ -1,0 +1,341 @@
+"""The memory meter: live, peak and largest-allocation bytes of what is allocated while it is
+active, on CPU or CUDA, with an optional limit past which the allocating op raises
+torch.OutOfMemoryError. The probe, the calibration harness and TrainerRank all measure with it.
+
+One op classification for both backends (`output_kinds`), per output of an op's schema:
+- FRESH: the output aliases no input, so its storage is new (counted once, until it dies);
+  `lift_fresh` outputs too (torch.tensor(...) builds a storage outside the dispatcher and lifts
+  it, behind an alias annotation);
+- WRITTEN: the output is an input the op wrote to (in-place, out=, resize_) or a buffer a c10d
+  collective filled (those carry no alias annotations, but write into the tensors they are
+  given; their functional `_c10d_functional` variants do return new tensors and are FRESH by
+  their schema). A written storage allocates nothing; if it is tracked its size is re-read,
+  since resize_ may have changed it;
+- VIEW: the output aliases an input and nothing was written: skipped.
+
+CPU backend: a TorchDispatchMode sees every op's outputs on the calling thread (forward,
+autograd backward and checkpoint recompute all run their CPU kernels there); FRESH storages are
+counted by `nbytes()` with a weakref finalizer that subtracts them when the storage dies, so the
+live total after each op is the exact live-bytes curve. `UntypedStorage.resize_` is not an op
+(Megatron's CheckpointWithoutOutput frees and regrows outputs with it), so it is wrapped while
+a CPU meter is active. Storages that existed before the meter was entered are not counted.
+This is the storage-weakref bookkeeping of torch.distributed._tools.mem_tracker.MemTracker,
+which a test cross-checks it against; MemTracker itself is not used because it registers a
+gradient hook on every parameter and raises on frozen ones (the LoRA case).
+
+CUDA backend: live and peak are the caching allocator's allocated bytes (current and peak)
+net of what was allocated on entry; the largest allocation is the largest FRESH storage the
+same dispatch classification saw (kernels that allocate outside the dispatcher, such as
+Transformer Engine's extension calls, are invisible to it; the allocator totals are not). A
+limit is applied with `torch.cuda.set_per_process_memory_fraction`, so the allocator itself
+raises; that fraction bounds reserved memory, so it trips somewhat earlier than the count.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT
+
+FRESH, WRITTEN, VIEW = 0, 1, 2
+_KINDS: dict[Any, tuple[int, ...]] = {}
+_LIFTS = (torch.ops.aten.lift_fresh.default, torch.ops.aten.lift_fresh_copy.default)
+
+
+def output_kinds(func: Any) -> tuple[int, ...]:
+    """FRESH / WRITTEN / VIEW for each return of `func`'s schema (see the module docstring)."""
+    kinds = _KINDS.get(func)
+    if kinds is None:
+        schema = getattr(func, "_schema", None)
+        if func in _LIFTS:
+            kinds = (FRESH,)
+        elif schema is None or getattr(func, "namespace", "") == "c10d":
+            kinds = (WRITTEN,)
+        else:
+            kinds = tuple(
+                FRESH if r.alias_info is None
+                else WRITTEN if r.alias_info.is_write or schema.is_mutable
+                else VIEW
+                for r in schema.returns
+            ) or (VIEW,)
+        _KINDS[func] = kinds
+    return kinds
+
+
+class _Observer(TorchDispatchMode):
+    def __init__(self, meter: MemoryMeter) -> None:
+        super().__init__()
+        self.meter = meter
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        result = func(*args, **(kwargs or {}))
+        kinds = output_kinds(func)
+        if len(kinds) == 1:
+            if kinds[0] == VIEW:
+                return result
+            if type(result) is torch.Tensor:  # the common case, without flattening
+                self.meter._observe(result, kinds[0], func)
+                return result
+            outputs: tuple[Any, ...] = (result,)
+        else:
+            outputs = tuple(result)
+        last = len(kinds) - 1
+        for i, value in enumerate(outputs):
+            kind = kinds[min(i, last)]
+            if kind == VIEW:
+                continue
+            for leaf in tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    self.meter._observe(leaf, kind, func)
+        return result
+
+
+class CudaAllocator(Protocol):
+    """The caching allocator calls the CUDA backend makes (a test passes a scripted one)."""
+
+    def synchronize(self) -> None: ...
+    def memory_stats(self) -> Mapping[str, int]: ...
+    def reset_peak_memory_stats(self) -> None: ...
+    def total_memory(self) -> int: ...
+    def set_memory_fraction(self, fraction: float) -> None: ...
+
+
+class TorchCudaAllocator:
+    """The current CUDA device's caching allocator."""
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize()
+
+    def memory_stats(self) -> Mapping[str, int]:
+        return torch.cuda.memory_stats()
+
+    def reset_peak_memory_stats(self) -> None:
+        torch.cuda.reset_peak_memory_stats()
+
+    def total_memory(self) -> int:
+        return int(torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory)
+
+    def set_memory_fraction(self, fraction: float) -> None:
+        torch.cuda.set_per_process_memory_fraction(fraction)
+
+
+@dataclass(frozen=True)
+class CudaReading:
+    """The CUDA meter's fields from one allocator statistics snapshot."""
+
+    live_bytes: int
+    peak_bytes: int
+    reserved_bytes: int
+    inactive_split_bytes: int
+
+    @classmethod
+    def from_stats(cls, stats: Mapping[str, int], baseline_allocated_bytes: int) -> CudaReading:
+        return cls(
+            live_bytes=int(stats.get("allocated_bytes.all.current", 0))
+            - baseline_allocated_bytes,
+            peak_bytes=max(0, int(stats.get("allocated_bytes.all.peak", 0))
+                           - baseline_allocated_bytes),
+            reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
+            inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
+        )
+
+
+_active_cpu_meters: list[MemoryMeter] = []
+# resize_ as it was when the first CPU meter became active; another tool (MemTracker) may have
+# wrapped it already, so the hook calls through to it instead of to the original.
+_resize_below: Any = None
+
+
+def _tracking_resize(storage: torch.UntypedStorage, size: int) -> Any:
+    result = _resize_below(storage, size)
+    for meter in list(_active_cpu_meters):
+        meter._refresh(storage, "UntypedStorage.resize_")
+    return result
+
+
+class MemoryMeter:
+    """Context manager: live / peak / largest-allocation bytes of what is allocated inside
+    it, optionally with a limit (CPU: the op that crosses it raises; CUDA: the allocator)."""
+
+    def __init__(self, limit_bytes: int | None = None, *, device: str | torch.device | None = None,
+                 cuda_allocator: CudaAllocator | None = None) -> None:
+        if limit_bytes is not None and limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive or None, got {limit_bytes}")
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device).type
+        if device not in ("cpu", "cuda"):
+            raise ValueError(f"MemoryMeter device must be 'cpu' or 'cuda', got {device!r}")
+        self.limit_bytes = limit_bytes
+        self.device = device
+        self.allocations = 0
+        self.largest_allocation_bytes = 0
+        self._live_bytes = 0
+        self._peak_bytes = 0
+        # storage key (its C pointer) -> (weakref keeping the finalizer, bytes counted)
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}
+        self._mode: _Observer | None = None
+        self._cuda = cuda_allocator if cuda_allocator is not None else (
+            TorchCudaAllocator() if device == "cuda" else None)
+        self._cuda_baseline_bytes = 0
+        self._cuda_fraction_set = False
+
+    # -- readings -----------------------------------------------------------------------------
+
+    def cuda_reading(self) -> CudaReading:
+        assert self._cuda is not None, "cuda_reading() on a CPU meter"
+        return CudaReading.from_stats(self._cuda.memory_stats(), self._cuda_baseline_bytes)
+
+    @property
+    def live_bytes(self) -> int:
+        return self.cuda_reading().live_bytes if self._cuda is not None else self._live_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.cuda_reading().peak_bytes if self._cuda is not None else self._peak_bytes
+
+    @property
+    def inactive_split_bytes(self) -> int:
+        """Freed-but-split allocator blocks (fragmentation); 0 on CPU."""
+        return self.cuda_reading().inactive_split_bytes if self._cuda is not None else 0
+
+    @property
+    def tracked_storages(self) -> int:
+        return len(self._storages)
+
+    def synchronize(self) -> None:
+        """Wait for queued kernels, so the readings include them (no-op on CPU)."""
+        if self._cuda is not None:
+            self._cuda.synchronize()
+
+    def reset_peak(self) -> None:
+        """Restart the peak at the current live bytes (e.g. between forward and backward)."""
+        if self._cuda is not None:
+            self._cuda.synchronize()
+            self._cuda.reset_peak_memory_stats()
+        self._peak_bytes = self._live_bytes
+
+    # -- entering and leaving -----------------------------------------------------------------
+
+    def __enter__(self) -> MemoryMeter:
+        if self._mode is not None:
+            raise RuntimeError("this MemoryMeter is already active; use a second meter to nest")
+        if self._cuda is not None:
+            self._enter_cuda()
+        else:
+            global _resize_below
+            if not _active_cpu_meters:
+                _resize_below = torch.UntypedStorage.resize_
+                torch.UntypedStorage.resize_ = _tracking_resize  # type: ignore[method-assign]
+            _active_cpu_meters.append(self)
+        self._mode = _Observer(self)
+        self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(*exc)
+        if self._cuda is not None:
+            self._cuda.synchronize()
+            if self._cuda_fraction_set:
+                self._cuda.set_memory_fraction(1.0)
+                self._cuda_fraction_set = False
+            return
+        global _resize_below
+        if self in _active_cpu_meters:
+            _active_cpu_meters.remove(self)
+        if not _active_cpu_meters:
+            if torch.UntypedStorage.resize_ is _tracking_resize:
+                torch.UntypedStorage.resize_ = _resize_below  # type: ignore[method-assign]
+            _resize_below = None
+
+    def _enter_cuda(self) -> None:
+        cuda = self._cuda
+        assert cuda is not None
+        cuda.synchronize()
+        self._cuda_baseline_bytes = int(cuda.memory_stats().get("allocated_bytes.all.current", 0))
+        cuda.reset_peak_memory_stats()
+        if self.limit_bytes is not None:
+            fraction = min(1.0, (self._cuda_baseline_bytes + self.limit_bytes)
+                           / cuda.total_memory())
+            cuda.set_memory_fraction(fraction)
+            self._cuda_fraction_set = True
+
+    # -- what the observer reports ------------------------------------------------------------
+
+    def _observe(self, tensor: torch.Tensor, kind: int, func: Any) -> None:
+        if tensor.device.type == "meta":
+            return
+        try:
+            storage = tensor.untyped_storage()
+        except (RuntimeError, NotImplementedError):
+            return  # sparse and other storage-less layouts
+        if self._cuda is not None:
+            # Totals come from the allocator; only the largest allocation is seen here.
+            if kind == FRESH:
+                self._note_allocation(storage.nbytes())
+            return
+        key = storage._cdata
+        known = self._storages.get(key)
+        if known is not None:
+            self._resize_to(key, known, storage.nbytes(), func)
+        elif kind == FRESH:
+            nbytes = storage.nbytes()
+            self._storages[key] = (weakref.ref(storage, self._finalizer(key)), nbytes)
+            self.allocations += 1
+            self._note_allocation(nbytes)
+            self._grow(nbytes, func)
+
+    def _note_allocation(self, nbytes: int) -> None:
+        if nbytes > self.largest_allocation_bytes:
+            self.largest_allocation_bytes = nbytes
+
+    def _refresh(self, storage: torch.UntypedStorage, func: Any) -> None:
+        key = storage._cdata
+        known = self._storages.get(key)
+        if known is not None:
+            self._resize_to(key, known, storage.nbytes(), func)
+
+    def _finalizer(self, key: int):
+        meter_ref = weakref.ref(self)
+
+        def release(_: weakref.ref) -> None:
+            meter = meter_ref()
+            if meter is None:
+                return
+            known = meter._storages.pop(key, None)
+            if known is not None:
+                meter._live_bytes -= known[1]
+
+        return release
+
+    def _resize_to(self, key: int, known: tuple[weakref.ref, int], nbytes: int, func: Any) -> None:
+        if nbytes == known[1]:
+            return
+        self._storages[key] = (known[0], nbytes)
+        delta = nbytes - known[1]
+        if delta < 0:
+            self._live_bytes += delta
+        else:
+            self._note_allocation(nbytes)
+            self._grow(delta, func)
+
+    def _grow(self, nbytes: int, func: Any) -> None:
+        self._live_bytes += nbytes
+        if self._live_bytes > self._peak_bytes:
+            self._peak_bytes = self._live_bytes
+        if self.limit_bytes is not None and self._live_bytes > self.limit_bytes:
+            raise torch.OutOfMemoryError(
+                f"virtual memory limit exceeded: {self._live_bytes} live tensor bytes > limit "
+                f"{self.limit_bytes} after {func} allocated {nbytes} bytes (the limit comes "
+                f"from {ENV_TEST_MEMORY_LIMIT} or MemoryMeter(limit_bytes=...); raise it or "
+                "make the micro-batch smaller)"
+            )
