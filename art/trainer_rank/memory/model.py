@@ -21,6 +21,7 @@ formulas in `layers.py` otherwise; `coefficients_source` says which.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
@@ -32,6 +33,7 @@ from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
 from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.memory.budget import AllocatorReserve
+from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
 from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
 from art.trainer_rank.memory.estimate import Estimate, Term
 from art.trainer_rank.memory.layers import Dims, LayerCost, layer_kind, price_layer
@@ -133,17 +135,18 @@ class MemoryModel:
         object.__setattr__(self, "_dims_cache", cached)
         return cached
 
-    def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool
-                    ) -> tuple[LayerCost, bool]:
+    def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
+                    padded: int | None = None) -> tuple[LayerCost, bool]:
+        """`padded`: the row's tokens padded to whole kernel chunks (memory/chunked.py)."""
         kind = self._kinds[index]
-        memo_key = (kind, modules, s, grad)
+        memo_key = (kind, modules, s, grad, padded)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
         result: tuple[LayerCost, bool] | None = None
         if self.coefficients is not None:
             cost = self.coefficients.layer_cost(
-                kind, RecomputeMode(grad=grad, modules=modules).key, s)
+                kind, RecomputeMode(grad=grad, modules=modules).key, s, padded)
             if cost is not None:
                 result = (cost, True)
         if result is None:
@@ -170,7 +173,8 @@ class MemoryModel:
             object.__setattr__(self, "_memo_cache", memo)
         return memo
 
-    def _probed_unit(self, index: int, n: int, s: int, grad: bool = True) -> LayerCost | None:
+    def _probed_unit(self, index: int, n: int, s: int, grad: bool = True,
+                     padded: int | None = None) -> LayerCost | None:
         if self.coefficients is None:
             return None
         layers = self.recompute.layers
@@ -185,7 +189,7 @@ class MemoryModel:
         if len(kinds) != 1:
             return None
         return self.coefficients.layer_cost(
-            kinds.pop(), RecomputeMode(grad=grad, full_layers=n).key, s)
+            kinds.pop(), RecomputeMode(grad=grad, full_layers=n).key, s, padded)
 
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
@@ -239,8 +243,12 @@ class MemoryModel:
             g, self.implementation, b, self.layout.tensor_parallel, s, S, hidden_local,
             checkpointed_attention_layers=sum(
                 1 for lr in self.recompute.layers if "core_attn" in lr.selective_modules))
-        fp = forward_pass(self._stage_layers(), s, grad, hidden_local, self._layer_cost,
-                          self._probed_unit)
+        # Gated DeltaNet kernels pad each sequence to whole chunks (CP does not split them).
+        padded = (row_padded_chunk_tokens(batch.sequence_lengths_tokens, self.layout)
+                  if self.layout.context_parallel == 1 and has_chunked_layers(g) else None)
+        fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
+                          functools.partial(self._layer_cost, padded=padded),
+                          functools.partial(self._probed_unit, padded=padded))
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:

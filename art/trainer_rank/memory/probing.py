@@ -132,8 +132,9 @@ class TrainerProbe:
     def key(self) -> str:
         return self.layers.key
 
-    def layer_cost(self, kind: str, mode: str, s: int) -> LayerCost | None:
-        return self.layers.layer_cost(kind, mode, s)
+    def layer_cost(self, kind: str, mode: str, s: int, padded: int | None = None
+                   ) -> LayerCost | None:
+        return self.layers.layer_cost(kind, mode, s, padded)
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
                   ) -> tuple[int, int, int] | None:

@@ -1,0 +1,96 @@
+"""Layers whose kernels work in fixed-size token chunks: what they cost between chunk counts.
+
+A Gated DeltaNet layer's delta rule pads each sequence to whole 64-token chunks (fla's
+kernels allocate per chunk; the CPU kernels copy every input into padded chunks), so its
+peaks are a + b x tokens + c x padded tokens: a step at each chunk boundary, and a straight
+line of another slope within a chunk. A curve fitted over token counts alone cuts the steps
+and under-prices a row just past a boundary. Such a layer is fitted over rows of whole
+chunks (where tokens = padded tokens), and a row of `tokens` in `padded` chunk tokens is
+priced from that curve at `padded`, less the within-chunk slope times the padding. The
+within-chunk slope comes from the probe's points inside a chunk; where two disagree, the
+one giving the larger price is used.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
+from art.trainer_rank.memory.layers import GDN_CHUNK_TOKENS
+
+QUANTITIES = ("kept", "forward", "backward", "output", "largest")
+
+
+def chunk_tokens_of(kind: str) -> int:
+    """Tokens per kernel chunk of a layer kind (0: its kernels do not chunk the row)."""
+    return GDN_CHUNK_TOKENS if kind.startswith("linear_attention") else 0
+
+
+def padded_chunk_tokens(sequence_lengths_tokens: Iterable[int],
+                        chunk_tokens: int = GDN_CHUNK_TOKENS) -> int:
+    """The row's tokens with each sequence padded to whole chunks (fla's varlen layout)."""
+    return sum(-(-int(n) // chunk_tokens) * chunk_tokens for n in sequence_lengths_tokens)
+
+
+def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
+                            chunk_tokens: int = GDN_CHUNK_TOKENS) -> int:
+    """`padded_chunk_tokens` of the sequences as `pack_sequences` lays them out in one row
+    (no shared prefixes, which hybrid models do not take): each padded to the layout's
+    per-sequence multiple, and the row's padded tail a sequence of its own."""
+    per_sequence = sequence_multiple_tokens(layout)
+    segments = [-(-int(n) // per_sequence) * per_sequence for n in sequence_lengths_tokens]
+    tail = packed_length_tokens(sequence_lengths_tokens, layout) - sum(segments)
+    return padded_chunk_tokens(segments + ([tail] if tail > 0 else []), chunk_tokens)
+
+
+def has_chunked_layers(geometry: ModelGeometry) -> bool:
+    return any(t == "linear_attention" for t in geometry.layer_types)
+
+
+@dataclass(frozen=True)
+class WithinChunk:
+    """Per-token slope of each probed quantity while the chunk count stays the same."""
+
+    chunk_tokens: int
+    kept: float = 0.0
+    forward: float = 0.0
+    backward: float = 0.0
+    output: float = 0.0
+    largest: float = 0.0
+
+    def value(self, curve: Callable[[int], float], name: str, tokens: int,
+              padded: int | None) -> int:
+        """Quantity `name` at `tokens` from its whole-chunk `curve` at the `padded` row
+        (None: one sequence of `tokens`)."""
+        whole = padded if padded is not None else padded_chunk_tokens([tokens],
+                                                                      self.chunk_tokens)
+        return int(round(curve(whole) - getattr(self, name) * (whole - tokens)))
+
+
+def split_points(points: Sequence[int], rows: Sequence[dict[str, float]], chunk_tokens: int,
+                 whole_chunk_curve: Callable[[Sequence[int], Sequence[float]],
+                                             Callable[[int], float]]
+                 ) -> tuple[tuple[int, ...], list[dict[str, float]], WithinChunk]:
+    """The whole-chunk points (and their rows) to fit, and the within-chunk slopes measured
+    at the other points against the curve through the whole-chunk ones."""
+    whole = [i for i, t in enumerate(points) if t % chunk_tokens == 0]
+    inside = [i for i, t in enumerate(points) if t % chunk_tokens]
+    if not whole or not inside:
+        raise ValueError(
+            f"a chunked layer needs probe points at whole chunks of {chunk_tokens} tokens and "
+            f"inside a chunk, got {tuple(points)}")
+    whole_points = tuple(points[i] for i in whole)
+    slopes: dict[str, float] = {}
+    for name in QUANTITIES:
+        curve = whole_chunk_curve(whole_points, [rows[i][name] for i in whole])
+        candidates = []
+        for i in inside:
+            t = points[i]
+            padded = -(-t // chunk_tokens) * chunk_tokens
+            candidates.append((curve(padded) - rows[i][name]) / (padded - t))
+        # The smaller slope prices every row inside a chunk higher.
+        slopes[name] = min(candidates)
+    return whole_points, [rows[i] for i in whole], WithinChunk(chunk_tokens, **slopes)
