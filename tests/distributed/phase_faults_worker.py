@@ -4,7 +4,7 @@ in a fresh job world (its own store and process groups, since a fault in a phase
 collectives closes them).
 
 argv: out_dir, fault_timeout_s, then one free port per world (the fault-free run's, then one
-per scenario). Writes rank<r>.json: per
+per scenario), then the fuzz's control store port. Writes rank<r>.json: per
 scenario the items seen, the error (type, text), when the call ended, when the fault fired,
 the profile (observations and misses) and the decisions.
 """
@@ -41,6 +41,9 @@ from _faults import Injector  # noqa: E402
 
 from _tiny import tiny_dense  # noqa: E402
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
+from soak_ranks_worker import soak_tp  # noqa: E402
+
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 LIMIT_BYTES = 48 * 2**20
@@ -61,6 +64,9 @@ SCENARIOS = [
 ]
 # How long a rank that left the loop waits for its peers to leave too (the fault timeout).
 CALLER_LOOP_TIMEOUT_S = 3.0
+# The bounded TP=2 workload fuzz after the scenarios: the rank soak's trial, a few small
+# workloads, faults on rank 1 alternating between packing (recovered) and fatal places.
+FUZZ_WORKLOADS = 4
 
 
 class StepFault:
@@ -213,6 +219,9 @@ def main() -> None:
         print(f"rank {RANK} {name}: fired={results[name]['fired']} "
               f"error={(results[name]['error'] or {}).get('text', '')[:300]}", flush=True)
     end_world()
+    counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1, control_port=int(ports[len(SCENARIOS) + 1]),
+                        max_items=4, max_tokens=120)
+    results["fuzz"] = dict(counts)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
 

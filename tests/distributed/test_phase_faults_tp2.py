@@ -5,7 +5,9 @@ backward or the optimizer step: both ranks leave the call with the same TrainerR
 naming rank 1 and the phase. Another exception (a bug in a layer's forward or in the step,
 the caller's loop body raising on rank 1 only): rank 1 raises its own exception, rank 0 a
 TrainerRankPeerError naming rank 1, the phase and the exception. Every rank ends within the
-fault timeout of the fault: no hang, no rank carrying on alone."""
+fault timeout of the fault: no hang, no rank carrying on alone. An OOM in packing, before any
+collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
+workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1."""
 
 from __future__ import annotations
 
@@ -36,7 +38,8 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
-    ports = [str(free_port()) for _ in range(9)]  # the fault-free world, then one per scenario
+    # The fault-free world, one per scenario, the fuzz's control store.
+    ports = [str(free_port()) for _ in range(10)]
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
     run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -99,3 +102,17 @@ def test_an_exception_on_one_rank_ends_every_rank(ranks, scenario):
     peer = rows[0]["error"]
     assert peer["type"] == "TrainerRankPeerError", peer
     assert peer["failing_rank"] == 1 and peer_text in peer["text"], peer["text"]
+
+
+@pytest.mark.torchrun
+def test_tp2_workload_fuzz_with_faults_on_one_rank(ranks):
+    counts = ranks[0]["fuzz"]
+    assert counts == ranks[1]["fuzz"]  # both ranks tallied the same gathered figures
+    assert counts["workloads"] == 4 and counts["faults injected"] >= 3, counts
+    assert counts["faults recovered"] >= 1, counts
+    assert counts["calls ended on every rank by the fault"] >= 1, counts
+    for key in ("escaped OOMs", "items lost", "items duplicated",
+                "items yielded twice on one rank", "workloads where ranks disagree",
+                "fatal errors not naming the failing rank"):
+        assert counts[key] == 0, (key, counts)
+    assert counts["outputs checked"] > 0

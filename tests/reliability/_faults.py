@@ -1,4 +1,5 @@
-"""OOM fault injection for the reliability tests and scripts/soak_faults.py.
+"""OOM fault trials for the reliability tests and scripts/soak_faults.py, on the injection
+harness beside the soak scripts (scripts/_rank_faults.py: the Injector and the caller's loop).
 
 OOMs are injected through the virtual limit itself: at the k-th allocation made in one place
 inside the trainer's meter, the limit is lowered to what is live, so that allocation fails
@@ -14,105 +15,38 @@ from __future__ import annotations
 
 import random
 import sys
-import time
 from collections import Counter
+from pathlib import Path
 
 import torch
 from _fuzz import Leaf, ReferencePool, _check_leaf, _loss, _to_input
 
 from art.megatron.train import TrainingRuntime
-from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank.memory import meter as meter_module
+from art.trainer_rank import TrainerRank, TrainerRankOptions
+
+# The harness lives beside the scripts (conftest puts scripts/ on the path; torchrun workers
+# and scripts import this module without it).
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _rank_faults import Injector, caller_loop  # noqa: E402
+
+__all__ = ["Injector", "drive", "fault_trial", "locations"]
 
 LIMIT_BYTES = 64 * 2**20
 
 
-class Injector:
-    """Wraps MemoryMeter._grow: counts the allocations made in each place, and at the
-    `fail_nth` allocation made in `fail_location` makes that allocation fail as a real OOM
-    (or, with `raises`, raise that exception there instead: a bug at that point)."""
-
-    def __init__(self, fail_location: str | None = None, fail_nth: int = 0,
-                 raises: type[Exception] | None = None) -> None:
-        self.fail_location = fail_location
-        self.fail_nth = fail_nth
-        self.raises = raises
-        self.counts: Counter = Counter()
-        self.in_caller_backward = False
-        self.fired: str | None = None
-        self.fired_at: float | None = None  # wall clock, to time how fast every rank ended
-        self._original = meter_module.MemoryMeter._grow
-
-    def _location(self) -> str:
-        if self.in_caller_backward:
-            return "caller backward"
-        frame = sys._getframe(2)
-        while frame is not None:
-            path = frame.f_code.co_filename
-            if path.endswith("compute/heads.py"):
-                return "head"
-            if path.endswith("compute/packing.py"):
-                return "packing"
-            if "megatron/core/transformer" in path:
-                return "layer forward"
-            frame = frame.f_back
-        return "other"
-
-    def __enter__(self) -> Injector:
-        injector, original = self, self._original
-
-        def grow(meter, nbytes, func):
-            where = injector._location()
-            injector.counts[where] += 1
-            if (injector.fired is None and where == injector.fail_location
-                    and injector.counts[where] == injector.fail_nth):
-                injector.fired = where
-                injector.fired_at = time.time()
-                if injector.raises is not None:
-                    raise injector.raises(
-                        f"injected at allocation {injector.fail_nth} in the {where}")
-                meter.limit_bytes = meter._live_bytes  # this allocation now crosses it
-            return original(meter, nbytes, func)
-
-        meter_module.MemoryMeter._grow = grow
-        return self
-
-    def __exit__(self, *exc) -> None:
-        meter_module.MemoryMeter._grow = self._original
-
-
-def _flatten(value):
-    return [x for v in value for x in _flatten(v)] if isinstance(value, list) else [value]
-
-
 def drive(trainer, inputs, grad, injector):
-    """A training loop that follows the documented protocol: an OOM in its own backward is
-    caught and iteration continues (the trainer undoes the gradients and re-yields)."""
-    seen, voided, declined = {}, set(), ()
-    try:
-        for mb in trainer.forward_micro_batches(inputs, no_grad=not grad):
-            for index in mb.indices:
-                assert index not in seen or index in voided, f"item {index} yielded twice"
-                voided.discard(index)
-            seen.update(zip(mb.indices, mb.outputs))
-            if grad:
-                loss = _loss([o for out in mb.outputs for o in _flatten(out)])
-                injector.in_caller_backward = True
-                try:
-                    loss.backward()
-                except torch.OutOfMemoryError:
-                    voided.update(mb.indices)
-                finally:
-                    injector.in_caller_backward = False
-                del loss
-    except TrainerRankMemoryError as exc:
-        declined = exc.indices_not_run
-        for index in declined:
-            assert f"item {index} " in str(exc)
-    assert voided <= set(declined), (
-        f"items {voided - set(declined)} OOMed in backward, then neither re-yielded nor declined")
-    for index in voided:
-        seen.pop(index, None)
+    """A training loop that follows the documented protocol (scripts/_rank_faults.py): an OOM
+    in its own backward is caught and iteration continues (the trainer undoes the gradients
+    and re-yields); checks that no item was yielded twice or lost and nothing escaped."""
+    result = caller_loop(trainer, inputs, injector, loss_of=_loss, grad=grad)
+    assert not result.escaped_ooms, "an out-of-memory error escaped forward_micro_batches"
+    assert not result.yielded_twice, f"item(s) {result.yielded_twice} yielded twice"
+    seen, declined = result.seen, result.declined
+    for index in declined:
+        assert f"item {index} " in str(result.error)
+    assert result.voided <= set(declined), (
+        f"items {result.voided - set(declined)} OOMed in backward, then neither re-yielded "
+        "nor declined")
     assert not set(seen) & set(declined)
     assert set(seen) | set(declined) == set(range(len(inputs)))
     return seen, declined
