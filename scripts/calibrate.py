@@ -4,12 +4,17 @@
     .venv/bin/python scripts/calibrate.py                 # full TP=1 matrix + TP=2 subset
     .venv/bin/python scripts/calibrate.py --quick         # a few cells, seconds
     .venv/bin/python scripts/calibrate.py --tp 2 --only-tp
+    .venv/bin/python scripts/calibrate.py --build gpu-shaped --tp 1 \
+        --out bench/calibration/gpu-shaped
 
 Every cell runs the trainer's compute path (pack -> decoder -> chunked head -> caller loss ->
 backward) and compares the measured dynamic peak (bytes allocated inside the micro-batch)
 with the estimate's max(forward peak, backward peak), with probe coefficients (target
-[1.00, 1.05]) and with the default formulas (reported alongside). Writes calibration.csv,
-calibration.md and calibration.png to --out (default bench/calibration).
+[1.00, 1.05]) and with the default formulas (reported alongside). `--build gpu-shaped` runs the
+same matrix on the CPU stand-ins of the GPU build's fused kernels (art/megatron/cpu_fused.py:
+RMSNorm, SwiGLU, RoPE; segmented flash attention), so the pricing of those kernels is
+measured. Writes calibration.csv, calibration.md and calibration.png to --out (default
+bench/calibration).
 """
 
 from __future__ import annotations
@@ -37,9 +42,9 @@ def tp1_cells(args: argparse.Namespace) -> list:
     if args.quick:
         return off_grid_matrix(args.seed, rows_per_model=2, geometries=("gqa-128",),
                                policies=("none", "selective core_attn+mlp", "full uniform 2"),
-                               max_tokens=1500)
+                               max_tokens=1500, build=args.build)
     cells = off_grid_matrix(args.seed, rows_per_model=args.rows_per_model,
-                            max_tokens=args.max_tokens)
+                            max_tokens=args.max_tokens, build=args.build)
     if args.geometries:
         cells = [c for c in cells if c.geometry in args.geometries]
     if args.policies:
@@ -47,7 +52,7 @@ def tp1_cells(args: argparse.Namespace) -> list:
     return cells
 
 
-def tp2_cells(quick: bool, seed: int) -> list:
+def tp2_cells(quick: bool, seed: int, build: str = "local") -> list:
     from _calibration.cells import off_grid_matrix
 
     policies = ("none", "selective default", "full uniform 1") if quick else (
@@ -55,7 +60,7 @@ def tp2_cells(quick: bool, seed: int) -> list:
         "full uniform 2")
     return off_grid_matrix(seed + 1, rows_per_model=2 if quick else 4, tensor_parallel=2,
                            geometries=("gqa-128",), policies=policies,
-                           max_tokens=1500 if quick else 3000)
+                           max_tokens=1500 if quick else 3000, build=build)
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -63,7 +68,7 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from _calibration.harness import run_cells
 
-    cells = tp2_cells(args.quick, args.seed)
+    cells = tp2_cells(args.quick, args.seed, args.build)
     results = run_cells(cells, tensor_parallel=2)
     rows = [r.row() for r in results]
     gathered: list = [None] * dist.get_world_size()
@@ -82,14 +87,15 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_tp2(quick: bool, seed: int) -> list[dict]:
+def run_tp2(quick: bool, seed: int, build: str = "local") -> list[dict]:
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "tp2.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={free_port()}", "--master_addr=127.0.0.1", __file__,
-               "--worker-out", str(out), "--seed", str(seed)] + (["--quick"] if quick else [])
+               "--worker-out", str(out), "--seed", str(seed), "--build", build] + (
+                   ["--quick"] if quick else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -102,7 +108,12 @@ def run_tp2(quick: bool, seed: int) -> list[dict]:
 
 def summarize(rows: list[dict]) -> str:
     lo, hi = TARGET
+    builds = sorted({r.get("build") or "local" for r in rows})
     lines = ["# Memory model calibration (CPU, real Megatron-Core runs)", ""]
+    if builds != ["local"]:
+        lines += [f"Build: {', '.join(builds)} (gpu-shaped: the local spec with CPU stand-ins "
+                  "that keep for backward what the GPU build's fused kernels keep, "
+                  "art/megatron/cpu_fused.py, and the segmented flash attention).", ""]
     inside = sum(lo <= r["ratio"] <= hi for r in rows)
     d_inside = sum(lo <= r["default_ratio"] <= hi for r in rows)
     low = min(rows, key=lambda r: r["ratio"])
@@ -214,6 +225,9 @@ def main() -> int:
     parser.add_argument("--policies", nargs="*", help="only these recompute policies (TP=1)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
+    parser.add_argument("--build", choices=("local", "gpu-shaped"), default="local",
+                        help="local: the CPU's local spec; gpu-shaped: CPU stand-ins keeping "
+                             "what the GPU build's fused kernels keep")
     parser.add_argument("--reprice", metavar="CSV",
                         help="re-price a measured CSV with the current memory model (both "
                              "columns; the probe's from <out>/probes) and rewrite the "
@@ -239,7 +253,7 @@ def main() -> int:
     start = time.time()
     rows: list[dict] = []
     if 2 in args.tp:
-        rows += run_tp2(args.quick, args.seed)
+        rows += run_tp2(args.quick, args.seed, args.build)
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
         initialize_distributed()

@@ -29,6 +29,10 @@ REDIRECTS: tuple[str, ...] = (
     "pure-torch kernels in cpu_gated_delta (fla's saved set for backward)",
     "GatedDeltaNet._apply_gated_norm (torch.compile) -> one autograd function keeping what "
     "the compiled one keeps (x, weight, gate, fp32 rstd)",
+    "megatron.core.transformer.mlp.bias_swiglu_impl (torch.compile) -> cpu_fused.bias_swiglu "
+    "(keeps its input, as the fused kernel does; used by GPU-shaped CPU builds only)",
+    "megatron.core.transformer.attention.apply_rotary_pos_emb -> cpu_fused.fused_rope for "
+    "GPU-shaped CPU builds (keeps the frequencies only, as TE's fused RoPE does)",
 )
 
 _installed = False
@@ -164,6 +168,7 @@ def install() -> bool:
 
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     _redirect_gated_delta_net()
+    _redirect_fused_kernels()
     try:
         from megatron.core.transformer.moe import moe_utils
 
@@ -173,6 +178,35 @@ def install() -> bool:
         pass
     _installed = True
     return True
+
+
+# Set on a TransformerConfig by the model builder for a GPU-shaped CPU build: its attention
+# applies RoPE through the fused kernel's stand-in.
+GPU_SHAPED_CONFIG_FLAG = "art_gpu_shaped_cpu"
+
+
+def _redirect_fused_kernels() -> None:
+    """The fused SwiGLU and RoPE a GPU build runs, as CPU stand-ins (cpu_fused.py). Megatron
+    calls its fused SwiGLU only with bias_activation_fusion, which only GPU-shaped CPU builds
+    set here; RoPE goes through the stand-in only for configs carrying the GPU-shaped flag."""
+    from megatron.core.transformer import attention, mlp
+
+    from art.megatron import cpu_fused
+
+    mlp.bias_swiglu_impl = cpu_fused.bias_swiglu
+    torch_path = attention.apply_rotary_pos_emb
+
+    def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor, config: Any,
+                             cu_seqlens: Any = None, mscale: float = 1.0,
+                             cp_group: Any = None) -> torch.Tensor:
+        if (getattr(config, GPU_SHAPED_CONFIG_FLAG, False) and cu_seqlens is None
+                and mscale == 1.0 and not config.rotary_interleaved
+                and not config.multi_latent_attention and freqs.shape[-1] == t.shape[-1]):
+            return cpu_fused.fused_rope(t, freqs)
+        return torch_path(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale,
+                          cp_group=cp_group)
+
+    attention.apply_rotary_pos_emb = apply_rotary_pos_emb
 
 
 _CUDA_TYPE_NAMES: dict[str, str] = {

@@ -48,6 +48,18 @@ class Implementation:
                    device="cpu")
 
     @classmethod
+    def cpu_gpu_shaped(cls) -> Implementation:
+        """The local spec on CPU with stand-ins that keep what a GPU build's fused kernels keep
+        (cpu_fused.py: RMSNorm, SwiGLU, RoPE) and the segmented flash attention: what the "te"
+        pricing of norms, SwiGLU and attention assumes, measured on CPU."""
+        return cls(spec="local", attention="flash", norm="fused", swiglu_fused=True,
+                   device="cpu")
+
+    @property
+    def gpu_shaped_cpu(self) -> bool:
+        return self.spec == "local" and self.device == "cpu" and self.norm == "fused"
+
+    @classmethod
     def gpu_te(cls) -> Implementation:
         return cls()
 

@@ -129,7 +129,12 @@ def build_transformer_config(
         )
         if geometry.shared_expert_ffn_hidden_size:
             kwargs["moe_shared_expert_intermediate_size"] = geometry.shared_expert_ffn_hidden_size
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if impl.gpu_shaped_cpu:
+        from art.megatron.cpu_runtime import GPU_SHAPED_CONFIG_FLAG
+
+        setattr(config, GPU_SHAPED_CONFIG_FLAG, True)
+    return config
 
 
 def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=None):
@@ -159,9 +164,14 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=N
     )
     if implementation.attention == "flash":
         spec = _with_segmented_flash_attention(spec)
+    if implementation.gpu_shaped_cpu:
+        from art.megatron.cpu_fused import FusedRMSNorm
+
+        return _local_block_spec_with_norms(spec, config, FusedRMSNorm, FusedRMSNorm)
     if config is None or not config.sequence_parallel:
         return spec
-    return _sequence_parallel_local_block_spec(spec, config)
+    return _local_block_spec_with_norms(spec, config, SequenceParallelTorchRMSNorm,
+                                        QkTorchRMSNorm)
 
 
 def _with_segmented_flash_attention(spec):
@@ -176,7 +186,10 @@ def _with_segmented_flash_attention(spec):
     return spec
 
 
-def _sequence_parallel_local_block_spec(spec, config):
+def _local_block_spec_with_norms(spec, config, norm, qk_norm):
+    """The local spec with `norm` as input, pre-MLP and final norm and `qk_norm` as per-head
+    q/k norm; a block spec for this pipeline stage when `config` is given (the final norm is
+    the block's), else the layer spec."""
     import copy
 
     from megatron.core.transformer.identity_op import IdentityOp
@@ -187,16 +200,18 @@ def _sequence_parallel_local_block_spec(spec, config):
 
     spec = copy.deepcopy(spec)
     layer = spec.submodules
-    layer.input_layernorm = SequenceParallelTorchRMSNorm
-    layer.pre_mlp_layernorm = SequenceParallelTorchRMSNorm
+    layer.input_layernorm = norm
+    layer.pre_mlp_layernorm = norm
     attention = layer.self_attention.submodules
     if attention.q_layernorm is not IdentityOp:
-        attention.q_layernorm = QkTorchRMSNorm
-        attention.k_layernorm = QkTorchRMSNorm
+        attention.q_layernorm = qk_norm
+        attention.k_layernorm = qk_norm
+    if config is None:
+        return spec
     # A TransformerBlockSubmodules is used as given, so it lists only this stage's layers.
     return TransformerBlockSubmodules(
         layer_specs=[spec] * get_num_layers_to_build(config),
-        layer_norm=SequenceParallelTorchRMSNorm,
+        layer_norm=norm,
     )
 
 

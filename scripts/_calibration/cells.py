@@ -75,6 +75,10 @@ class Cell:
     grad: bool
     dtype: str = "float32"
     loss: str = "synthetic"  # the caller loss: "synthetic" or "rl" (see losses.py)
+    # "local": Megatron's local spec as the CPU runs it (torch norms and SwiGLU, unfused
+    # attention); "gpu-shaped": the CPU stand-ins that keep what a GPU build's fused kernels
+    # keep (art/megatron/cpu_fused.py) with the segmented flash attention.
+    build: str = "local"
 
 
 def off_probe_points(total: int, probe_tokens: tuple[int, ...] = PROBE_TOKENS) -> bool:
@@ -109,7 +113,7 @@ def draw_lengths(rng: random.Random, *, low: int = MIN_TOKENS, high: int = MAX_T
 def off_grid_matrix(seed: int = 0, *, rows_per_model: int = 6, tensor_parallel: int = 1,
                     geometries: tuple[str, ...] = ("gqa-128", "gqa-256", "mqa-192"),
                     policies: tuple[str, ...] = tuple(POLICY_BY_NAME),
-                    max_tokens: int = MAX_TOKENS) -> list[Cell]:
+                    max_tokens: int = MAX_TOKENS, build: str = "local") -> list[Cell]:
     """Every geometry x policy (LoRA rank 8), plus ranks 1 and 64 for two policies, each model
     measuring `rows_per_model` seeded rows with grad and half as many without, outputs and
     caller losses rotating."""
@@ -127,12 +131,12 @@ def off_grid_matrix(seed: int = 0, *, rows_per_model: int = 6, tensor_parallel: 
                     outputs = GRAD_OUTPUTS[rng.randrange(len(GRAD_OUTPUTS))]
                     loss = LOSSES[i % 2] if "logprobs" in outputs else "synthetic"
                     cells.append(Cell(geo, policy, rank, tensor_parallel, lengths, outputs,
-                                      True, loss=loss))
+                                      True, loss=loss, build=build))
                 for _ in range(n // 2):
                     lengths = draw_lengths(rng, high=max_tokens, multiple=tensor_parallel)
                     outputs = NOGRAD_OUTPUTS[rng.randrange(len(NOGRAD_OUTPUTS))]
                     cells.append(Cell(geo, policy, rank, tensor_parallel, lengths, outputs,
-                                      False))
+                                      False, build=build))
     return cells
 
 

@@ -210,14 +210,15 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
     re-price both columns after a change to the model without running anything."""
     cells = list(cells)
     geometries = calibration_geometries()
-    groups: dict[tuple[str, str, int, str], list[Cell]] = {}
+    groups: dict[tuple[str, str, int, str, str], list[Cell]] = {}
     for c in cells:
-        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype), []).append(c)
+        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype, c.build), []).append(c)
     results: list[CellResult] = []
-    for (geo, policy, rank, dtype), group in groups.items():
+    for (geo, policy, rank, dtype, build), group in groups.items():
         model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
                                  tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
-                                 probe_tokens=probe_tokens, probe_dir=probe_dir)
+                                 probe_tokens=probe_tokens, probe_dir=probe_dir,
+                                 implementation=implementation_for(build))
         for cell in group:
             result = model.measure(cell)
             results.append(result)
@@ -232,6 +233,16 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
     return results
 
 
+def implementation_for(build: str) -> Implementation | None:
+    """A cell's build: None (what this machine builds) for "local", the CPU stand-ins of the
+    fused kernels for "gpu-shaped"."""
+    if build == "local":
+        return None
+    if build == "gpu-shaped":
+        return Implementation.cpu_gpu_shaped()
+    raise ValueError(f"calibration build must be 'local' or 'gpu-shaped', got {build!r}")
+
+
 def default_memory_model(cell: Cell, implementation: Implementation | None = None
                          ) -> MemoryModel:
     """The what-if memory model for a cell, built from the geometry alone (no model, no
@@ -240,7 +251,7 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     from art.trainer_rank._request import LoraShape
 
     geometry = calibration_geometries()[cell.geometry]
-    impl = implementation or Implementation.cpu_local()
+    impl = implementation or implementation_for(cell.build) or Implementation.cpu_local()
     policy = POLICY_BY_NAME[cell.policy]
     recompute = resolve_recompute(
         granularity=policy.granularity, method=policy.method, num_layers=policy.num_layers,
@@ -264,7 +275,7 @@ def reprice(row: dict[str, Any], probe_dir: str | None = None) -> dict[str, Any]
                 int(row["tensor_parallel"]),
                 tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
                 str(row["grad"]) in ("True", "true", "1"), row.get("dtype", "float32"),
-                row.get("loss", "synthetic"))
+                row.get("loss", "synthetic"), row.get("build") or "local")
     model = default_memory_model(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
                               model.layout, model.implementation)
