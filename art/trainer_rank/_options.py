@@ -42,7 +42,8 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
     "FAULT_TIMEOUT_S": (
         "fault_timeout_s",
         "after a peer's collective failed, seconds to wait for the fault record that names "
-        "the failing rank (default 60)",
+        "the failing rank; also how long a rank whose caller left the micro-batch loop waits "
+        "for its peers to leave too (default 60)",
     ),
     "PROBE_CACHE_DIR": (
         "probe_cache_dir",
@@ -71,7 +72,8 @@ class TrainerRankOptions:
     probe_cache_dir: str | None = None
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
-    # How long a rank whose collective failed waits for the peer's fault record (ranks/phases.py).
+    # How long a rank whose collective failed waits for the peer's fault record, and a rank whose
+    # caller left the loop waits for its peers to leave too (ranks/phases.py).
     fault_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:

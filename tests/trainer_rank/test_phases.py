@@ -5,13 +5,18 @@ test_phase_faults_tp2.py."""
 
 from __future__ import annotations
 
+import pickle
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from art.trainer_rank import TrainerRankMemoryError
+from art.trainer_rank import TrainerRankMemoryError, TrainerRankPeerError
 from art.trainer_rank.ranks.phases import (
+    ERROR,
+    FORWARD,
     HEADS,
+    OPTIMIZER_STEP,
     Fault,
     MicroBatchContext,
     PhaseAgreement,
@@ -70,3 +75,33 @@ def test_single_process_agreement_is_local():
     with pytest.raises(torch.OutOfMemoryError):  # one-rank replica: recovered by the caller
         with agreement.compute(CONTEXT, replica_size=1):
             raise torch.OutOfMemoryError("x")
+
+
+def test_an_error_fault_gives_the_other_ranks_a_peer_error_naming_it():
+    fault = Fault(rank=1, phase=FORWARD, where="layer 2", detail="ValueError: bad shape",
+                  context=CONTEXT, kind=ERROR, error_type="ValueError")
+    again = Fault.from_json(fault.to_json())
+    assert again == fault
+    error = again.error()
+    assert isinstance(error, TrainerRankPeerError)
+    assert (error.failing_rank, error.phase, error.error_type, error.error_message) == (
+        1, FORWARD, "ValueError", "bad shape")
+    assert "rank 1 raised ValueError: bad shape in the forward of micro-batch 3" in str(error)
+    assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_an_optimizer_step_fault_has_no_micro_batch():
+    fault = Fault(rank=0, phase=OPTIMIZER_STEP, where="step 4", detail="OutOfMemoryError: x",
+                  context=None)
+    error = Fault.from_json(fault.to_json()).error()
+    assert isinstance(error, TrainerRankMemoryError)
+    assert "rank 0 ran out of memory in the optimizer step (step 4)" in str(error)
+
+
+def test_single_process_vote_and_step_are_local():
+    agreement = PhaseAgreement(fault_timeout_s=1.0)
+    assert agreement.vote(False, 1) is None and agreement.vote(True, 1) == 0
+    with pytest.raises(ValueError, match="x"):
+        with agreement.optimizer_step(1):
+            raise ValueError("x")
+    assert agreement.fault is None  # nothing to publish with no peer
