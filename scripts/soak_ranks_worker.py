@@ -51,7 +51,7 @@ from art.megatron.provider import Provider  # noqa: E402
 from art.megatron.settings import load_settings  # noqa: E402
 from art.megatron.train import build_runtime_for_provider  # noqa: E402
 from art.trainer_rank import TrainerRank, TrainerRankOptions  # noqa: E402
-from art.trainer_rank._impl import language_model  # noqa: E402
+from art.trainer_rank.compute.forward import language_model  # noqa: E402
 
 LIMIT_BYTES = 64 * 2**20
 LOCATIONS = ("layer forward", "head", "packing", "caller backward")

@@ -142,6 +142,12 @@ def test_every_module_says_what_it_is_for() -> None:
     assert not missing, "modules whose first line is not their docstring: " + ", ".join(missing)
 
 
+def test_no_module_over_600_lines() -> None:
+    long = [f"{p.relative_to(ROOT)}: {n} lines" for p in modules().values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES]
+    assert not long, f"modules over {MAX_LINES} lines (split them by concept): " + ", ".join(long)
+
+
 def test_the_checks_see_a_violation() -> None:
     """The graph checks themselves: a made-up upward import and a made-up cycle are found."""
     graph = {"art.trainer_rank.memory.model": {"art.trainer_rank.decide.admission"},

@@ -256,7 +256,3 @@ def copy_adapter(model: nn.Module, source: str, destination: str, *, trainable: 
     except BaseException:
         remove_adapter(model, destination)
         raise
-
-
-def adapter_config_dict(directory: str | Path) -> dict[str, Any]:
-    return json.loads((Path(directory) / ADAPTER_CONFIG_FILE).read_text())

@@ -4,8 +4,8 @@ Everything is parsed and checked here, before any model exists, so a bad value f
 milliseconds with the variable's name instead of minutes later inside Megatron.
 
 Value words: `none`, `null`, `off`, `disabled`, `empty` (any case) and the empty string mean
-"explicitly unset", i.e. Megatron's None. That is what the seed's
-`ART_MEGATRON_RECOMPUTE_METHOD=none` relies on. Two consequences worth knowing:
+"explicitly unset", i.e. Megatron's None (e.g. `ART_MEGATRON_RECOMPUTE_METHOD=none`). Two
+consequences worth knowing:
 - `RECOMPUTE_GRANULARITY=none` means no recompute at all, whereas leaving the variable out of
   the environment means the default, full recompute.
 - For the boolean SEQUENCE_PARALLEL, `off`/`disabled` mean false (anyone writing "off" for a

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import traceback
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -21,7 +20,6 @@ import torch
 
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._types import (
-    COLD_CAPPED,
     DECLINED,
     EMPTY,
     AdamParams,
@@ -35,32 +33,36 @@ from art.trainer_rank._types import (
     Unset,
 )
 from art.trainer_rank.compute.execute import detached_output, pack_leaves, run_sub_forward
+from art.trainer_rank.compute.forward import language_model
 from art.trainer_rank.compute.items import (
     Item,
     deal_to_ranks,
     fingerprint,
-    group_shared_tokens,
     make_items,
     rebuild,
 )
-from art.trainer_rank.compute.packing import (
-    packed_length_tokens,
-    shares_prefixes,
-)
-from art.trainer_rank.decide.admission import Admission, AdmissionPolicy, Plan
+from art.trainer_rank.decide.admission import AdmissionPolicy, Plan
 from art.trainer_rank.decide.escalation import full_recompute
+from art.trainer_rank.decide.outcome import (
+    caller_oom_not_retried,
+    combine_declined,
+    declined_after_retries,
+    plan_stats,
+    record_oom,
+    too_many_ooms,
+)
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.decide.runnable import layout_refusal
+from art.trainer_rank.decide.trainer_admission import trainer_admission
 from art.trainer_rank.memory.device import (
     GradSnapshot,
     cuda_oom_count,
     device_usable_bytes,
-    held_output_bytes,
     release_memory,
 )
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
-from art.trainer_rank.memory.probing import TrainerProbe
+from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import in_lockstep
 from art.trainer_rank.ranks.phases import (
@@ -88,14 +90,6 @@ if TYPE_CHECKING:
 
 
 logger = logging.getLogger("art.trainer_rank")
-
-def language_model(chunk: Any) -> Any:
-    """The GPTModel inside Megatron's wrappers (DistributedDataParallel, Float16Module)."""
-    model = chunk
-    while not hasattr(model, "decoder") and hasattr(model, "module"):
-        model = model.module
-    return model
-
 
 class TrainerRank(SlotMethods):
     """LoRA training and scoring forwards with recompute-aware memory admission."""
@@ -130,79 +124,28 @@ class TrainerRank(SlotMethods):
         self.slots.builtin_optimizer = runtime.optimizer
         self.saves = SaveQueue(self.slots)
         self._grad_slots: set[str] = set()
-        memory_model = runtime.memory_model
-        try:
-            full = provider.recompute_as("full", "uniform", 1)
-        except ValueError:
-            full = None
-        self.probe: TrainerProbe | None = None
-        if memory_model is None:
-            from art.trainer_rank.memory.model import MemoryModel
-
-            coefficients = None
-            if self.options.probe_layers:
-                # Measured coefficients, not the default formulas (those miss real peaks by
-                # -26% .. +65%): every policy this trainer may run, escalation included.
-                policies = [provider.effective_recompute]
-                if full is not None and self.options.escalate_to_full_recompute:
-                    policies.append(full)
-                usable = _agree.min_over_replica(device_usable_bytes(
-                    next(self.model.parameters()).device, self.options.test_memory_limit_bytes))
-                # The probe runs only at sizes whose micro-batch fits the limit (what it
-                # allocates is the trainer's too), grad and no-grad separately.
-                self.probe = coefficients = TrainerProbe(
-                    provider, self.model, policies=policies,
-                    cache_dir=self.options.resolved_probe_cache_dir(),
-                    default_model=replace(MemoryModel.for_provider(provider),
-                                          head_chunk_tokens=self.options.head_chunk_tokens),
-                    usable_bytes=usable,
-                )
-            # Priced with the head chunk this trainer runs, not the compute path's default.
-            memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
-                                   head_chunk_tokens=self.options.head_chunk_tokens)
-        self.memory_model = memory_model
-        with_coefficients = getattr(memory_model, "with_coefficients", None)
-        default_memory_model = (
-            with_coefficients(None)
-            if with_coefficients is not None and memory_model.coefficients is not None else None)
+        pricing = trainer_pricing(
+            provider, self.model, runtime.memory_model,
+            probe_layers=self.options.probe_layers,
+            escalate_to_full_recompute=self.options.escalate_to_full_recompute,
+            test_memory_limit_bytes=self.options.test_memory_limit_bytes,
+            cache_dir=self.options.resolved_probe_cache_dir(),
+            head_chunk_tokens=self.options.head_chunk_tokens)
+        self.probe = pricing.probe
+        self.memory_model = pricing.memory_model
         self.layout = layout
         self.implementation = provider.implementation
         self.device = next(self.model.parameters()).device
         self.profiles = ProfileStore(self.options.profile_path)
         self.profiles.profiles = _agree.broadcast_from_replica_root(self.profiles.profiles)
-        lora = provider.lora_config
-        adapter = "none"
-        if lora is not None:
-            targets = lora.target_modules or []
-            targets = [targets] if isinstance(targets, str) else sorted(targets)
-            adapter = f"r{lora.r}:{','.join(targets)}"
-
-        # Gated DeltaNet layers run one recurrence per sequence: a shared prefix laid out once
-        # would need its final state handed to each continuation, which they cannot take.
-        share = (shares_prefixes(provider.implementation, layout)
-                 and "linear_attention" not in provider.geometry.layer_types)
-        self.shares_prefixes = share
-        self.admission = Admission(
-            memory_model=memory_model,
-            profiles=self.profiles,
-            recompute=provider.effective_recompute,
-            # Per-rank memory does not depend on the data-parallel size: leave it out.
-            topology=f"{provider.geometry.name}|{provider.implementation.key}|"
-            f"{replace(layout, data_parallel=1).summary}|{provider.dtype}",
-            adapter=adapter,
-            packed_length=lambda lengths, shared=0: packed_length_tokens(
-                lengths, layout, shared if share else 0),
-            full_recompute=full,
-            held_output_bytes=lambda shape: held_output_bytes(
-                shape, provider.geometry, provider.dtype),
-            next_tp_model=self._next_tp_model,
-            default_memory_model=default_memory_model,
-            policy=AdmissionPolicy(
+        self.admission, self.shares_prefixes = trainer_admission(
+            provider, pricing, self.profiles,
+            AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
                 cold_start_fraction=self.options.cold_start_fraction,
                 trust_window=self.options.trust_window,
             ),
-        )
+            self._next_tp_model)
         self.stats_history: list[MicroBatchStats] = []
         # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
         self.phases = PhaseAgreement(self.options.fault_timeout_s)
@@ -214,25 +157,7 @@ class TrainerRank(SlotMethods):
     # -- limits and pricing helpers -----------------------------------------------------------
 
     def _next_tp_model(self) -> tuple[int, Any] | None:
-        from art.trainer_rank.memory.model import MemoryModel
-
-        settings = self.provider.settings
-        tp = settings.tensor_model_parallel_size * 2
-        other = type(self.provider)(
-            self.provider.geometry,
-            # Sequence parallel is the default once TP > 1; a user who turned it off keeps it off.
-            settings=replace(
-                settings,
-                tensor_model_parallel_size=tp,
-                sequence_parallel=settings.sequence_parallel
-                or settings.tensor_model_parallel_size == 1,
-            ),
-            lora=self.provider.lora_config,
-            dtype=self.provider.dtype,
-            implementation=self.provider.implementation,
-        )
-        return tp, replace(MemoryModel.for_provider(other),
-                           head_chunk_tokens=self.options.head_chunk_tokens)
+        return next_tp_memory_model(self.provider, self.options.head_chunk_tokens)
 
     @property
     def active_checkpoint(self) -> str | None:
@@ -401,7 +326,7 @@ class TrainerRank(SlotMethods):
                     continue
                 raise
         if errors:
-            raise _combine(errors)
+            raise combine_declined(errors)
 
     def _empty_micro_batch(self) -> MicroBatch:
         return MicroBatch(inputs=[], outputs=[], indices=[], stats=MicroBatchStats(
@@ -478,16 +403,7 @@ class TrainerRank(SlotMethods):
                 error = plan.error
                 attempts = max((retries.get(i, 0) for i in plan.indices), default=0)
                 if attempts:
-                    error = TrainerRankMemoryError(
-                        f"item(s) {plan.indices} ran out of memory at run time ({attempts} "
-                        "attempt(s)); re-priced with that miss, their smallest form cannot run: "
-                        + str(error),
-                        predicted_peak_bytes=error.predicted_peak_bytes,
-                        usable_limit_bytes=error.usable_limit_bytes,
-                        recompute_summary=error.recompute_summary,
-                        suggestion=error.suggestion,
-                        indices_not_run=error.indices_not_run,
-                    )
+                    error = declined_after_retries(error, plan.indices, attempts)
                 logger.warning("%s", error)
                 declined.append(error)
                 continue
@@ -508,24 +424,14 @@ class TrainerRank(SlotMethods):
                 oom_count += 1
                 last_oom = outcome
                 if oom_count > self.options.max_oom_retries:
-                    raise TrainerRankMemoryError(
-                        f"forward_micro_batches: {oom_count} run-time OOMs in one call (limit "
-                        f"{self.options.max_oom_retries}); items {sorted(chosen)} and "
-                        f"{[i.index for i in pending]} were not run. The memory model and "
-                        "profile keep under-predicting this run; lower the usable limit or "
-                        "switch to full recompute",
-                        predicted_peak_bytes=plan.pricing.dynamic_bytes,
-                        usable_limit_bytes=usable,
-                        recompute_summary=plan.pricing.recompute.summary,
-                        suggestion="switch to full recompute or use smaller items",
-                        indices_not_run=tuple(sorted(chosen | {i.index for i in pending})),
-                    ) from outcome
+                    raise too_many_ooms(plan, usable, oom_count, self.options.max_oom_retries,
+                                        sorted(chosen), [i.index for i in pending]) from outcome
                 for index in chosen:
                     retries[index] = retries.get(index, 0) + 1
                 pending = sorted([*plan.items, *pending], key=lambda it: it.index)
         self._save_profiles()
         if declined:
-            raise _combine(declined) from last_oom
+            raise combine_declined(declined) from last_oom
 
     def _run_plan(
         self,
@@ -581,13 +487,13 @@ class TrainerRank(SlotMethods):
             except torch.OutOfMemoryError as exc:
                 leaf_outputs = []
                 prepared.clear()
-                self._record_oom(plan, failed_sub, usable, exc)
+                record_oom(self.admission, self.profiles, plan, failed_sub, usable, exc)
                 stack.close()
                 if snapshot is not None:
                     snapshot.restore()
                 release_memory()
                 return exc
-            stats = self._stats(plan, usable, grad, retries)
+            stats = plan_stats(self.admission, plan, usable, grad, retries)
             if grad:
                 flags = [f for item in plan.items for f in item.no_grad_leaves]
                 leaf_outputs = [detached_output(out) if no_grad else out
@@ -631,19 +537,7 @@ class TrainerRank(SlotMethods):
             self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
                                       plan.pricing.model_peak_bytes)
             if snapshot is None:
-                raise TrainerRankMemoryError(
-                    f"forward_micro_batches: the caller's backward for items {plan.indices} ran "
-                    f"out of memory (predicted {plan.pricing.dynamic_bytes} bytes, usable "
-                    f"{usable}); the trainable parameters are too large to snapshot their "
-                    "gradients, so the partially accumulated gradients cannot be undone and the "
-                    "items are not retried. Zero the gradients and run the step again; the miss "
-                    "is recorded and the planner will admit less",
-                    predicted_peak_bytes=plan.pricing.dynamic_bytes,
-                    usable_limit_bytes=usable,
-                    recompute_summary=plan.pricing.recompute.summary,
-                    suggestion="rerun the step; the planner now admits less",
-                    indices_not_run=tuple(plan.indices),
-                ) from exc
+                raise caller_oom_not_retried(plan, usable) from exc
             snapshot.restore()
             release_memory()
             return exc
@@ -679,7 +573,7 @@ class TrainerRank(SlotMethods):
         prepared.clear()
         error = error or torch.OutOfMemoryError(
             f"rank {failed_rank} ran out of memory packing items {plan.indices}")
-        self._record_oom(plan, first, usable, error)
+        record_oom(self.admission, self.profiles, plan, first, usable, error)
         return {}, error
 
     def _merge_profiles_over_data_parallel(self) -> None:
@@ -697,69 +591,3 @@ class TrainerRank(SlotMethods):
         # under the file's lock, so no replica's observations are lost.
         if self.options.profile_path and _agree.is_replica_root():
             self.profiles.save()
-
-    def _record_oom(
-        self, plan: Plan, failed_sub: tuple[int, ...] | None, usable: int, exc: BaseException
-    ) -> None:
-        if failed_sub is not None and len(plan.sub_forwards) > 1:
-            pricing, shape, sig = self.admission.price(
-                [plan.leaves[i] for i in failed_sub], plan.shape.grad_enabled,
-                plan.pricing.recompute,
-            )
-            self.profiles.record_miss(sig, shape.packed_tokens, usable,
-                                      pricing.model_peak_bytes)
-        else:
-            self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
-                                      plan.pricing.model_peak_bytes)
-        if exc.__traceback__ is not None:
-            traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
-        logger.warning(
-            "OOM at run time for items %s (%d packed tokens, predicted %d bytes, usable %d): "
-            "recorded; re-planning smaller", plan.indices, plan.shape.packed_tokens,
-            plan.pricing.dynamic_bytes, usable,
-        )
-
-    def _stats(
-        self, plan: Plan, usable: int, grad: bool, retries: dict[int, int]
-    ) -> MicroBatchStats:
-        return MicroBatchStats(
-            local_count=len(plan.items),
-            # A split reports every sub-forward's packed tokens; its prices are its largest's.
-            packed_tokens=sum(
-                self.admission.packed_length(
-                    [plan.leaves[i].num_tokens for i in sub],
-                    sum(group_shared_tokens([plan.leaves[i] for i in group])
-                        for group in plan.group_indices(sub)),
-                )
-                for sub in plan.sub_forwards
-            ),
-            logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
-            estimated_required_bytes=plan.pricing.dynamic_bytes,
-            available_bytes=usable,
-            cold_start=plan.decision == COLD_CAPPED,
-            subforward_count=len(plan.sub_forwards),
-            decision=plan.decision,
-            predicted_peak_bytes=plan.pricing.peak_bytes,
-            recompute_summary=plan.pricing.recompute.summary if grad else "no grad",
-            grad_enabled=grad,
-            term_table=plan.pricing.estimate.table(),
-            predicted_source=plan.pricing.source,
-            retries=max((retries.get(i, 0) for i in plan.indices), default=0),
-            note=plan.note,
-        )
-
-
-def _combine(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryError:
-    if len(errors) == 1:
-        return errors[0]
-    indices = tuple(sorted(i for e in errors for i in e.indices_not_run))
-    worst = max(errors, key=lambda e: e.predicted_peak_bytes)
-    return TrainerRankMemoryError(
-        f"forward_micro_batches: {len(errors)} items were declined before running (indices "
-        f"{list(indices)}); every other item was yielded.\n" + "\n".join(str(e) for e in errors),
-        predicted_peak_bytes=worst.predicted_peak_bytes,
-        usable_limit_bytes=worst.usable_limit_bytes,
-        recompute_summary=worst.recompute_summary,
-        suggestion=worst.suggestion,
-        indices_not_run=indices,
-    )

@@ -37,7 +37,8 @@ def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_f
     assert trainer.probe._key(trainer.probe.modes, (), trainer.probe.tokens,
                               trainer.probe.grad_tokens) == trainer.probe.key
     # The configured policy (grad and no grad) and the full-recompute escalation policy.
-    assert {mode[2:] for mode in trainer.probe.modes} >= {(True, 0), (True, 1), (False, 0)}
+    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.modes} >= {
+        (True, 0), (True, 1), (False, 0)}
     mbs = list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=2, logits=False,
                                                          hidden_states=False), no_grad=True))
     assert trainer.probe.probed_tails == ["logprobs,top_k=2:no-grad"]

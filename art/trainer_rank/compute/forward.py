@@ -19,6 +19,14 @@ from torch import Tensor
 from art.trainer_rank.compute.packing import PackedBatch
 
 
+def language_model(chunk: Any) -> Any:
+    """The GPTModel inside Megatron's wrappers (DistributedDataParallel, Float16Module)."""
+    model = chunk
+    while not hasattr(model, "decoder") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def unwrap_model(model: Any) -> Any:
     """The GPTModel inside DDP / Float16Module style wrappers (they keep it in `.module`)."""
     inner = model

@@ -3,8 +3,8 @@
 The head never calls the model's output layer on the whole row. For each chunk of
 `chunk_tokens` tokens it forms this rank's vocab shard of the logits in fp32, reduces the
 log-sum-exp and the target logit over the TP ranks, and keeps only what was asked for, so the
-largest head allocation is one chunk x vocab/TP, not the whole pack x vocab (the second report
-in the seed failed allocating exactly that). Full logits exist only when requested.
+largest head allocation is one chunk x vocab/TP, not the whole pack x vocab (on a long pack
+that one tensor alone can exceed the free memory). Full logits exist only when requested.
 
 Backward is written out rather than left to autograd, because autograd would hold several
 chunk-wide tensors (logits, shifted logits, exponentials, and one gradient per use) and would

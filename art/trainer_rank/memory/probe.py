@@ -44,7 +44,7 @@ from art.trainer_rank.memory.chunked import (
     has_chunked_layers,
     split_points,
 )
-from art.trainer_rank.memory.coefficients import RecomputeMode
+from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
 from art.trainer_rank.memory.fit import Fit, Poly
 from art.trainer_rank.memory.layers import LayerCost, layer_kind
 from art.trainer_rank.memory.measure import release_score_buffer
@@ -380,13 +380,12 @@ def _measure_tail(model: Any, inputs: _Inputs, outputs: OutputRequest, dtype: to
 
 def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
           dtype: str, lora_rank: int,
-          modes: Iterable[tuple[str, frozenset[str], bool, int]],
+          modes: Iterable[LayerMode],
           outputs: Iterable[tuple[OutputRequest, bool]] = (),
           tokens: tuple[int, ...] | None = None, cache_dir: str | Path | None = None,
           progress: Callable[[str], None] | None = None,
           grad_tokens: tuple[int, ...] | None = None) -> ProbeCoefficients:
-    """Probe (layer kind, selective modules, grad, full-unit layers) modes and (outputs, grad)
-    tails.
+    """Probe (layer kind, recompute mode) pairs and (outputs, grad) tails.
 
     `grad_tokens` (a prefix of `tokens`): the points grad modes and grad tails are measured at
     when fewer than `tokens` fit a memory limit (a grad peak is higher than a no-grad one).
@@ -404,13 +403,12 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         else:
             tokens = PROBE_TOKENS_CUDA_UNFUSED
     torch_dtype = inner.config.params_dtype
-    wanted = sorted({m for m in modes if m[1] <= PROBED_MODULES},
-                    key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+    wanted = sorted({m for m in modes if m.mode.modules <= PROBED_MODULES},
+                    key=lambda m: m.sort_key)
     tails = sorted({(o.key, o, g) for o, g in outputs}, key=lambda t: (t[0], t[2]))
     key = cache_key(geometry=geometry, implementation=implementation, dtype=dtype,
                     layout=layout, lora_rank=lora_rank,
-                    modes=[(k, RecomputeMode(grad=g, modules=m, full_layers=n).key)
-                   for k, m, g, n in wanted],
+                    modes=[(m.kind, m.mode.key) for m in wanted],
                     outputs=[f"{k}:{g}" for k, _, g in tails], tokens=tokens,
                     device=device.type, grad_tokens=grad_tokens)
     points = {False: tuple(tokens), True: tuple(grad_tokens or tokens)}
@@ -434,7 +432,9 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     try:
         per_tokens = {t: _probe_inputs(model, t, layout, implementation, device)
                       for t in tokens}
-        for kind, mods, grad, full_layers in wanted:
+        for layer_mode in wanted:
+            kind, mode = layer_mode.kind, layer_mode.mode
+            mods, grad, full_layers = mode.modules, mode.grad, mode.full_layers
             layer = layer_by_kind.get(kind)
             if layer is None:
                 continue
@@ -461,7 +461,6 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 largest=Fit.fit(at, [r["largest"] for r in rows]),
                 within_chunk=within,
             )
-            mode = RecomputeMode(grad=grad, modules=mods, full_layers=full_layers)
             fitted_layers.append((kind, mode.key, fit))
             if progress:
                 progress(f"probed {kind} {mode.key}")
@@ -487,25 +486,26 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     return coefficients
 
 
-def modes_for(geometry: ModelGeometry, recompute: Any, grad: bool
-              ) -> list[tuple[str, frozenset[str], bool, int]]:
-    """The (layer kind, modules, grad, full-unit layers) modes an estimate under `recompute`
-    will ask for (a full unit is probed whole, and its layers without recompute too)."""
-    modes: set[tuple[str, frozenset[str], bool, int]] = set()
+def modes_for(geometry: ModelGeometry, recompute: Any, grad: bool) -> list[LayerMode]:
+    """The (layer kind, recompute mode) pairs an estimate under `recompute` will ask for (a
+    full unit is probed whole, and its layers without recompute too)."""
+    modes: set[LayerMode] = set()
     for i, lr in enumerate(recompute.layers):
         kind = layer_kind(geometry, i)
-        modes.add((kind, frozenset(), False, 0))
+        modes.add(LayerMode(kind, RecomputeMode(grad=False)))
         if not grad:
             if lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
                 # Megatron still runs the unit as one checkpoint: its layers' outputs meet.
-                modes.add((kind, frozenset(), False, lr.full_unit_layers))
+                modes.add(LayerMode(kind, RecomputeMode(grad=False,
+                                                        full_layers=lr.full_unit_layers)))
             continue
         if lr.full_checkpoint_unit is not None:
-            modes.add((kind, frozenset(), True, 0))
-            modes.add((kind, frozenset(), True, lr.full_unit_layers))
+            modes.add(LayerMode(kind, RecomputeMode(grad=True)))
+            modes.add(LayerMode(kind, RecomputeMode(grad=True, full_layers=lr.full_unit_layers)))
         else:
-            modes.add((kind, frozenset(lr.selective_modules), True, 0))
-    return sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+            modes.add(LayerMode(kind, RecomputeMode(grad=True,
+                                                    modules=frozenset(lr.selective_modules))))
+    return sorted(modes, key=lambda m: m.sort_key)
 
 
 def probe_for_provider(provider: Any, model: Any, *,

@@ -30,11 +30,9 @@ import torch
 
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory import probe as probe_module
-from art.trainer_rank.memory.coefficients import RecomputeMode
+from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.layers import LayerCost
 from art.trainer_rank.ranks import agree as _agree
-
-Mode = tuple[str, frozenset[str], bool, int]
 
 
 def _probe_tokens(model: Any, implementation: Any) -> tuple[int, ...]:
@@ -116,11 +114,11 @@ class TrainerProbe:
         self.grad_tokens = self._points(LOGPROBS, True) if tokens is None else None
         lora = getattr(provider, "lora_config", None)
         self.lora_rank = int(lora.r) if lora is not None else 0
-        modes: set[Mode] = set()
+        modes: set[LayerMode] = set()
         for policy in policies:
             for grad in (True, False):
                 modes.update(probe_module.modes_for(provider.geometry, policy, grad))
-        self.modes = sorted(modes, key=lambda m: (m[0], sorted(m[1]), m[2], m[3]))
+        self.modes = sorted(modes, key=lambda m: m.sort_key)
         self.layers = self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
                                    grad_tokens=self.grad_tokens)
         self.tails: dict[tuple[str, bool], Any] = {}
@@ -164,23 +162,22 @@ class TrainerProbe:
 
     # -- probing, agreed over the replica ------------------------------------------------------
 
-    def _key(self, modes: Iterable[Mode], outputs: Iterable[tuple[OutputRequest, bool]],
+    def _key(self, modes: Iterable[LayerMode], outputs: Iterable[tuple[OutputRequest, bool]],
              tokens: tuple[int, ...] | None = None,
              grad_tokens: tuple[int, ...] | None = None) -> str:
         # Mirrors how probe.probe() names its cache entry (same filtering of unprobeable modes).
-        wanted = {m for m in modes if m[1] <= probe_module.PROBED_MODULES}
+        wanted = {m for m in modes if m.mode.modules <= probe_module.PROBED_MODULES}
         provider = self.provider
         return probe_module.cache_key(
             geometry=provider.geometry, implementation=provider.implementation,
             dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
-            modes=[(k, RecomputeMode(grad=g, modules=m, full_layers=n).key)
-                   for k, m, g, n in wanted],
+            modes=[(m.kind, m.mode.key) for m in wanted],
             outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
             device=next(probe_module._inner(self.model).parameters()).device.type,
             grad_tokens=grad_tokens,
         )
 
-    def _agreed(self, *, modes: Iterable[Mode],
+    def _agreed(self, *, modes: Iterable[LayerMode],
                 outputs: Iterable[tuple[OutputRequest, bool]], tokens: tuple[int, ...],
                 grad_tokens: tuple[int, ...] | None = None) -> Any:
         modes, outputs = list(modes), list(outputs)

@@ -1,0 +1,127 @@
+"""What a micro-batch's plan reports once it ran (its MicroBatchStats), a run-time OOM recorded
+as a profile miss, and the errors that end items: declined (alone, after run-time misses, or
+several combined into one after every other item was yielded), too many OOMs in one call, a
+caller-backward OOM whose gradients cannot be undone."""
+
+from __future__ import annotations
+
+import logging
+import traceback
+
+from art.trainer_rank._types import COLD_CAPPED, MicroBatchStats, TrainerRankMemoryError
+from art.trainer_rank.compute.items import group_shared_tokens
+from art.trainer_rank.decide.admission import Admission, Plan
+from art.trainer_rank.decide.profiles import ProfileStore
+
+logger = logging.getLogger("art.trainer_rank")
+
+
+def plan_stats(admission: Admission, plan: Plan, usable: int, grad: bool,
+               retries: dict[int, int]) -> MicroBatchStats:
+    return MicroBatchStats(
+        local_count=len(plan.items),
+        # A split reports every sub-forward's packed tokens; its prices are its largest's.
+        packed_tokens=sum(
+            admission.packed_length(
+                [plan.leaves[i].num_tokens for i in sub],
+                sum(group_shared_tokens([plan.leaves[i] for i in group])
+                    for group in plan.group_indices(sub)),
+            )
+            for sub in plan.sub_forwards
+        ),
+        logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
+        estimated_required_bytes=plan.pricing.dynamic_bytes,
+        available_bytes=usable,
+        cold_start=plan.decision == COLD_CAPPED,
+        subforward_count=len(plan.sub_forwards),
+        decision=plan.decision,
+        predicted_peak_bytes=plan.pricing.peak_bytes,
+        recompute_summary=plan.pricing.recompute.summary if grad else "no grad",
+        grad_enabled=grad,
+        term_table=plan.pricing.estimate.table(),
+        predicted_source=plan.pricing.source,
+        retries=max((retries.get(i, 0) for i in plan.indices), default=0),
+        note=plan.note,
+    )
+
+
+def combine_declined(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryError:
+    if len(errors) == 1:
+        return errors[0]
+    indices = tuple(sorted(i for e in errors for i in e.indices_not_run))
+    worst = max(errors, key=lambda e: e.predicted_peak_bytes)
+    return TrainerRankMemoryError(
+        f"forward_micro_batches: {len(errors)} items were declined before running (indices "
+        f"{list(indices)}); every other item was yielded.\n" + "\n".join(str(e) for e in errors),
+        predicted_peak_bytes=worst.predicted_peak_bytes,
+        usable_limit_bytes=worst.usable_limit_bytes,
+        recompute_summary=worst.recompute_summary,
+        suggestion=worst.suggestion,
+        indices_not_run=indices,
+    )
+
+
+def record_oom(admission: Admission, profiles: ProfileStore, plan: Plan,
+               failed_sub: tuple[int, ...] | None, usable: int, exc: BaseException) -> None:
+    """Record a run-time OOM as a miss of what ran: the failing sub-forward of a split (priced
+    alone), else the whole plan."""
+    if failed_sub is not None and len(plan.sub_forwards) > 1:
+        pricing, shape, sig = admission.price(
+            [plan.leaves[i] for i in failed_sub], plan.shape.grad_enabled,
+            plan.pricing.recompute,
+        )
+        profiles.record_miss(sig, shape.packed_tokens, usable, pricing.model_peak_bytes)
+    else:
+        profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
+                             plan.pricing.model_peak_bytes)
+    if exc.__traceback__ is not None:
+        traceback.clear_frames(exc.__traceback__)  # drop the tensors the frames held
+    logger.warning(
+        "OOM at run time for items %s (%d packed tokens, predicted %d bytes, usable %d): "
+        "recorded; re-planning smaller", plan.indices, plan.shape.packed_tokens,
+        plan.pricing.dynamic_bytes, usable,
+    )
+
+
+def declined_after_retries(error: TrainerRankMemoryError, indices: list[int], attempts: int
+                           ) -> TrainerRankMemoryError:
+    return TrainerRankMemoryError(
+        f"item(s) {indices} ran out of memory at run time ({attempts} "
+        "attempt(s)); re-priced with that miss, their smallest form cannot run: " + str(error),
+        predicted_peak_bytes=error.predicted_peak_bytes,
+        usable_limit_bytes=error.usable_limit_bytes,
+        recompute_summary=error.recompute_summary,
+        suggestion=error.suggestion,
+        indices_not_run=error.indices_not_run,
+    )
+
+
+def too_many_ooms(plan: Plan, usable: int, oom_count: int, limit: int, chosen: list[int],
+                  pending: list[int]) -> TrainerRankMemoryError:
+    return TrainerRankMemoryError(
+        f"forward_micro_batches: {oom_count} run-time OOMs in one call (limit "
+        f"{limit}); items {chosen} and {pending} were not run. The memory model and "
+        "profile keep under-predicting this run; lower the usable limit or "
+        "switch to full recompute",
+        predicted_peak_bytes=plan.pricing.dynamic_bytes,
+        usable_limit_bytes=usable,
+        recompute_summary=plan.pricing.recompute.summary,
+        suggestion="switch to full recompute or use smaller items",
+        indices_not_run=tuple(sorted({*chosen, *pending})),
+    )
+
+
+def caller_oom_not_retried(plan: Plan, usable: int) -> TrainerRankMemoryError:
+    return TrainerRankMemoryError(
+        f"forward_micro_batches: the caller's backward for items {plan.indices} ran "
+        f"out of memory (predicted {plan.pricing.dynamic_bytes} bytes, usable "
+        f"{usable}); the trainable parameters are too large to snapshot their "
+        "gradients, so the partially accumulated gradients cannot be undone and the "
+        "items are not retried. Zero the gradients and run the step again; the miss "
+        "is recorded and the planner will admit less",
+        predicted_peak_bytes=plan.pricing.dynamic_bytes,
+        usable_limit_bytes=usable,
+        recompute_summary=plan.pricing.recompute.summary,
+        suggestion="rerun the step; the planner now admits less",
+        indices_not_run=tuple(plan.indices),
+    )

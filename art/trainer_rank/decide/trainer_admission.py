@@ -1,0 +1,54 @@
+"""The Admission one TrainerRank decides with: the signature its profiles are keyed by (model,
+implementation, layout without DP, dtype; the adapter), packed lengths with or without shared
+prefixes, what held outputs cost, escalation and the next tensor-parallel size."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefixes
+from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
+from art.trainer_rank.decide.profiles import ProfileStore
+from art.trainer_rank.memory.device import held_output_bytes
+from art.trainer_rank.memory.pricing import TrainerPricing
+
+
+def adapter_signature(lora: Any) -> str:
+    """"none", or the adapter's rank and targets, e.g. "r8:linear_fc1,linear_qkv"."""
+    if lora is None:
+        return "none"
+    targets = lora.target_modules or []
+    targets = [targets] if isinstance(targets, str) else sorted(targets)
+    return f"r{lora.r}:{','.join(targets)}"
+
+
+def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileStore,
+                      policy: AdmissionPolicy,
+                      next_tp_model: Callable[[], tuple[int, Any] | None]
+                      ) -> tuple[Admission, bool]:
+    """The Admission, and whether this trainer packs shared prefixes once."""
+    layout = provider.layout
+    # Gated DeltaNet layers run one recurrence per sequence: a shared prefix laid out once
+    # would need its final state handed to each continuation, which they cannot take.
+    share = (shares_prefixes(provider.implementation, layout)
+             and "linear_attention" not in provider.geometry.layer_types)
+    admission = Admission(
+        memory_model=pricing.memory_model,
+        profiles=profiles,
+        recompute=provider.effective_recompute,
+        # Per-rank memory does not depend on the data-parallel size: leave it out.
+        topology=f"{provider.geometry.name}|{provider.implementation.key}|"
+        f"{replace(layout, data_parallel=1).summary}|{provider.dtype}",
+        adapter=adapter_signature(provider.lora_config),
+        packed_length=lambda lengths, shared=0: packed_length_tokens(
+            lengths, layout, shared if share else 0),
+        full_recompute=pricing.full_recompute,
+        held_output_bytes=lambda shape: held_output_bytes(
+            shape, provider.geometry, provider.dtype),
+        next_tp_model=next_tp_model,
+        default_memory_model=pricing.default_memory_model,
+        policy=policy,
+    )
+    return admission, share

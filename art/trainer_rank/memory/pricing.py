@@ -1,0 +1,82 @@
+"""The memory models one TrainerRank prices with: its own (probe coefficients measured at
+start-up for every policy it may run, escalation included; the head chunk it runs), the same
+without coefficients, and the one a doubled tensor-parallel size would have."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from art.megatron.recompute import EffectiveRecompute
+from art.trainer_rank.memory.device import device_usable_bytes
+from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.memory.probing import TrainerProbe
+from art.trainer_rank.ranks import agree as _agree
+
+
+@dataclass(frozen=True)
+class TrainerPricing:
+    memory_model: Any  # a MemoryModel, or whatever the runtime brought
+    probe: TrainerProbe | None
+    default_memory_model: Any | None  # the same without probe coefficients, when it has them
+    full_recompute: EffectiveRecompute | None  # what escalation switches to, if resolvable
+
+
+def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_layers: bool,
+                    escalate_to_full_recompute: bool, test_memory_limit_bytes: int | None,
+                    cache_dir: str | None, head_chunk_tokens: int) -> TrainerPricing:
+    """The runtime's own memory model when it brings one; else MemoryModel with probe
+    coefficients (when `probe_layers`), priced with the head chunk this trainer runs."""
+    try:
+        full = provider.recompute_as("full", "uniform", 1)
+    except ValueError:
+        full = None
+    probe: TrainerProbe | None = None
+    memory_model = given
+    if memory_model is None:
+        coefficients = None
+        if probe_layers:
+            # Measured coefficients, not the default formulas: every policy this trainer
+            # may run, escalation included.
+            policies = [provider.effective_recompute]
+            if full is not None and escalate_to_full_recompute:
+                policies.append(full)
+            usable = _agree.min_over_replica(device_usable_bytes(
+                next(model.parameters()).device, test_memory_limit_bytes))
+            # The probe runs only at sizes whose micro-batch fits the limit (what it
+            # allocates is the trainer's too), grad and no-grad separately.
+            probe = coefficients = TrainerProbe(
+                provider, model, policies=policies, cache_dir=cache_dir,
+                default_model=replace(MemoryModel.for_provider(provider),
+                                      head_chunk_tokens=head_chunk_tokens),
+                usable_bytes=usable,
+            )
+        memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
+                               head_chunk_tokens=head_chunk_tokens)
+    with_coefficients = getattr(memory_model, "with_coefficients", None)
+    default_memory_model = (
+        with_coefficients(None)
+        if with_coefficients is not None and memory_model.coefficients is not None else None)
+    return TrainerPricing(memory_model, probe, default_memory_model, full)
+
+
+def next_tp_memory_model(provider: Any, head_chunk_tokens: int) -> tuple[int, MemoryModel]:
+    """The tensor-parallel size twice this one, and the memory model it would price with."""
+    settings = provider.settings
+    tp = settings.tensor_model_parallel_size * 2
+    other = type(provider)(
+        provider.geometry,
+        # Sequence parallel is the default once TP > 1; a user who turned it off keeps it off.
+        settings=replace(
+            settings,
+            tensor_model_parallel_size=tp,
+            sequence_parallel=settings.sequence_parallel
+            or settings.tensor_model_parallel_size == 1,
+        ),
+        lora=provider.lora_config,
+        dtype=provider.dtype,
+        implementation=provider.implementation,
+    )
+    return tp, replace(MemoryModel.for_provider(other), head_chunk_tokens=head_chunk_tokens)
