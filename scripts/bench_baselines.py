@@ -5,8 +5,12 @@
   factor) x 1.10. It ignores the recompute mode, so it admits what then runs out of memory.
 - try-and-halve: start with everything and halve the number of items after every OOM, keeping
   the smaller size afterwards (what accelerate's find_executable_batch_size does).
-- the oracle: the largest run of whole items, in order, that really fits, found by bisection
-  on measured peaks.
+- in-order greedy: the largest run of whole items, in order, that really fits, found by
+  bisection on measured peaks.
+- the oracle of a pass (`most_that_fits`): for each micro-batch a policy ran, the most that
+  really fits with the same packing: its items plus as many of the items still waiting (in
+  order) as keep the measured peak within the limit, found by bisection on measured peaks.
+  A policy's utilisation is its tokens over the oracle's, micro-batch by micro-batch.
 All three run micro-batches through `MicroBatchRunner`, the trainer's own compute path (pack,
 decoder, chunked heads, caller loss and backward) inside the same virtual limit the trainer
 uses, so an OOM is the same event for every policy.
@@ -77,7 +81,9 @@ class MicroBatchRunner:
     runs: int = 0
     ooms: int = 0
 
-    def run(self, items: Sequence[Item], *, limit_bytes: int | None = -1) -> RunResult:
+    def run(self, items: Sequence[Item], *, limit_bytes: int | None = -1,
+            grad: bool = True) -> RunResult:
+        """Without grad: the forward and heads only (scoring), no loss, no backward."""
         limit = self.limit_bytes if limit_bytes == -1 else limit_bytes
         leaves = [leaf for item in items for leaf in item.leaves]
         tokens = sum(leaf.num_tokens for leaf in leaves)
@@ -86,18 +92,21 @@ class MicroBatchRunner:
         self.runs += 1
         meter = MemoryMeter(limit_bytes=limit, device="cpu")
         try:
-            with meter:
+            with meter, torch.set_grad_enabled(grad):
                 outputs = run_sub_forward(
                     self.model, leaves, implementation=self.provider.implementation,
                     layout=self.provider.layout, device=torch.device("cpu"),
                     head_chunk_tokens=self.head_chunk_tokens,
                     groups=[len(item.leaves) for item in items],  # packed as the trainer packs
                 )
-                loss = sum(-(o.target_logprobs.sum()) for o in outputs
-                           if o.target_logprobs is not None)
-                del outputs
-                loss.backward()
-                del loss
+                if grad:
+                    loss = sum(-(o.target_logprobs.sum()) for o in outputs
+                               if o.target_logprobs is not None)
+                    del outputs
+                    loss.backward()
+                    del loss
+                else:
+                    del outputs
         except torch.OutOfMemoryError:
             self.ooms += 1
             for p in self.model.parameters():
@@ -126,6 +135,16 @@ class PassResult:
     decisions: list[str] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     model_predicted: list[int] = field(default_factory=list)
+    # The oracle of this pass (`most_that_fits`): tokens per micro-batch, and its runs.
+    oracle_tokens: list[int] = field(default_factory=list)
+    oracle_runs: int = 0
+
+    @property
+    def utilisation(self) -> float | None:
+        """Tokens run / the oracle's tokens, over the micro-batches (None: no oracle run)."""
+        if not self.oracle_tokens:
+            return None
+        return sum(self.micro_batch_tokens) / max(1, sum(self.oracle_tokens))
 
 
 def seed_formula_pass(items: Sequence[Item], runner: MicroBatchRunner, limit: int,
@@ -197,10 +216,63 @@ def try_and_halve_pass(items: Sequence[Item], runner: MicroBatchRunner,
     return result
 
 
+@dataclass
+class _PeakOf:
+    """Measured peaks of `chosen` plus the first `extra` waiting items, each run once."""
+
+    runner: MicroBatchRunner
+    chosen: list[Item]
+    waiting: list[Item]
+    grad: bool
+    passed: PassResult
+    peaks: dict[int, int] = field(default_factory=dict)
+
+    def __call__(self, extra: int) -> int:
+        if extra not in self.peaks:
+            self.peaks[extra] = self.runner.run(self.chosen + self.waiting[:extra],
+                                                limit_bytes=None, grad=self.grad).peak_bytes
+            self.passed.oracle_runs += 1
+        return self.peaks[extra]
+
+
+def most_that_fits(passed: PassResult, items: Sequence[Item], runner: MicroBatchRunner,
+                   limit: int, *, grad: bool = True) -> list[int]:
+    """The oracle's tokens for each micro-batch of `passed`: its items plus the longest prefix
+    of the items still waiting after it (in order) whose measured peak stays within `limit`
+    (bisection on measured peaks of unlimited runs; the peak grows with every added item).
+    Counts its runs in `passed.oracle_runs`."""
+    by_index = {item.index: item for item in items}
+    done: set[int] = set()
+    skipped = set(passed.items_declined) | set(passed.items_lost)
+    oracle_tokens: list[int] = []
+    for indices in passed.micro_batches:
+        done.update(indices)
+        chosen = [by_index[i] for i in indices]
+        waiting = [it for it in items if it.index not in done and it.index not in skipped]
+        peak = _PeakOf(runner, chosen, waiting, grad, passed)
+        low, high = 0, None  # `low` extra items fit (0: what the policy ran); `high` do not
+        while low < len(waiting):
+            step = min(max(1, 2 * low), len(waiting))
+            if peak(step) <= limit:
+                low = step
+            else:
+                high = step
+                break
+        while high is not None and high - low > 1:
+            mid = (low + high) // 2
+            if peak(mid) <= limit:
+                low = mid
+            else:
+                high = mid
+        oracle_tokens.append(sum(it.num_tokens for it in chosen + waiting[:low]))
+    return oracle_tokens
+
+
 def oracle_pass(items: Sequence[Item], runner: MicroBatchRunner, limit: int) -> PassResult:
-    """The largest run of whole items, in order, whose measured peak is within the limit
-    (bisection on measured peaks, unlimited runs; the peak grows with every added item)."""
-    result = PassResult("oracle")
+    """In-order greedy: the largest run of whole items, in order, whose measured peak is within
+    the limit (bisection on measured peaks, unlimited runs; the peak grows with every added
+    item)."""
+    result = PassResult("in-order greedy")
     started = time.perf_counter()
     peaks: dict[tuple[int, int], int] = {}
 

@@ -1,7 +1,7 @@
 """bench/RESULTS.md from bench/results.json (written by scripts/bench_planner.py).
 
-Every figure comes from the JSON; each target gets a met / missed-by line. A hand-written
-section below the notes marker is kept when the file is rewritten.
+Every figure comes from the JSON; each target gets a met / missed-by line. Nothing in the
+file is written by hand: it is rewritten whole.
 """
 
 from __future__ import annotations
@@ -60,11 +60,19 @@ def _accuracy(acc: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
+def _run_line(section: dict[str, Any]) -> list[str]:
+    m = section.get("machine")
+    if not m:
+        return []
+    return [f"Run {m.get('date')}, 1-minute load average {m.get('load_average', 0):.1f} at "
+            "the start of the script.", ""]
+
+
 def _utilisation(u: dict[str, Any]) -> list[str]:
     w = u["workload"]
     rows = u["rows"]
     lines = [
-        "## 2. Utilisation: RL-like workload under one virtual limit", "",
+        "## 2. Utilisation: RL-like workload under one virtual limit", "", *_run_line(u),
         f"Model {u['model']} ({u['recompute']}, LoRA {u['lora']}, {u['layout']}, fp32, CPU). "
         f"Workload: {w['groups']} groups x {w['rollouts_per_group']} rollouts "
         f"({w['sequences']} sequences, {w['tokens']} tokens; lengths long-tailed, "
@@ -73,12 +81,19 @@ def _utilisation(u: dict[str, Any]) -> list[str]:
         "allocation past it raises torch.OutOfMemoryError). Every policy runs the same items "
         "in the same process through the same compute path; a group is one top-level item and "
         "is never split.", "",
-        "utilisation = mean tokens per completed micro-batch / the oracle's. *runs* counts "
-        "forward+backward executions, failed ones included. *escaped* OOMs lose their items; "
-        "*recovered* ones are re-run smaller.", "",
+        "*utilisation* = tokens the pass ran / its oracle's tokens. The oracle of a pass: for "
+        "every micro-batch the pass ran, the most that really fits with the same packing (its "
+        "items plus the longest run of the items still waiting, in order, whose measured peak "
+        "stays within the limit; bisection on measured peaks of unlimited runs, "
+        "*oracle_runs* of them). The no-grad passes score the same items (forward and heads "
+        "only). *mean_over_in_order_greedy*: mean tokens per micro-batch over the in-order "
+        "greedy pass's (whole items in order, as many as really fit). *runs* counts "
+        "forward(+backward) executions, failed ones included. *escaped* OOMs lose their "
+        "items; *recovered* ones are re-run smaller.", "",
     ]
     lines += _table(rows, ["policy", "micro_batches", "runs", "tokens_done", "tokens_total",
-                           "mean_tokens_per_micro_batch", "utilisation", "escaped_ooms",
+                           "mean_tokens_per_micro_batch", "oracle_tokens", "utilisation",
+                           "oracle_runs", "mean_over_in_order_greedy", "escaped_ooms",
                            "recovered_ooms", "items_lost", "items_declined",
                            "max_peak_over_limit", "wall_seconds"])
     largest = u["largest_item"]
@@ -97,9 +112,10 @@ def _utilisation(u: dict[str, Any]) -> list[str]:
         f"({largest['seed_formula_bytes'] / largest['measured_bytes']:.2f}x the truth).", "",
     ]
     by = {r["policy"]: r for r in rows}
-    for name, target in (("planner (warm)", 0.95), ("planner (cold)", 0.80)):
+    for name, target in (("planner (warm)", 0.95), ("planner (cold)", 0.80),
+                         ("planner (warm, no grad)", 0.95), ("planner (cold, no grad)", 0.80)):
         r = by.get(name)
-        if r is None:
+        if r is None or r.get("utilisation", "") == "":
             continue
         verdict = "met" if r["utilisation"] >= target and r["escaped_ooms"] == 0 else "missed"
         extra = "" if verdict == "met" else f" by {target - r['utilisation']:.3f}"
@@ -111,7 +127,7 @@ def _utilisation(u: dict[str, Any]) -> list[str]:
 def _overhead(o: dict[str, Any]) -> list[str]:
     rows = o["rows"]
     lines = [
-        "## 3. Overhead: time per admission decision", "",
+        "## 3. Overhead: time per admission decision", "", *_run_line(o),
         "`Admission.plan_next` on the demo model's memory model with N pending top-level items "
         "(groups of 4 rollouts from the workload generator), grad, the utilisation limit. "
         "*first* = one decision with all N pending and the estimate cache cleared (median of "
@@ -133,12 +149,7 @@ def _overhead(o: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def write_results(out: dict[str, Any], path: Path, notes_mark: str) -> None:
-    notes = ""
-    if path.exists():
-        text = path.read_text()
-        if notes_mark in text:
-            notes = text.split(notes_mark, 1)[1]
+def write_results(out: dict[str, Any], path: Path) -> None:
     m = out.get("machine", {})
     lines = [
         "# Planner benchmarks", "",
@@ -154,5 +165,4 @@ def write_results(out: dict[str, Any], path: Path, notes_mark: str) -> None:
         lines += _utilisation(out["utilisation"])
     if "overhead" in out:
         lines += _overhead(out["overhead"])
-    lines.append(notes_mark)
-    path.write_text("\n".join(lines) + (notes if notes else "\n"))
+    path.write_text("\n".join(lines).rstrip("\n") + "\n")
