@@ -13,6 +13,9 @@ SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gdn_blocks.py"
 MIXER_BLOCKS = ("input norm + in_proj", "split, qkv transpose copy", "causal conv1d + silu",
                 "q/k l2norm", "q/k repeat, gates (g, beta)", "gated delta rule",
                 "gated output norm", "out_proj")
+# The rows every layer kind shares: the bf16 residual is not kept (the frozen torch pre-MLP
+# norm keeps its fp32 upcast), SwiGLU keeps what torch's unfused one keeps.
+SHARED_BLOCKS = ("residual add", "pre-MLP norm", "fc1", "swiglu", "fc2")
 
 
 def test_gated_delta_net_blocks_are_priced_as_measured(megatron_process):
@@ -24,5 +27,6 @@ def test_gated_delta_net_blocks_are_priced_as_measured(megatron_process):
     priced = dict(script.priced(provider, 333))
     got = dict(measured)
     assert "layer input" not in priced  # bf16: the frozen in_proj norm keeps its fp32 upcast
-    for block in MIXER_BLOCKS:
+    for block in MIXER_BLOCKS + SHARED_BLOCKS:
         assert priced[block] == pytest.approx(got.get(block, 0), rel=0.01, abs=64), block
+    assert sum(priced.values()) == pytest.approx(sum(got.values()), rel=0.01)

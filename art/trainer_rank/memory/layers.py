@@ -360,9 +360,13 @@ def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False) -
     mixer = _linear_attention_blocks(d, s) if kind.startswith("linear") else _attention_blocks(
         d, s
     )
-    # The residual add after the mixer makes a new hidden tensor; the pre-MLP norm keeps it.
-    residual = Block("residual add", None, 0.0, d.hidden_tokens(s) * g.hidden_size * b, True)
-    mlp_norm = _norm_block(d, s, "pre-MLP norm", te and not kind.endswith("_moe"),
+    # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
+    # when fused (or torch's in fp32, whose upcast is the tensor itself); torch's composite in
+    # bf16/fp16 keeps its fp32 upcast instead (in the norm's block) and the add keeps nothing.
+    fused_norm = te and not kind.endswith("_moe")
+    residual = Block("residual add", None, 0.0, d.hidden_tokens(s) * g.hidden_size * b,
+                     fused_norm or d.implementation.norm != "torch" or b >= FP32)
+    mlp_norm = _norm_block(d, s, "pre-MLP norm", fused_norm,
                            _linear_input_saved(d, s, "linear_fc1", True) or kind.endswith("_moe"))
     if kind.endswith("_moe"):
         mlp = _moe_blocks(d, s, worst_case_routing)
