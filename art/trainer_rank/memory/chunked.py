@@ -21,7 +21,7 @@ from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
 from art.trainer_rank.memory.layers import GDN_CHUNK_TOKENS
 
-QUANTITIES = ("kept", "forward", "backward", "output", "largest")
+QUANTITIES = ("kept", "forward", "backward", "output")
 
 
 def chunk_tokens_of(kind: str) -> int:
@@ -59,7 +59,6 @@ class WithinChunk:
     forward: float = 0.0
     backward: float = 0.0
     output: float = 0.0
-    largest: float = 0.0
 
     def value(self, curve: Callable[[int], float], name: str, tokens: int,
               padded: int | None) -> int:

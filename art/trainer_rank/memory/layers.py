@@ -40,7 +40,6 @@ class LayerCost:
     backward: int
     output: int
     saves_input: bool
-    largest_allocation: int
 
 
 @dataclass(frozen=True)
@@ -408,7 +407,6 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     g, b = d.geometry, d.dtype_bytes
     blocks = layer_blocks(d, kind, s, worst_case_routing)
     x = d.hidden_tokens(s) * g.hidden_size * b
-    largest = max(max(blk.output, blk.temp, blk.grad_temp) for blk in blocks)
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous
         # block's output, the largest block's output plus its working set; core attention
@@ -422,7 +420,7 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             extra = qkv if blk.module == "core_attn" else 0.0
             peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
             prev = blk.output
-        return LayerCost(0, int(peak), 0, int(x), False, int(largest))
+        return LayerCost(0, int(peak), 0, int(x), False)
 
     # Megatron's `moe` checkpoint wraps the whole MoE layer, its activation and shared
     # experts included.
@@ -459,8 +457,7 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
         peak_b = max(peak_b, remaining + own_input + rebuilt + grads)
         remaining -= part
     backward = peak_b - kept
-    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), saves_input,
-                     int(largest))
+    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), saves_input)
 
 
 def _checkpoint_segments(blocks: list[Block], modules: frozenset[str]) -> list[int | None]:

@@ -29,7 +29,7 @@ import hashlib
 import json
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,6 @@ class ProbedLayer:
     backward: Fit
     output: Fit
     saves_input: bool
-    largest: Fit
     # Chunked kernels: the fits run over whole-chunk rows (memory/chunked.py).
     within_chunk: WithinChunk | None = None
 
@@ -84,7 +83,7 @@ class ProbedLayer:
 
         return LayerCost(
             kept=at("kept"), forward=at("forward"), backward=at("backward"),
-            output=at("output"), saves_input=self.saves_input, largest_allocation=at("largest"),
+            output=at("output"), saves_input=self.saves_input,
         )
 
 
@@ -132,11 +131,15 @@ class ProbeCoefficients:
             return Fit(tuple(d["tokens"]), tuple(d["values"]), Poly(**d["head"]),
                        Poly(**d["tail"]))
 
+        def within(d: dict[str, Any]) -> WithinChunk:
+            # Extra fields are ignored: older files carry a largest-allocation slope too.
+            known = {f.name for f in fields(WithinChunk)}
+            return WithinChunk(**{k: v for k, v in d.items() if k in known})
+
         layers = tuple(
             (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
-                               poly(f["output"]), bool(f["saves_input"]), poly(f["largest"]),
-                               WithinChunk(**f["within_chunk"]) if f.get("within_chunk")
-                               else None))
+                               poly(f["output"]), bool(f["saves_input"]),
+                               within(f["within_chunk"]) if f.get("within_chunk") else None))
             for k, m, f in raw["layers"]
         )
         tails = tuple((k, bool(g), ProbedTail(poly(f["kept"]), poly(f["forward"]),
@@ -292,11 +295,10 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
             _sync(device, meter)
             backward = meter.peak_bytes - before
             del z
-        largest = meter.largest_allocation_bytes
     del y
     x0.grad = None
     return {"kept": kept if grad else 0.0, "forward": forward, "backward": backward,
-            "output": y_bytes, "saves_input": saves_input, "largest": largest}
+            "output": y_bytes, "saves_input": saves_input}
 
 
 def _sync(device: torch.device, meter: MemoryMeter) -> None:
@@ -458,7 +460,6 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 backward=Fit.fit(at, [r["backward"] for r in rows]),
                 output=Fit.fit(at, [r["output"] for r in rows]),
                 saves_input=all(r["saves_input"] for r in rows),
-                largest=Fit.fit(at, [r["largest"] for r in rows]),
                 within_chunk=within,
             )
             fitted_layers.append((kind, mode.key, fit))
