@@ -99,7 +99,7 @@ def _norm_block(d: Dims, s: int, name: str, fused_into_next: bool, saves_out: bo
 LORA_PROJECTIONS = {"linear_qkv": 3, "linear_fc1": 2}
 
 
-def _lora_saved(d: Dims, s: int, target: str, column: bool, in_features_local: float) -> float:
+def _lora_saved(d: Dims, s: int, target: str) -> float:
     """What a LoRA adapter on `target` keeps besides its input: the rank intermediate of
     every projection ([s, projections x r], one storage the B matmuls keep whole) and, when
     the linear fuses several projections, their A weights concatenated each forward (a new
@@ -141,12 +141,12 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
         # activation-sized storage are kept besides (measured with saved-tensor hooks).
         act_internal = 2 * act_out
     return [
-        Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1", True, 0), fc1_out, True,
+        Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1"), fc1_out, True,
               temp=_lora_temp(d, "linear_fc1", fc1_out),
               grad_temp=fc1_out + _lora_temp(d, "linear_fc1", fc1_out) / 2),
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out, grad_temp=fc1_out + act_out),
-        Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2", False, 0),
+        Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2"),
               d.hidden_tokens(s) * g.hidden_size * b, False,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
               + _lora_temp(d, "linear_fc2", d.hidden_tokens(s) * g.hidden_size * b),
@@ -212,7 +212,7 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     te = impl.spec == "te"
     blocks = [
         _norm_block(d, s, "input norm", te, _linear_input_saved(d, s, "linear_qkv", True)),
-        Block("qkv", None, _lora_saved(d, s, "linear_qkv", True, 0), qkv, True,
+        Block("qkv", None, _lora_saved(d, s, "linear_qkv"), qkv, True,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
               + _lora_temp(d, "linear_qkv", qkv),
               grad_temp=qkv + _lora_temp(d, "linear_qkv", qkv) / 2),
@@ -268,7 +268,7 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
         blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True))
     proj_out = d.hidden_tokens(s) * g.hidden_size * b
     # The projection's output only feeds the residual add, which keeps nothing.
-    blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj", False, 0), proj_out,
+    blocks.append(Block("proj", None, _lora_saved(d, s, "linear_proj"), proj_out,
                         False, temp=_lora_temp(d, "linear_proj", proj_out), grad_temp=ctx))
     return blocks
 
@@ -339,7 +339,7 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
         # transposed into a copy for out_proj, which is frozen and keeps nothing.
         Block("gated output norm", None, rows * vheads * FP32, out, False, temp=out,
               grad_temp=2 * out),
-        Block("out_proj", None, _lora_saved(d, s, "out_proj", False, 0),
+        Block("out_proj", None, _lora_saved(d, s, "out_proj"),
               hidden_rows * g.hidden_size * b, False, grad_temp=out),
     ]
 
