@@ -77,7 +77,7 @@ def test_seed_case_selective_recompute_exceeds_the_budgets(seed_geometry):
     for tp, usable_bytes in ((2, 107.192e9), (4, 119.289e9)):
         est = _model(seed_geometry, tp=tp, sp=True, granularity="selective").estimate(_batch())
         assert est.peak_bytes > usable_bytes, (tp, est.peak_bytes / 1e9)
-        # The old constant predicted 5.894 GB for this batch; the estimate depends on the mode.
+        # A flat per-micro-batch constant (5.894 GB) is far below this mode's dynamic peak.
         assert est.dynamic_bytes > 10 * 5.894e9
 
 
@@ -159,8 +159,8 @@ def test_reserve_covers_largest_allocation_and_fragmentation():
         == 2 * GIB
     # CPU: no caching allocator; the virtual limit counts live bytes, so nothing is held back.
     assert AllocatorReserve("cpu", None).reserve_bytes(100 * GIB, 3 * GIB) == 0
-    # The seed's second report: a 1.2M-token no-grad pack; the reserve alone must cover the
-    # 10.6 GiB class allocation that failed in fragmented memory.
+    # A 1.2M-token no-grad pack: the reserve alone covers its largest single allocation, which
+    # fragmented memory cannot serve from scattered free blocks.
     g = load_geometry("Qwen3.5-35B-A3B")
     segmented = _model(g, tp=2, sp=True, granularity=None).estimate(
         _batch((1196952,), "logprobs", grad=False))

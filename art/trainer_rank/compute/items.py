@@ -27,8 +27,8 @@ class Item:
     no_grad_leaves: tuple[bool, ...] = ()
     # Per leaf: the checkpoint slot it runs with (None: the base model); () until resolved.
     checkpoints: tuple[str | None, ...] = ()
-    # Computed once: admission reads them for every candidate of every decision (summing
-    # tensor sizes each time cost ~30 ms per decision at 10,000 pending items).
+    # Computed once: admission reads them for every candidate of every decision, and summing
+    # tensor sizes each time would dominate a decision's cost when many items are pending.
     sequence_lengths_tokens: tuple[int, ...] = field(init=False, repr=False, compare=False)
     num_tokens: int = field(init=False, repr=False, compare=False)
     outputs: OutputRequest = field(init=False, repr=False, compare=False)
