@@ -273,11 +273,13 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
     return blocks
 
 
-def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
+def _linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[Block]:
     """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py) with the local
     spec (`art/megatron/specs`), its linears frozen (LoRA never targets them), and fla's
     kernels or their CPU counterparts (`cpu_gated_delta`), which keep fla-core 0.6's set.
-    Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term."""
+    Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term. `padded`:
+    the row's tokens with each sequence padded to whole 64-token chunks (None: one sequence),
+    what the delta rule's per-chunk working set grows with."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
     if la is None:
@@ -287,6 +289,8 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
     kheads, vheads = la.num_key_heads / tp, la.num_value_heads / tp
     repeated = la.num_value_heads > la.num_key_heads
     rows, hidden_rows = float(s), d.hidden_tokens(s)
+    chunked = float(padded if padded is not None
+                    else -(-s // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS)
     te = d.implementation.spec == "te"
     in_proj = rows * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z (gate), beta, a
     conv = rows * (2 * key + value) * b
@@ -306,13 +310,13 @@ def _linear_attention_blocks(d: Dims, s: int) -> list[Block]:
         # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
         # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
         # allocations; not measured here (no GPU).
-        states = rows / GDN_CHUNK_TOKENS * vheads * dk * dv
+        states = chunked / GDN_CHUNK_TOKENS * vheads * dk * dv
         delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
         delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
     else:
-        # The CPU kernels (cpu_gated_delta): fp32 chunk copies of q, k, v, w, u, the chunk
+        # The CPU kernels (cpu_gated_delta): fp32 padded chunk copies of q, k, v, w, u, the chunk
         # matrix and its inverse; backward rebuilds them under autograd with their gradients.
-        delta_work = rows * vheads * (dk * 3 + dv * 3 + 2 * GDN_CHUNK_TOKENS) * FP32
+        delta_work = chunked * vheads * (dk * 3 + dv * 3 + 2 * GDN_CHUNK_TOKENS) * FP32
         delta_grad = 3 * delta_work
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
@@ -353,12 +357,12 @@ def keeps_layer_input(d: Dims, kind: str) -> bool:
     return te or d.implementation.norm != "torch" or d.dtype_bytes >= FP32
 
 
-def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False) -> list[Block]:
+def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
+                 padded: int | None = None) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
-    mixer = _linear_attention_blocks(d, s) if kind.startswith("linear") else _attention_blocks(
-        d, s
-    )
+    mixer = (_linear_attention_blocks(d, s, padded) if kind.startswith("linear")
+             else _attention_blocks(d, s))
     # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
     # when fused (or torch's in fp32, whose upcast is the tensor itself); torch's composite in
     # bf16/fp16 keeps its fp32 upcast instead (in the norm's block) and the add keeps nothing.
@@ -402,10 +406,11 @@ def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
 
 
 def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bool,
-                worst_case_routing: bool = False) -> LayerCost:
-    """Default LayerCost of one layer running with the selective `modules` (empty: none)."""
+                worst_case_routing: bool = False, padded: int | None = None) -> LayerCost:
+    """Default LayerCost of one layer running with the selective `modules` (empty: none);
+    `padded` as in `_linear_attention_blocks`."""
     g, b = d.geometry, d.dtype_bytes
-    blocks = layer_blocks(d, kind, s, worst_case_routing)
+    blocks = layer_blocks(d, kind, s, worst_case_routing, padded)
     x = d.hidden_tokens(s) * g.hidden_size * b
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous

@@ -151,7 +151,8 @@ class MemoryModel:
                 result = (cost, True)
         if result is None:
             result = (price_layer(self.dims, kind, modules, s, grad=grad,
-                                  worst_case_routing=self.worst_case_routing), False)
+                                  worst_case_routing=self.worst_case_routing, padded=padded),
+                      False)
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[memo_key] = result
