@@ -48,7 +48,8 @@ def _local_contributions(model: nn.Module, prepared: PreparedCheckpoint) -> list
                 continue
         for piece in shard:
             value = param.detach().narrow(piece.dim, piece.local_start, piece.length)
-            out.append((piece.hf_name, piece.dim, piece.hf_start, value.cpu().clone()))
+            out.append((piece.hf_name, piece.dim, piece.hf_start,
+                        value.cpu().clone() - tmap.offset if tmap.offset else value.cpu().clone()))
     return out
 
 

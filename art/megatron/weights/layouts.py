@@ -15,6 +15,14 @@ Layouts (Megatron-Core 0.16.1, local and TE specs):
   then its key head, then its value head; TP gives each rank whole groups.
 - gate_up: the gated linear_fc1, [gate shard; up shard] on each rank (not a slice of the
   concatenation).
+- gated_qkv: linear_qkv with the attention output gate (Qwen3.5's full attention): per KV
+  group its query heads, their gate heads, its key head, its value head; HF's q_proj holds
+  [query head, gate head] per head.
+- sections: a parameter made of several HF tensors (or of consecutive row ranges of one:
+  `sections`) that each rank holds as [section 0 shard; section 1 shard; ...]: the Gated
+  DeltaNet in_proj [q_r, k_r, v_r, z_r, beta_r, alpha_r] and its conv [q_r, k_r, v_r].
+A map's `offset` is added on load and taken off on export (HF's zero-centred norm weights,
+which multiply by 1 + w, into Megatron norms that multiply by w).
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ ROW = "row"
 VOCAB = "vocab"
 QKV = "qkv"
 GATE_UP = "gate_up"
-LAYOUTS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP)
+GATED_QKV = "gated_qkv"
+SECTIONS = "sections"
+LAYOUTS = (REPLICATED, COLUMN, ROW, VOCAB, QKV, GATE_UP, GATED_QKV, SECTIONS)
 
 
 @dataclass(frozen=True)
@@ -45,12 +55,21 @@ class TensorMap:
     layout: str
     # Expert weights are split over the expert-tensor-parallel group, the rest over TP.
     expert: bool = False
-    head_dim: int = 0  # qkv only
+    head_dim: int = 0  # qkv and gated_qkv only
+    # sections only: rows of each section, in order, over the HF tensors laid end to end.
+    sections: tuple[int, ...] = ()
+    offset: float = 0.0  # Megatron value = HF value + offset
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"{self.megatron_name}: unknown layout {self.layout!r}")
-        wanted = {QKV: 3, GATE_UP: 2}.get(self.layout, 1)
+        if self.layout == SECTIONS:
+            rows = sum(t.shape[0] for t in self.hf)
+            if not self.sections or sum(self.sections) != rows:
+                raise ValueError(f"{self.megatron_name}: sections {self.sections} must cover "
+                                 f"the {rows} rows of {[t.name for t in self.hf]}")
+            return
+        wanted = {QKV: 3, GATE_UP: 2, GATED_QKV: 3}.get(self.layout, 1)
         if len(self.hf) != wanted:
             raise ValueError(
                 f"{self.megatron_name}: layout {self.layout} takes {wanted} HF tensor(s), got "
@@ -121,6 +140,8 @@ def pieces(tmap: TensorMap, *, rank: int, size: int,
         expected = (2 * per, *gate.shape[1:])
         result = [Piece(gate.name, 0, rank * per, 0, per),
                   Piece(up.name, 0, rank * per, per, per)]
+    elif layout == SECTIONS:
+        result, expected = _section_pieces(tmap, rank, size)
     else:
         result, expected = _qkv_pieces(tmap, rank, size)
     if tuple(local_shape) != tuple(expected):
@@ -142,15 +163,44 @@ def _qkv_pieces(tmap: TensorMap, rank: int, size: int) -> tuple[list[Piece], tup
             f"{v.name} {list(v.shape)} are not query/key/value projections with head_dim {d}"
         )
     groups = k.shape[0] // d
-    per_group = q.shape[0] // groups  # query rows of one KV group
+    per_group = q.shape[0] // groups  # query rows of one KV group (with gates: x 2)
     local_groups = _split(groups, size, "KV groups", tmap)
     block = per_group + 2 * d
     out: list[Piece] = []
     for j in range(local_groups):
         g = rank * local_groups + j
+        if tmap.layout == GATED_QKV:
+            # HF rows of the group: [query h, gate h] per head; Megatron: queries, then gates.
+            heads = per_group // (2 * d)
+            for h in range(heads):
+                hf_head = g * per_group + 2 * h * d
+                out += [Piece(q.name, 0, hf_head, j * block + h * d, d),
+                        Piece(q.name, 0, hf_head + d, j * block + (heads + h) * d, d)]
+        else:
+            out.append(Piece(q.name, 0, g * per_group, j * block, per_group))
         out += [
-            Piece(q.name, 0, g * per_group, j * block, per_group),
             Piece(k.name, 0, g * d, j * block + per_group, d),
             Piece(v.name, 0, g * d, j * block + per_group + d, d),
         ]
     return out, (local_groups * block, *q.shape[1:])
+
+
+def _section_pieces(tmap: TensorMap, rank: int, size: int
+                    ) -> tuple[list[Piece], tuple[int, ...]]:
+    # Each section's rows sit in one HF tensor; find it and the section's first row there.
+    spans: list[tuple[str, int]] = []
+    tensor, row, cursor = 0, 0, 0
+    for length in tmap.sections:
+        while row >= tmap.hf[tensor].shape[0]:
+            tensor, row = tensor + 1, 0
+        if row + length > tmap.hf[tensor].shape[0]:
+            raise LayoutError(f"{tmap.megatron_name}: a section of {length} rows crosses the "
+                              f"end of {tmap.hf[tensor].name} {list(tmap.hf[tensor].shape)}")
+        spans.append((tmap.hf[tensor].name, row))
+        row += length
+    out: list[Piece] = []
+    for (name, start), length in zip(spans, tmap.sections):
+        per = _split(length, size, "section rows", tmap)
+        out.append(Piece(name, 0, start + rank * per, cursor, per))
+        cursor += per
+    return out, (cursor, *tmap.hf[0].shape[1:])

@@ -212,6 +212,8 @@ def _copy_all(model: nn.Module, prepared: PreparedCheckpoint) -> tuple[int, int]
             for piece in shard:
                 target = param.data.narrow(piece.dim, piece.local_start, piece.length)
                 target.copy_(_source(reader, piece))
+                if tmap.offset:
+                    target.add_(tmap.offset)  # e.g. zero-centred norm weights: 1 + w
                 covered += piece.length
             if tmap.layout == VOCAB and covered < param.shape[0]:
                 param.data[covered:].zero_()  # padded vocabulary rows

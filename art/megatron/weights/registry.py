@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from art.megatron.weights import llama, qwen3, qwen3_moe
+from art.megatron.weights import llama, qwen3, qwen3_5, qwen3_moe
 from art.megatron.weights.family import Family, UnsupportedCheckpointError, text_config
 
 
 def families() -> tuple[Family, ...]:
-    return (qwen3.FAMILY, llama.FAMILY, qwen3_moe.FAMILY)
+    return (qwen3.FAMILY, llama.FAMILY, qwen3_moe.FAMILY, qwen3_5.FAMILY)
 
 
 def family_for(config: Mapping[str, Any]) -> Family:
