@@ -296,10 +296,13 @@ def write_outputs(rows: list[dict], out: Path, seconds: float | None, quick: boo
     wall = f"wall time: {seconds:.0f} s; " if seconds is not None else ""
     if seconds is None and (out / "calibration.md").is_file():
         # Re-priced, not re-measured: keep naming the run that measured the rows.
-        measured = [line for line in (out / "calibration.md").read_text().splitlines()
-                    if "command: `" in line and "--reprice" not in line]
+        lines = (out / "calibration.md").read_text().splitlines()
+        earlier = [line.split("rows measured by ", 1)[1].split("; re-priced: ", 1)[0]
+                   for line in lines if "rows measured by `" in line]
+        measured = earlier or [line.split("command: ", 1)[1] for line in lines
+                               if "command: `" in line and "--reprice" not in line]
         if measured:
-            wall = "rows measured by " + measured[0].split("command: ", 1)[1] + "; re-priced: "
+            wall = "rows measured by " + measured[0] + "; re-priced: "
     (out / "calibration.md").write_text(
         summary.replace("\n\n## Per policy", f"\n- {wall}command: `.venv/bin/python "
                         f"scripts/calibrate.py {shlex.join(sys.argv[1:])}`\n\n## Per policy",

@@ -52,6 +52,22 @@ def test_off_grid_cells_priced_within_target_by_probe_and_by_default_formulas(
         assert r.reserve_bytes == 0  # CPU: the virtual limit counts live bytes exactly
 
 
+def test_default_formulas_price_the_gpu_shaped_build_from_measurement(megatron_process):
+    """On the CPU stand-ins of the GPU build's fused kernels (flash attention, fused norm and
+    SwiGLU) the MLP sets the backward peak: with mlp recompute the rebuilt fc1's forward
+    working set (its LoRA temporaries) sits on the incoming gradients, and the fused SwiGLU
+    adds no temporary beyond its input's gradient. The default formulas price both within
+    [1.00, 1.05] of the measured peak."""
+    from _calibration.harness import Cell, run_cells
+
+    cells = [Cell("gqa-128", policy, 8, 1, lengths, "logprobs", True, build="gpu-shaped")
+             for policy, lengths in (("selective core_attn+mlp", (301, 77, 215)),
+                                     ("none", (433,)))]
+    for r in run_cells(cells, probe_tokens=(48, 64, 96)):
+        assert 1.0 <= r.default_ratio <= 1.05, (
+            "defaults", r.cell, r.measured_bytes, r.predicted_default_bytes)
+
+
 def test_profile_after_a_long_sequence_does_not_over_price_many_short_ones(megatron_process):
     """A profile learns measured / predicted, so a row of many short sequences is priced by
     the memory model and corrected, not off the long sequence's peak."""

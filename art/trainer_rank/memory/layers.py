@@ -143,9 +143,13 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
     return [
         Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1"), fc1_out, True,
               temp=_lora_temp(d, "linear_fc1", fc1_out),
-              grad_temp=fc1_out + _lora_temp(d, "linear_fc1", fc1_out) / 2),
+              # Backward: the adapter's scaled copy of the incoming gradient.
+              grad_temp=_lora_temp(d, "linear_fc1", fc1_out) / 3),
+        # Backward: the gradient of its input (fc1's output); the torch path adds one
+        # activation-sized temporary, the fused kernel none.
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
-              temp=act_out, grad_temp=fc1_out + act_out),
+              temp=act_out,
+              grad_temp=fc1_out + (0.0 if d.implementation.swiglu_fused else act_out)),
         Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2"),
               d.hidden_tokens(s) * g.hidden_size * b, False,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
@@ -459,7 +463,21 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
                     break
                 rebuilt += blocks[j].internal + blocks[j].output
         grads = 2 * x + blk.output + blk.grad_temp
-        peak_b = max(peak_b, remaining + own_input + rebuilt + grads)
+        # The block's output, kept by the block after it, was freed when that block's
+        # backward ran (before this one's): only its internal storages are still held.
+        held = remaining - (blk.output if blk.output_saved and part >= blk.output else 0.0)
+        peak_b = max(peak_b, held + own_input + rebuilt + grads)
+        if seg is not None and (idx + 1 == len(blocks) or segments[idx + 1] != seg):
+            # The checkpoint re-runs its segment's forward here, with the incoming gradients
+            # live: each rebuilt block's forward working set sits on the ones rebuilt before.
+            start = idx
+            while start > 0 and segments[start - 1] == seg:
+                start -= 1
+            before = 0.0
+            for j in range(start, idx + 1):
+                peak_b = max(peak_b, held + own_input + 2 * x + before + blocks[j].internal
+                             + blocks[j].output + blocks[j].temp)
+                before += blocks[j].internal + blocks[j].output
         remaining -= part
     backward = peak_b - kept
     return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), saves_input)
