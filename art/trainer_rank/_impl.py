@@ -22,14 +22,12 @@ from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._types import (
     DECLINED,
     EMPTY,
-    AdamParams,
     ForwardOutput,
     MicroBatch,
     MicroBatchStats,
     TrainerRankMemoryError,
     TrainerRankPartialExecutionError,  # noqa: F401 - upstream drivers import it from _impl
     TrainerRankRuntimeSupportError,
-    TrainerRankSlotStateError,
     Unset,
 )
 from art.trainer_rank.compute.execute import detached_output, pack_leaves, run_sub_forward
@@ -75,15 +73,11 @@ from art.trainer_rank.ranks.phases import (
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.optimizer_step import (
     GraphLedger,
-    check_step,
-    dp_reduce,
-    optim_step,
     output_tensors,
-    zero_grad,
 )
 from art.trainer_rank.slots.routing import adapter_groups, run_by_adapter
 from art.trainer_rank.slots.saving import SaveQueue
-from art.trainer_rank.slots.store import BUILTIN, SlotStore
+from art.trainer_rank.slots.store import SlotStore
 
 if TYPE_CHECKING:
     from art.megatron.train import TrainingRuntime
@@ -240,54 +234,6 @@ class TrainerRank(SlotMethods):
         for item, out in zip(grad_items, results.pop(-1, [])):
             results[item.index] = out
         return [results[item.index] for item in items]
-
-    def dp_reduce(self, tensor: torch.Tensor, *, op: Any = None) -> None:
-        """All-reduce `tensor` in place over the data-parallel ranks only (default SUM)."""
-        dp_reduce(tensor, torch.distributed.ReduceOp.SUM if op is None else op)
-
-    def zero_grad(self) -> None:
-        """Zero every trainable gradient (DDP buffers and optimizer state's grads)."""
-        zero_grad(self.chunks, self.optimizer)
-        self.slots.zero_grad()
-        self._grad_slots.clear()
-        self.graphs.clear()
-
-    def optim_step(
-        self,
-        *,
-        params: AdamParams,
-        scale_grads: float = 1.0,
-        checkpoints: Iterable[str] | None = None,
-        on_live_graphs: str = "allow",
-    ) -> dict[str, float]:
-        """Finalise gradients over DP ranks, multiply them by `scale_grads`, clip to
-        `params.grad_clip_norm` and take one Adam step with `params`; gradients are zeroed
-        afterwards. Returns grad_norm, learning_rate, update_successful (1.0 / 0.0),
-        num_zeros_in_grad and scale_grads. `on_live_graphs="error"` refuses, before changing
-        anything, while a caller still holds an output no backward has reached."""
-        names = self._slots_to_step(checkpoints)  # raises before anything changes
-        live = self.graphs.live()
-        if live and on_live_graphs == "error":
-            raise TrainerRankSlotStateError(
-                f"optim_step(on_live_graphs='error'): the caller still holds {len(live)} output "
-                f"group(s) with a graph no backward has reached ({', '.join(live[:4])}); run "
-                "their backward or drop them (del) before stepping. Nothing was changed")
-        loaded = [n for n in names if n != BUILTIN]
-        if BUILTIN in names:  # refusals before any collective, the same on every rank
-            check_step(chunks=self.chunks, optimizer=self.optimizer, params=params,
-                       scale_grads=scale_grads, on_live_graphs=on_live_graphs)
-        self._steps += 1
-        # A failure on one rank inside the step's collectives ends it on every rank.
-        with self.phases.optimizer_step(self._steps):
-            metrics = self._step_loaded_slots(loaded, params, scale_grads)
-            if BUILTIN in names:
-                metrics.update(optim_step(
-                    chunks=self.chunks, optimizer=self.optimizer, params=params,
-                    scale_grads=scale_grads, ledger=self.graphs, on_live_graphs=on_live_graphs,
-                ))
-                self._grad_slots.discard(BUILTIN)
-        self.graphs.clear()
-        return metrics
 
     # -- inputs -------------------------------------------------------------------------------
 
