@@ -1,6 +1,9 @@
 """`plan`: the question to ask before renting GPUs. Prices one micro-batch under each recompute
-policy crossed with each tensor/context-parallel layout the GPU count allows (see planner.py)
-and prints the recommendation, a table per layout, or JSON; --plot draws peak against tokens."""
+policy crossed with each tensor/context-parallel layout the GPU count allows, and recommends the
+cell that fits with the least recomputation, then the fewest GPUs per model replica, then the
+most headroom. Prints the recommendation and a table per layout (or JSON); --plot draws the
+predicted peak against packed tokens. Exit status: 0 when something fits, 3 when nothing
+does, 2 for an invalid request."""
 
 from __future__ import annotations
 
