@@ -116,12 +116,6 @@ def group_shared_tokens(leaves: Sequence[ForwardInput]) -> int:
     return shared_tokens([leaf.input_tokens for leaf in leaves])
 
 
-def grad_mode(items: Sequence[Item], no_grad: bool | None) -> bool:
-    """True when any item runs with grad (kept for callers that plan one call as one mode)."""
-    del no_grad
-    return any(item.grad for item in items)
-
-
 def outputs_union(leaves: Sequence[ForwardInput]) -> OutputRequest:
     """The outputs the heads must compute for a set of sequences (the union of requests)."""
     top_k = max((leaf.top_k or 0 for leaf in leaves), default=0)
