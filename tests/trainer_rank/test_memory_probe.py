@@ -55,14 +55,15 @@ def test_off_grid_cells_priced_within_target_by_probe_and_by_default_formulas(
 def test_default_formulas_price_the_gpu_shaped_build_from_measurement(megatron_process):
     """On the CPU stand-ins of the GPU build's fused kernels (flash attention, fused norm and
     SwiGLU) the MLP sets the backward peak: with mlp recompute the rebuilt fc1's forward
-    working set (its LoRA temporaries) sits on the incoming gradients, and the fused SwiGLU
-    adds no temporary beyond its input's gradient. The default formulas price both within
+    working set (its LoRA temporaries) sits on the incoming gradients, the fused SwiGLU adds
+    no temporary beyond its input's gradient, and a rebuilt two-layer unit holds the first
+    layer's output while the second runs. The default formulas price each within
     [1.00, 1.05] of the measured peak."""
     from _calibration.harness import Cell, run_cells
 
     cells = [Cell("gqa-128", policy, 8, 1, lengths, "logprobs", True, build="gpu-shaped")
              for policy, lengths in (("selective core_attn+mlp", (301, 77, 215)),
-                                     ("none", (433,)))]
+                                     ("none", (433,)), ("full uniform 2", (250, 90)))]
     for r in run_cells(cells, probe_tokens=(48, 64, 96)):
         assert 1.0 <= r.default_ratio <= 1.05, (
             "defaults", r.cell, r.measured_bytes, r.predicted_default_bytes)

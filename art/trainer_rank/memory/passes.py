@@ -203,14 +203,20 @@ def _full_unit_peak(unit: Unit) -> float:
     peak = 0.0
     for k, cost in enumerate(costs):
         kept_k = cost.kept - (unit.input if k == 0 and cost.saves_input else 0)
-        peak = max(peak, rebuilt + cost.forward + dy)
+        # A rebuilt layer's input is the one before it's output (the unit's first layer's is
+        # the unit input, a term of its own): live while it runs, not part of its `forward`.
+        layer_input = costs[k - 1].output if k else 0.0
+        peak = max(peak, rebuilt + layer_input + cost.forward + dy)
         rebuilt += kept_k
     held = costs[-1].output
     for k in reversed(range(len(costs))):
         cost = costs[k]
         kept_k = cost.kept - (unit.input if k == 0 and cost.saves_input else 0)
         rebuilt -= kept_k
-        peak = max(peak, rebuilt + kept_k + cost.backward + held)
+        # The checkpoint's backward holds the unit's incoming gradient until the unit's
+        # backward returns; the last layer's own backward already counts it as its input.
+        incoming = dy if k < len(costs) - 1 else 0.0
+        peak = max(peak, rebuilt + kept_k + cost.backward + held + incoming)
     return peak
 
 
