@@ -192,7 +192,13 @@ def tp_fault_trial(
     if fatal:  # its groups are closed: agree in the next world
         worlds.end()
         worlds.start()
-    mine = {"seen": sorted(got.seen), "declined": sorted(got.declined), "fatal": fatal,
+    # A fatal fault's error lists the failing micro-batch's items as not run. A rank that got
+    # through that micro-batch's last collective before the fault may have yielded it (e.g. an
+    # OOM in the tail of the other rank's heads); its caller's backward then fails with the
+    # same error. Items run: those yielded and not listed.
+    run = sorted(set(got.seen) - set(got.declined)) if fatal else sorted(got.seen)
+    mine = {"seen": run, "yielded": sorted(got.seen), "declined": sorted(got.declined),
+            "fatal": fatal,
             "error": None if got.error is None else str(got.error), "fired": injector.fired,
             "escaped": got.escaped_ooms, "twice": len(got.yielded_twice), "checked": checked}
     ranks: list[Any] = [None] * worlds.world
@@ -207,11 +213,16 @@ def tp_fault_trial(
                  == {k: ranks[0][k] for k in ("seen", "declined", "fatal", "error")}
                  for r in ranks)
     counts["workloads where ranks disagree"] += not agreed
+    if not agreed and worlds.rank == 0:
+        print(f"ranks disagree on workload {counts['workloads']} (fault in {location}, "
+              f"allocation {nth}): {ranks}", flush=True)
     if any(r["fatal"] for r in ranks):
         counts["calls ended on every rank by the fault"] += agreed
         named = all(f"rank {failing} ran out of memory" in (r["error"] or "") for r in ranks)
         counts["fatal errors not naming the failing rank"] += not named
         counts["items not run after a fatal fault"] += len(inputs) - len(ranks[0]["seen"])
+        counts["failing micro-batch yielded on some ranks only"] += len(
+            {tuple(r["yielded"]) for r in ranks}) > 1
         return
     if ranks[failing]["fired"] is not None:
         counts["faults recovered"] += 1

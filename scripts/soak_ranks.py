@@ -67,8 +67,10 @@ def main(argv: list[str] | None = None) -> int:
     entries[args.layout] = summary
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n")
-    bad = (summary.get("hangs", 0) or summary.get("escaped OOMs", 0)
-           or summary.get("items lost", 0) or summary.get("items duplicated", 0))
+    bad = any(summary.get(key, 0) for key in (
+        "hangs", "escaped OOMs", "items lost", "items duplicated",
+        "items yielded twice on one rank", "workloads where ranks disagree",
+        "fatal errors not naming the failing rank"))
     return 1 if bad else 0
 
 

@@ -61,6 +61,7 @@ SCENARIOS = [
     ("error in forward layer", ValueError, "layer forward", 0.25),
     ("error in optimizer step", ValueError, "optimizer step", 0.0),
     ("error in caller loop", ValueError, "caller loop", 0.0),
+    ("break on every rank", None, "break", 0.0),
 ]
 # How long a rank that left the loop waits for its peers to leave too (the fault timeout).
 CALLER_LOOP_TIMEOUT_S = 3.0
@@ -193,6 +194,17 @@ def run(trainer: TrainerRank, injector: Injector, *, step: StepFault | None = No
     return result
 
 
+def run_break(trainer: TrainerRank) -> dict:
+    """Both ranks break out of the loop at micro-batch 0 (no fault), then call again."""
+    started = time.time()
+    for _ in trainer.forward_micro_batches(inputs()):
+        break
+    left_s = time.time() - started
+    result = run(trainer, Injector())
+    result["left_s"] = left_s
+    return result
+
+
 def main() -> None:
     out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
     cpu_runtime.install()
@@ -211,10 +223,14 @@ def main() -> None:
         start_world(int(ports[k]))
         # A hang shows where each rank waits (the test's own timeout then fails it).
         faulthandler.dump_traceback_later(3 * fault_timeout_s)
-        timeout_s = CALLER_LOOP_TIMEOUT_S if location == "caller loop" else fault_timeout_s
-        results[name] = run(
-            trainer(timeout_s, step=step is not None), injector, step=step,
-            leave_loop=raises if mine and location == "caller loop" else None)
+        timeout_s = (CALLER_LOOP_TIMEOUT_S if location in ("caller loop", "break")
+                     else fault_timeout_s)
+        if location == "break":
+            results[name] = run_break(trainer(timeout_s))
+        else:
+            results[name] = run(
+                trainer(timeout_s, step=step is not None), injector, step=step,
+                leave_loop=raises if mine and location == "caller loop" else None)
         faulthandler.cancel_dump_traceback_later()
         print(f"rank {RANK} {name}: fired={results[name]['fired']} "
               f"error={(results[name]['error'] or {}).get('text', '')[:300]}", flush=True)

@@ -39,7 +39,7 @@ ERRORS = {
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
     # The fault-free world, one per scenario, the fuzz's control store.
-    ports = [str(free_port()) for _ in range(10)]
+    ports = [str(free_port()) for _ in range(11)]
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
     run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -102,6 +102,14 @@ def test_an_exception_on_one_rank_ends_every_rank(ranks, scenario):
     peer = rows[0]["error"]
     assert peer["type"] == "TrainerRankPeerError", peer
     assert peer["failing_rank"] == 1 and peer_text in peer["text"], peer["text"]
+
+
+@pytest.mark.torchrun
+def test_a_break_on_every_rank_ends_the_call_without_closing_anything(ranks):
+    for row in (r["break on every rank"] for r in ranks):
+        # Left together at once (not after the 3 s wait for peers), and the next call runs.
+        assert row["left_s"] < 3.0, row["left_s"]
+        assert row["error"] is None and sorted(row["seen"]) == [0, 1, 2, 3], row["error"]
 
 
 @pytest.mark.torchrun
