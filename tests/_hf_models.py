@@ -57,6 +57,34 @@ def save_hf_model(family: str, folder: Path, seed: int = 0, **config_kwargs: Any
     return folder
 
 
+def save_qwen3_5(folder: Path, seed: int = 0) -> Path:
+    """A tiny random Qwen3.5 (3 Gated DeltaNet layers, 1 gated full-attention layer) saved by
+    transformers. Large random weights, zero-centred norms away from zero: a swapped gate
+    head, a misplaced in_proj section or a missing +1 moves the logprobs far."""
+    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
+
+    config = Qwen3_5TextConfig(
+        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False)
+    config.architectures = ["Qwen3_5ForCausalLM"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if param.ndim > 1:
+                param.copy_(noise / param.shape[-1] ** 0.5)
+            elif name.endswith("linear_attn.norm.weight"):  # the gated norm is not centred
+                param.copy_(1.0 + 0.2 * noise)
+            else:
+                param.copy_(0.3 * noise)
+    model.eval().save_pretrained(folder)
+    return folder
+
+
 def hf_logprobs(folder: Path, sequences: list[torch.Tensor], adapter: Path | None = None
                 ) -> list[torch.Tensor]:
     """transformers' target logprobs (each token's next token) for each sequence."""
@@ -108,10 +136,16 @@ def runtime_logprobs(runtime: Any, sequences: list[torch.Tensor]) -> list[torch.
     return [out[i] for i in range(len(sequences))]
 
 
-def pretrained_runtime(folder: Any) -> Any:
-    """build_training_runtime on a local checkpoint folder, fp32, default LoRA, no optimizer."""
+def pretrained_runtime(folder: Any, lora_targets: list[str] | None = None) -> Any:
+    """build_training_runtime on a local checkpoint folder, fp32, no optimizer; LoRA on
+    `lora_targets` (None: the default LoRA)."""
     from art.megatron.train import build_training_runtime
 
+    lora = None
+    if lora_targets is not None:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=8, lora_alpha=16, target_modules=lora_targets)
     return build_training_runtime(model_identifier=str(folder), print_env=False,
                                   model_initialization="pretrained", build_optimizer=False,
-                                  provider_torch_dtype=torch.float32)
+                                  provider_torch_dtype=torch.float32, lora_config=lora)

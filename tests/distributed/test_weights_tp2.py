@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_models import hf_logprobs, save_hf_model, token_sequences
+from _hf_models import hf_logprobs, save_hf_model, save_qwen3_5, token_sequences
 
 from _torchrun import run_torchrun
 
@@ -22,8 +22,10 @@ def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
     qwen3 = save_hf_model("qwen3", tmp_path / "qwen3")
     llama = save_hf_model("llama", tmp_path / "llama", tied=True)
     moe = save_hf_model("qwen3_moe", tmp_path / "moe")
-    for folder in (qwen3, llama, moe):
-        sequences = token_sequences(256)
+    qwen3_5 = save_qwen3_5(tmp_path / "qwen3_5")
+    for folder in (qwen3, llama, moe, qwen3_5):
+        # One sequence past a 64-token Gated DeltaNet chunk (the others ignore the length).
+        sequences = token_sequences(256, lengths=(70, 5, 9))
         logprobs = hf_logprobs(folder, sequences)
         torch.save({"sequences": sequences, "logprobs": logprobs},
                    folder / "reference.pt")
@@ -37,6 +39,12 @@ def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
          "env": tp2},
         {"name": "qwen3_moe TP2 ETP1", "folder": str(moe), "reference": str(moe / "reference.pt"),
          "env": {**tp2, "ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE": "1"}},
+        # Gated DeltaNet in_proj / conv per-rank sections, gated QKV groups, packed rows
+        # split at sequence boundaries under sequence parallel.
+        {"name": "qwen3_5 TP2 SP", "folder": str(qwen3_5),
+         "reference": str(qwen3_5 / "reference.pt"), "env": tp2,
+         # LoRA on q/k/v of gated attention is refused; the default LoRA would be.
+         "lora_targets": ["o_proj", "gate_proj", "up_proj", "down_proj"]},
     ]
     (tmp_path / "cases.json").write_text(json.dumps(cases))
     run_torchrun(WORKER, str(tmp_path / "cases.json"), str(tmp_path), nproc=2, timeout_s=240)
@@ -50,4 +58,10 @@ def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
     assert rows[0]["qwen3_moe TP2 ETP1"]["expert_tp"] == 1
     assert rows[0]["qwen3_moe TP2 ETP2"]["expert_tp"] == 2
     for name, result in rows[0].items():
-        assert result["export_same_names"] and result["export_differs"] == [], name
+        differs = result["export_differs"]
+        if name.startswith("qwen3_5"):
+            # Zero-centred norms come back as (w + 1) - 1: fp32 rounding (exact in the TP=1
+            # test's tolerance check); every other tensor bit for bit.
+            differs = [n for n in differs
+                       if not (n.endswith("norm.weight") and ".linear_attn." not in n)]
+        assert result["export_same_names"] and differs == [], name

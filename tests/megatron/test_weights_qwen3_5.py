@@ -1,6 +1,7 @@
 """A tiny random Qwen3.5 (Gated DeltaNet + gated full attention) saved by transformers loads
-into the hybrid Megatron model with logprob parity, and exports back. transformers runs its
-pure-torch Gated DeltaNet path on CPU (no fla), so it is the reference here."""
+into the hybrid Megatron model with logprob parity, and exports back (TP=2 under torchrun in
+tests/distributed/test_weights_tp2.py). transformers runs its pure-torch Gated DeltaNet path
+on CPU (no fla), so it is the reference here."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _hf_models import hf_logprobs, our_logprobs, token_sequences
+from _hf_models import hf_logprobs, our_logprobs, save_qwen3_5, token_sequences
 from safetensors.torch import load_file
 
 from art.megatron.provider import Provider
@@ -20,31 +21,7 @@ from art.megatron.weights.layouts import GATED_QKV, SECTIONS, HFTensor, TensorMa
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory) -> Path:
-    from transformers import AutoModelForCausalLM, Qwen3_5TextConfig
-
-    config = Qwen3_5TextConfig(
-        num_hidden_layers=4, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=256, linear_num_key_heads=2,
-        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-        linear_conv_kernel_dim=4, max_position_embeddings=512, tie_word_embeddings=False)
-    config.architectures = ["Qwen3_5ForCausalLM"]
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    generator = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        # Large random weights, zero-centred norms away from zero: a swapped gate head, a
-        # misplaced in_proj section or a missing +1 would move the logprobs far.
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            if param.ndim > 1:
-                param.copy_(noise / param.shape[-1] ** 0.5)
-            elif name.endswith("linear_attn.norm.weight"):  # the gated norm is not centred
-                param.copy_(1.0 + 0.2 * noise)
-            else:
-                param.copy_(0.3 * noise)
-    path = tmp_path_factory.mktemp("qwen3_5") / "tiny"
-    model.eval().save_pretrained(path)
-    return path
+    return save_qwen3_5(tmp_path_factory.mktemp("qwen3_5") / "tiny")
 
 
 def test_qwen3_5_loads_with_logprob_parity_and_exports_back(megatron_process, folder):

@@ -340,6 +340,8 @@ def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
             value = la.num_value_heads * la.value_head_dim
             mixer = h * (2 * key + 2 * value + 2 * la.num_value_heads) + value * h
             mixer += (2 * key + value) * la.conv_kernel_size
+            # A_log and dt_bias per value head (split); the gated norm's weight (replicated).
+            mixer += 2 * la.num_value_heads + la.value_head_dim * tp
         else:
             q = g.num_attention_heads * g.head_dim
             kv = g.num_query_groups * g.head_dim
