@@ -136,16 +136,10 @@ def runtime_logprobs(runtime: Any, sequences: list[torch.Tensor]) -> list[torch.
     return [out[i] for i in range(len(sequences))]
 
 
-def pretrained_runtime(folder: Any, lora_targets: list[str] | None = None) -> Any:
-    """build_training_runtime on a local checkpoint folder, fp32, no optimizer; LoRA on
-    `lora_targets` (None: the default LoRA)."""
+def pretrained_runtime(folder: Any) -> Any:
+    """build_training_runtime on a local checkpoint folder, fp32, default LoRA, no optimizer."""
     from art.megatron.train import build_training_runtime
 
-    lora = None
-    if lora_targets is not None:
-        from peft import LoraConfig
-
-        lora = LoraConfig(r=8, lora_alpha=16, target_modules=lora_targets)
     return build_training_runtime(model_identifier=str(folder), print_env=False,
                                   model_initialization="pretrained", build_optimizer=False,
-                                  provider_torch_dtype=torch.float32, lora_config=lora)
+                                  provider_torch_dtype=torch.float32)

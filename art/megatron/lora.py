@@ -123,6 +123,7 @@ class LoraLinear(nn.Module):
         hf_path: str,
         layer_index: int,
         query_groups_local: int = 0,
+        gated_query_head_dim: int = 0,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -134,6 +135,9 @@ class LoraLinear(nn.Module):
         self.hf_path = hf_path  # e.g. "self_attn" or "mlp.experts.3"
         self.layer_index = layer_index  # 0-based global layer index (HF numbering)
         self.query_groups_local = query_groups_local
+        # Gated attention output: q_proj holds [query head, gate head] per head (HF), which
+        # linear_qkv keeps as each group's query heads, then their gate heads.
+        self.gated_query_head_dim = gated_query_head_dim
         self.is_expert = bool(getattr(base, "is_expert", False))
         self.tp_group = _tp_group_of(base)
         self.tp_size = dist.get_world_size(self.tp_group) if dist.is_initialized() else 1
@@ -335,6 +339,10 @@ class LoraLinear(nn.Module):
             # Megatron's fused QKV: [..., groups, (q heads of the group, k, v) x head_dim].
             g = self.query_groups_local
             per_group = [p.reshape(*p.shape[:-1], g, p.shape[-1] // g) for p in pieces]
+            if self.gated_query_head_dim:
+                q = per_group[0]
+                per_group[0] = q.reshape(*q.shape[:-1], -1, 2, self.gated_query_head_dim
+                                         ).transpose(-3, -2).reshape(q.shape)
             out = torch.cat(per_group, dim=-1)
             return out.reshape(*out.shape[:-2], -1)
         return torch.cat(pieces, dim=-1)  # gated fc1: [gate shard, up shard]
@@ -416,9 +424,11 @@ def apply_lora(model: nn.Module, config: LoraConfig, *, seed: int = 0) -> list[s
             cfg = attention.config
             heads, groups = cfg.num_attention_heads, cfg.num_query_groups or cfg.num_attention_heads
             head_dim = cfg.kv_channels
+            gated = bool(getattr(cfg, "attention_output_gate", False))
             qkv_parts = tuple(
                 _Part(n, size, present=n in wanted) for n, size in (
-                    ("q_proj", heads * head_dim), ("k_proj", groups * head_dim),
+                    ("q_proj", heads * head_dim * (2 if gated else 1)),
+                    ("k_proj", groups * head_dim),
                     ("v_proj", groups * head_dim),
                 )
             )
@@ -428,6 +438,7 @@ def apply_lora(model: nn.Module, config: LoraConfig, *, seed: int = 0) -> list[s
                 wrapped.append(_wrap(
                     attention, "linear_qkv", "column", qkv_parts, r, scaling, "self_attn",
                     index, seed, module_names, query_groups_local=groups // tp,
+                    gated_query_head_dim=head_dim if gated else 0,
                 ))
             if "o_proj" in wanted:
                 wrapped.append(_wrap(
@@ -491,11 +502,12 @@ def _wrap_mlp(owner, hf_path, wanted, r, scaling, index, seed, module_names) -> 
 
 
 def _wrap(owner, attr, kind, parts, r, scaling, hf_path, index, seed, module_names,
-          query_groups_local: int = 0) -> str:
+          query_groups_local: int = 0, gated_query_head_dim: int = 0) -> str:
     base = getattr(owner, attr)
     wrapper = LoraLinear(
         base, kind=kind, parts=parts, r=r, scaling=scaling, hf_path=hf_path,
-        layer_index=index, query_groups_local=query_groups_local, seed=seed,
+        layer_index=index, query_groups_local=query_groups_local,
+        gated_query_head_dim=gated_query_head_dim, seed=seed,
     )
     setattr(owner, attr, wrapper)
     return f"{module_names.get(id(owner), hf_path)}.{attr}"

@@ -75,13 +75,6 @@ def validate_lora_config(config: LoraConfig, geometry: ModelGeometry | None = No
         raise ValueError(f"LoraConfig.bias={config.bias!r} is not supported; use 'none'")
     if getattr(config, "use_dora", False):
         raise ValueError("LoraConfig.use_dora=True (DoRA) is not supported; use plain LoRA")
-    fused_qkv = {"q_proj", "k_proj", "v_proj"} & requested_projections(config.target_modules)
-    if geometry is not None and geometry.gated_attention_output and fused_qkv:
-        raise ValueError(
-            f"{geometry.name} has a gated attention output (q and gate fused in linear_qkv); "
-            f"the LoRA mapping of {sorted(fused_qkv)} for that layout is not implemented. "
-            "Target o_proj and the MLP projections only"
-        )
 
 __all__ = ["HF_PROJECTIONS", "MEGATRON_TO_HF", "lora_scaling", "requested_projections",
            "validate_lora_config"]

@@ -1,8 +1,7 @@
 """torchrun worker: HF checkpoints loaded at TP = WORLD_SIZE in several layouts, one process
 per rank for all of them (Megatron's parallel state is rebuilt between layouts).
 
-argv: cases.json out_dir. cases.json: [{"name", "folder", "reference", "env", optional
-"lora_targets"}]; reference is
+argv: cases.json out_dir. cases.json: [{"name", "folder", "reference", "env"}]; reference is
 a .pt with the token sequences and transformers' logprobs for them (computed by the test, so
 no rank imports transformers). For each case every rank builds the runtime with
 build_training_runtime(model_identifier=<folder>, model_initialization="pretrained") and
@@ -38,7 +37,7 @@ def run(case: dict) -> dict:
     os.environ.update({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "none", **case["env"]})
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    runtime = pretrained_runtime(folder, case.get("lora_targets"))
+    runtime = pretrained_runtime(folder)
     model = runtime.model[0]
     reference = torch.load(case["reference"])
     ours = runtime_logprobs(runtime, reference["sequences"])

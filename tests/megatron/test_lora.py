@@ -230,12 +230,11 @@ def test_lora_on_a_fused_norm_linear_sees_the_normalised_input(megatron_process)
     torch.testing.assert_close(out_fused, out_plain)
 
 
-def test_gated_attention_lora_refuses_only_the_fused_qkv_targets():
+def test_gated_attention_lora_takes_the_fused_qkv_targets():
+    """q/k/v LoRA on a gated attention output (q and gate fused in linear_qkv) is accepted;
+    its parity with peft is tests/megatron/test_weights_qwen3_5.py."""
     from art.megatron.geometry import load_geometry
     from art.megatron.lora import validate_lora_config
 
     hybrid = load_geometry("tiny-qwen3_5")
-    validate_lora_config(LoraConfig(r=2, target_modules=["o_proj", "gate_proj", "up_proj",
-                                                         "down_proj"]), hybrid)
-    with pytest.raises(ValueError, match=r"mapping of \['q_proj'\]"):
-        validate_lora_config(LoraConfig(r=2, target_modules=["q_proj", "o_proj"]), hybrid)
+    validate_lora_config(LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"]), hybrid)

@@ -67,3 +67,39 @@ def test_gated_qkv_and_in_proj_sections_at_tp2():
            for p in pieces(in_proj, rank=1, size=2, local_shape=(9, 4))]
     assert got == [("qkv", 1, 0, 1), ("qkv", 3, 1, 1), ("qkv", 7, 2, 3), ("z", 2, 5, 2),
                    ("b", 1, 7, 1), ("a", 1, 8, 1)]
+
+
+def test_lora_on_gated_qkv_matches_peft_and_merges(megatron_process, folder, tmp_path):
+    """LoRA on q/k/v of the gated full attention (q_proj's B covers the query and gate heads,
+    interleaved per head in HF, split per group in linear_qkv): our logprobs equal peft's on
+    transformers' model with the exported adapter, and the merged export loads the same."""
+    from peft import LoraConfig
+
+    from art.megatron.lora import lora_modules
+    from art.megatron.lora_peft import export_adapter
+    from art.megatron.weights.export import save_hf_checkpoint
+
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    provider = Provider(folder, dtype="float32", lora=lora,
+                        settings=load_settings({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "none"}))
+    prepared = prepare_checkpoint(folder, provider.geometry)
+    model = provider.build_model(seed=1)
+    load_into(model, prepared)
+    model.eval()
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():  # a "trained" adapter: B away from its zero init
+        for module in lora_modules(model):
+            for b in module.lora_B.values():
+                b.copy_(torch.randn(b.shape, generator=generator) * 0.3)
+    sequences = token_sequences(256, lengths=(70, 13))
+    ours = our_logprobs(model, sequences, implementation=provider.implementation,
+                        layout=provider.layout)
+    base = hf_logprobs(folder, sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, base)) > 1e-2
+    adapter = export_adapter(model, tmp_path / "adapter", lora)
+    theirs = hf_logprobs(folder, sequences, adapter=adapter)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, theirs)) < 1e-4
+    merged = save_hf_checkpoint(model, tmp_path / "merged", prepared, merge_lora=True)
+    assert merged is not None
+    merged_lp = hf_logprobs(merged, sequences)
+    assert max(float((a - b).abs().max()) for a, b in zip(ours, merged_lp)) < 1e-4

@@ -42,8 +42,9 @@ def lora_params_per_rank(g: ModelGeometry, lora: LoraShape, layout: ParallelLayo
     r, h, tp = lora.rank, g.hidden_size, layout.tensor_parallel
     q = g.num_attention_heads * g.head_dim
     kv = g.num_query_groups * g.head_dim
+    gate = q if g.gated_attention_output else 0  # q_proj's B also covers the gate heads
     per_target = {
-        "linear_qkv": 3 * r * h + r * (q + 2 * kv) / tp,  # A replicated per projection
+        "linear_qkv": 3 * r * h + r * (q + gate + 2 * kv) / tp,  # A replicated per projection
         "linear_proj": r * q / tp + h * r,
         "linear_fc1": 2 * r * h + r * 2 * g.ffn_hidden_size / tp,
         "linear_fc2": r * g.ffn_hidden_size / tp + h * r,
