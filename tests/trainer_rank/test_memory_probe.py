@@ -56,14 +56,17 @@ def test_default_formulas_price_the_gpu_shaped_build_from_measurement(megatron_p
     """On the CPU stand-ins of the GPU build's fused kernels (flash attention, fused norm and
     SwiGLU) the MLP sets the backward peak: with mlp recompute the rebuilt fc1's forward
     working set (its LoRA temporaries) sits on the incoming gradients, the fused SwiGLU adds
-    no temporary beyond its input's gradient, and a rebuilt two-layer unit holds the first
-    layer's output while the second runs. The default formulas price each within
-    [1.00, 1.05] of the measured peak."""
+    no temporary beyond its input's gradient, a rebuilt two-layer unit holds the first
+    layer's output while the second runs, and the fused RoPE keeps no cos/sin copies. The
+    default formulas price each within [1.00, 1.05] of the measured peak."""
     from _calibration.harness import Cell, run_cells
 
     cells = [Cell("gqa-128", policy, 8, 1, lengths, "logprobs", True, build="gpu-shaped")
              for policy, lengths in (("selective core_attn+mlp", (301, 77, 215)),
                                      ("none", (433,)), ("full uniform 2", (250, 90)))]
+    # One KV group: the fused q/k norm keeps contiguous copies of the strided q and k views.
+    cells.append(Cell("mqa-192", "selective default", 8, 1, (277, 41), "logprobs", True,
+                      build="gpu-shaped"))
     for r in run_cells(cells, probe_tokens=(48, 64, 96)):
         assert 1.0 <= r.default_ratio <= 1.05, (
             "defaults", r.cell, r.measured_bytes, r.predicted_default_bytes)

@@ -235,9 +235,13 @@ def _attention_blocks(d: Dims, s: int) -> list[Block]:
         # group per rank (MQA) q is a plain view too.
         if g.num_query_groups / tp > 1:
             qk_norm += rope_q
-    if impl.spec != "te":
+        elif impl.gpu_shaped_cpu:
+            qk_norm += rope_q  # the fused norm makes the strided view contiguous and keeps it
+        if impl.gpu_shaped_cpu:
+            qk_norm += rope_k  # k is a strided view of the QKV buffer: the same for k
+    if impl.spec != "te" and not impl.gpu_shaped_cpu:
         # Unfused RoPE builds cos and sin of the table per call, for q and for k, and its
-        # multiplies keep them: 4 x [s, rotary dim] fp32.
+        # multiplies keep them: 4 x [s, rotary dim] fp32 (the fused kernel keeps the table).
         qk_norm += 4 * float(s) * g.head_dim * FP32
     # The rotated q and k are kept only by flash attention or a core-attention checkpoint
     # (its inputs); unfused attention keeps its own reshaped copies instead.
