@@ -209,7 +209,8 @@ class TrainerRank(SlotMethods):
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         local = deal_to_ranks(items, dp_size)[dp_rank]
         yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch,
-                               finish=self._merge_profiles_over_data_parallel)
+                               finish=self._merge_profiles_over_data_parallel,
+                               guard=lambda: self.phases.collectives(PLAN, None))
 
     def dp_rank_forward(
         self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None

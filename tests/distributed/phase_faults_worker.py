@@ -46,6 +46,10 @@ from soak_ranks_worker import soak_tp  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
+# TP=WORLD by default; with 4 ranks and TP=2 the job is two replicas (DP=2). ONLY: run that one
+# scenario (no fuzz).
+TP = int(os.environ.get("ART_TEST_PHASE_FAULTS_TP", WORLD))
+ONLY = os.environ.get("ART_TEST_PHASE_FAULTS_ONLY")
 LIMIT_BYTES = 48 * 2**20
 # (scenario, what rank 1 raises (None: an OOM), where, which of its allocations there fails: a
 # fraction of what the fault-free run made there). "packing" fails the first packing
@@ -108,7 +112,7 @@ def start_world(port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, RANK == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
                             timeout=timedelta(seconds=60))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=WORLD)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -134,7 +138,7 @@ def leaves(value) -> list:
 def provider() -> Provider:
     return Provider(
         tiny_dense(num_layers=2),
-        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(WORLD),
+        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(TP),
                                 "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
         dtype="float32", implementation=Implementation.cpu_local(),
     )
@@ -213,7 +217,8 @@ def main() -> None:
     clean = run(trainer(fault_timeout_s), Injector())
     results["clean"] = clean
     assert clean["error"] is None and clean["counts"], clean["error"]
-    for k, (name, raises, location, fraction) in enumerate(SCENARIOS, start=1):
+    scenarios = [s for s in SCENARIOS if ONLY is None or s[0] == ONLY]
+    for k, (name, raises, location, fraction) in enumerate(scenarios, start=1):
         # The fault-free run's allocation counts place the fault (on rank 1 only).
         nth = max(1, int(clean["counts"].get(location, 0) * fraction))
         mine = RANK == 1
@@ -235,9 +240,11 @@ def main() -> None:
         print(f"rank {RANK} {name}: fired={results[name]['fired']} "
               f"error={(results[name]['error'] or {}).get('text', '')[:300]}", flush=True)
     end_world()
-    counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1, control_port=int(ports[len(SCENARIOS) + 1]),
-                        max_items=4, max_tokens=120)
-    results["fuzz"] = dict(counts)
+    if ONLY is None:
+        counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1,
+                            control_port=int(ports[len(SCENARIOS) + 1]), max_items=4,
+                            max_tokens=120)
+        results["fuzz"] = dict(counts)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
 

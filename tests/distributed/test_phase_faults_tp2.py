@@ -7,7 +7,9 @@ the caller's loop body raising on rank 1 only): rank 1 raises its own exception,
 TrainerRankPeerError naming rank 1, the phase and the exception. Every rank ends within the
 fault timeout of the fault: no hang, no rank carrying on alone. An OOM in packing, before any
 collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
-workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1."""
+workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1.
+A second, 4-rank launch (TP=2 x DP=2, one scenario): an OOM on rank 1 ends both replicas'
+calls with the same error (the other replica's lockstep all-reduce reads the fault)."""
 
 from __future__ import annotations
 
@@ -124,3 +126,25 @@ def test_tp2_workload_fuzz_with_faults_on_one_rank(ranks):
                 "fatal errors not naming the failing rank"):
         assert counts[key] == 0, (key, counts)
     assert counts["outputs checked"] > 0
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("phase_faults_dp2")
+    ports = [str(free_port()) for _ in range(2)]  # the fault-free world, the scenario's
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=4, timeout_s=300,
+                 env={"ART_TEST_PHASE_FAULTS_TP": "2",
+                      "ART_TEST_PHASE_FAULTS_ONLY": "forward layer"})
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+
+
+@pytest.mark.torchrun
+def test_tp2_dp2_an_oom_on_one_rank_ends_both_replicas_with_the_same_error(four_ranks):
+    rows = [r["forward layer"] for r in four_ranks]
+    assert rows[1]["fired"] is not None
+    assert all(rows[r]["fired"] is None for r in (0, 2, 3))
+    for row in rows:
+        assert row["error"] is not None and row["error"]["memory_error"], row["error"]
+        assert "rank 1 ran out of memory in the forward of micro-batch 0" in row["error"]["text"]
+        assert row["ended_at"] - rows[1]["fired_at"] < FAULT_TIMEOUT_S
+    assert len({row["error"]["text"] for row in rows}) == 1

@@ -6,11 +6,14 @@ other still has one, so a collective in the caller's loop body always meets its 
 The same sum gives upstream's global progress fields (global_start / global_stop / count).
 An exception on one rank is held until every rank is done, then raised there; `finish` runs
 on every rank once all are done (before a held exception is raised), e.g. to exchange what
-each rank learned in the call.
+each rank learned in the call. `guard` wraps the step's all-reduce (the phase protocol: a
+peer's published fault becomes the agreed error); a rank holding an exception raises it when
+that all-reduce fails (its groups were closed by the fault it holds).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -35,6 +38,7 @@ def _data_parallel_group() -> Any | None:
 def in_lockstep(
     micro_batches: Iterator[MicroBatch], empty: Callable[[], MicroBatch],
     finish: Callable[[], None] | None = None,
+    guard: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
 ) -> Iterator[MicroBatch]:
     group = _data_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if (
@@ -56,7 +60,13 @@ def in_lockstep(
             counts = torch.tensor([int(micro_batch is not None), local], dtype=torch.long,
                                   device=device)
             if group is not None:
-                dist.all_reduce(counts, group=group)
+                try:
+                    with guard() if guard is not None else contextlib.nullcontext():
+                        dist.all_reduce(counts, group=group)
+                except Exception:
+                    if held is not None:
+                        raise held from None
+                    raise
             if int(counts[0]) == 0:
                 break
             if micro_batch is None:
