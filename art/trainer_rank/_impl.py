@@ -177,7 +177,8 @@ class TrainerRank(SlotMethods):
 
     def _meter(self, usable: int) -> MemoryMeter:
         limit = self.options.test_memory_limit_bytes
-        return MemoryMeter(limit_bytes=None if limit is None else usable, device=self.device)
+        return MemoryMeter(limit_bytes=None if limit is None else usable, device=self.device,
+                           largest_on_cuda=False)
 
     # -- public API ---------------------------------------------------------------------------
 

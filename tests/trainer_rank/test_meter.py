@@ -252,3 +252,12 @@ def test_cuda_meter_fields_from_allocator_statistics_without_a_gpu():
     # The limit sits on top of what was live on entry, as a fraction of the device.
     assert allocator.calls[1:3] == ["reset_peak", "fraction=0.5"]
     assert allocator.calls[-1] == "fraction=1"
+    # Allocator totals only: no dispatch observer over the ops (TrainerRank on a GPU).
+    allocator = ScriptedAllocator()
+    with MemoryMeter(device="cuda", cuda_allocator=allocator, largest_on_cuda=False) as meter:
+        assert meter._mode is None
+        big = torch.empty(3000)
+        allocator.stats["allocated_bytes.all.current"] = 13000
+        assert meter.live_bytes == 12000
+        del big
+    assert meter.largest_allocation_bytes == 0

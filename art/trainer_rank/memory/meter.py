@@ -165,7 +165,11 @@ class MemoryMeter:
     it, optionally with a limit (CPU: the op that crosses it raises; CUDA: the allocator)."""
 
     def __init__(self, limit_bytes: int | None = None, *, device: str | torch.device | None = None,
-                 cuda_allocator: CudaAllocator | None = None) -> None:
+                 cuda_allocator: CudaAllocator | None = None,
+                 largest_on_cuda: bool = True) -> None:
+        """`largest_on_cuda=False`: on CUDA read the allocator only, without the dispatch
+        observer over every op (largest_allocation_bytes stays 0); what TrainerRank does on
+        a GPU, where only the peak is learned."""
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive or None, got {limit_bytes}")
         if device is None:
@@ -186,6 +190,8 @@ class MemoryMeter:
             TorchCudaAllocator() if device == "cuda" else None)
         self._cuda_baseline_bytes = 0
         self._cuda_fraction_set = False
+        self._observe_cuda = largest_on_cuda
+        self._active = False
 
     # -- readings -----------------------------------------------------------------------------
 
@@ -225,10 +231,13 @@ class MemoryMeter:
     # -- entering and leaving -----------------------------------------------------------------
 
     def __enter__(self) -> MemoryMeter:
-        if self._mode is not None:
+        if self._active:
             raise RuntimeError("this MemoryMeter is already active; use a second meter to nest")
+        self._active = True
         if self._cuda is not None:
             self._enter_cuda()
+            if not self._observe_cuda:
+                return self
         else:
             global _resize_below
             if not _active_cpu_meters:
@@ -240,6 +249,7 @@ class MemoryMeter:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        self._active = False
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)
