@@ -53,6 +53,12 @@ def _reference_grads(model, leaves, weights):
     return out
 
 
+def allocated_zero_grads(model) -> None:
+    for q in model.parameters():
+        if q.requires_grad:
+            q.grad = torch.zeros_like(q)
+
+
 def _run(trainer, inputs, weights, *, no_grad=None):
     """Drive forward_micro_batches like a training loop; returns outputs by index."""
     seen: dict[int, object] = {}
@@ -183,16 +189,21 @@ def test_caller_backward_oom_restores_grads_and_retries(built):
     xs = make_inputs([30, 34], seed=4, logits=False, hidden_states=False, top_k=None)
     roomy = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
                         trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
+    # Gradients allocated (zero) beforehand: the under-prediction is the stand-in's alone, not
+    # first_gradient_allocation_bytes, which prices gradients a backward allocates anew.
+    allocated_zero_grads(model)
     roomy.dp_rank_forward([xs])  # grad: the measured peak is the forward's alone
     forward_peak = roomy.stats_history[-1].measured_peak_bytes
-    zero_grads(model)
+    allocated_zero_grads(model)
     _run(roomy, [xs], [1.0, 1.0])
     full_peak = roomy.stats_history[-1].measured_peak_bytes
     assert full_peak > forward_peak
-    limit = (forward_peak + full_peak) // 2
+    # The trainer lowers a fixed limit by its gradient snapshot (a copy of these gradients).
+    snapshot = sum(q.numel() * q.element_size() for q in model.parameters() if q.requires_grad)
+    limit = (forward_peak + full_peak) // 2 + snapshot
     tight = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
                         trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
-    zero_grads(model)
+    allocated_zero_grads(model)
     yielded = []
     for mb in tight.forward_micro_batches([xs]):
         yielded.append(mb.stats.decision)

@@ -21,17 +21,17 @@ from art.megatron.train import TrainingRuntime
 from art.trainer_rank import ForwardInput, TrainerRank, TrainerRankOptions
 
 LIMIT = 48 * 2**20  # far above these micro-batches: nothing is split or escalated
-# Each recompute policy kind; the recompute reality test covers which modules re-run. Left
-# out: selective mlp alone and full block 2, whose first micro-batch (45 and 82 tokens) peaks
-# in a lower layer's backward and measures 0.995-0.996 of the prediction: the LoRA gradients
-# of the layers above, priced as resident, are first allocated inside that micro-batch's
-# measured window (grads are None before the first backward; 1.014-1.015 with them allocated).
+# Each recompute policy kind; the recompute reality test covers which modules re-run. The
+# first grad micro-batch also allocates the LoRA gradients (None before the first backward):
+# its estimate carries them as first_gradient_allocation_bytes.
 POLICIES = [
     ("none", None, None, None),
     ("selective", None, None, None),  # Megatron's default: core_attn
+    ("selective", None, None, "mlp"),
     ("selective", None, None, "core_attn,mlp,layernorm"),
     # Units of two layers: the second holds a Gated DeltaNet and the attention layer.
     ("full", "uniform", "2", None),
+    ("full", "block", "2", None),
 ]
 
 

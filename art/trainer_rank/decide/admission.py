@@ -72,22 +72,38 @@ class Pricing:
     recompute: EffectiveRecompute
     # Outputs of earlier sub-forwards of a split, still held while this one runs.
     held_bytes: int = 0
+    # Gradients of trainable parameters that are not allocated yet: the estimate prices them
+    # as resident, but this micro-batch's backward allocates them (0 once they exist).
+    first_gradient_allocation_bytes: int = 0
 
     @property
     def model_dynamic_bytes(self) -> int:
-        return int(self.estimate.dynamic_bytes) + self.held_bytes
+        return (int(self.estimate.dynamic_bytes) + self.held_bytes
+                + self.first_gradient_allocation_bytes)
 
     @property
     def model_peak_bytes(self) -> int:
         """The model's dynamic peak without the allocator reserve: what a profile corrects."""
         return (int(self.estimate.dynamic_bytes) - int(self.estimate.reserve_bytes)
-                + self.held_bytes)
+                + self.held_bytes + self.first_gradient_allocation_bytes)
 
     @property
     def dynamic_bytes(self) -> int:
         if self.profile_dynamic_bytes is None:
             return self.model_dynamic_bytes
-        return self.profile_dynamic_bytes + self.held_bytes
+        return self.profile_dynamic_bytes + self.held_bytes + self.first_gradient_allocation_bytes
+
+    def table(self) -> str:
+        """The estimate's term table, with the terms this pricing adds to it."""
+        lines = [self.estimate.table()]
+        for name, value, note in (
+            ("held outputs of earlier sub-forwards", self.held_bytes, "split"),
+            ("first_gradient_allocation_bytes", self.first_gradient_allocation_bytes,
+             "trainable gradients not allocated yet; this backward allocates them"),
+        ):
+            if value:
+                lines.append(f"{'dynamic':<9} {name:<44} {gib(value):>10}  {note}")
+        return "\n".join(lines)
 
     @property
     def source(self) -> str:
@@ -166,6 +182,9 @@ class Admission:
     # coefficients: the next TP size can only be priced by the formulas, so its price is
     # corrected by what the probe measured against them here (see `_next_tp_dynamic`).
     default_memory_model: MemoryModelLike | None = None
+    # Bytes of trainable gradients not allocated yet (the trainer sets it before each grad
+    # plan); grad micro-batches carry it as their first_gradient_allocation_bytes term.
+    unallocated_gradient_bytes: int = 0
 
     def __post_init__(self) -> None:
         self.clear_caches()
@@ -177,7 +196,7 @@ class Admission:
         self._priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = {}
         self._signatures: dict[tuple[int, bool, OutputRequest], str] = {}
         # (outputs, grad, usable bytes) -> the memory model's largest admissible row.
-        self._model_max: dict[tuple[OutputRequest, bool, int], int] = {}
+        self._model_max: dict[tuple[OutputRequest, bool, int, int], int] = {}
         # id -> the recompute itself (kept alive, so its id is never reused while cached).
         self._recomputes: dict[int, EffectiveRecompute] = {}
         self._models: dict[int, MemoryModelLike] = {}
@@ -245,7 +264,9 @@ class Admission:
         profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window,
                                         int(estimate.dynamic_bytes) - reserve)
         profile_dynamic = None if profile is None else profile + reserve
-        return Pricing(estimate, profile_dynamic, recompute), shape, sig
+        first_gradients = self.unallocated_gradient_bytes if grad else 0
+        return Pricing(estimate, profile_dynamic, recompute,
+                       first_gradient_allocation_bytes=first_gradients), shape, sig
 
     def _model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
         if recompute is self.recompute:
@@ -261,7 +282,7 @@ class Admission:
         """The largest one-sequence row the memory model admits, to within 1/32 and never
         above it: the cold cap is a fraction of it, so a coarse bound saves half the
         estimates of an exact bisection (a cold decision's main cost)."""
-        key = (outputs, grad, usable_bytes)
+        key = (outputs, grad, usable_bytes, self.unallocated_gradient_bytes if grad else 0)
         hit = self._model_max.get(key)
         if hit is not None:
             return hit

@@ -60,6 +60,15 @@ def held_output_bytes(shape: MicroBatchShape, geometry: ModelGeometry, dtype: st
     return tokens * per_token
 
 
+def unallocated_gradient_bytes(model: Any) -> int:
+    """Bytes of the trainable parameters' gradients that are not allocated yet (neither a
+    `.grad` nor a Megatron DDP `main_grad` buffer): resident pricing counts them, but the next
+    grad micro-batch's backward is what allocates them."""
+    return sum(p.numel() * p.element_size() for p in model.parameters()
+               if p.requires_grad and p.grad is None
+               and getattr(p, "main_grad", None) is None)
+
+
 class GradSnapshot:
     """Copies of the trainable parameters' gradients (and Megatron's main_grad buffers),
     taken before a grad micro-batch is yielded, so a backward that ran out of memory halfway
