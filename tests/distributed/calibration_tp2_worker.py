@@ -18,6 +18,9 @@ def main() -> None:
     cells = [
         Cell("gqa-128", "selective default", 8, 2, (128, 192), "logprobs", True),
         Cell("gqa-128", "selective default", 8, 2, (320,), "top_k=20", False),
+        # Full logits: the TP all-gather of each chunk is live at the head's forward peak.
+        Cell("gqa-128", "selective default", 8, 2, (136,), "logits", True),
+        Cell("gqa-128", "selective default", 8, 2, (342,), "logits", False),
     ]
     results = run_cells(cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS)
     rank = int(os.environ["RANK"])

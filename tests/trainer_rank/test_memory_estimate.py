@@ -191,3 +191,19 @@ def test_estimate_is_cheap(seed_geometry):
         model.estimate(_batch((n, n), "logprobs"))
     per_call = (time.perf_counter() - start) / 200
     assert per_call < 0.01, f"{per_call * 1e3:.2f} ms per estimate"
+
+
+def test_full_logits_at_tp_price_the_gathered_chunk_and_the_no_grad_head(seed_geometry):
+    name = "gathered logits chunk (TP all-gather)"
+    tokens = 1000
+    gathered = 2 * tokens * seed_geometry.vocab_size * 4  # TP pieces + concatenation, fp32
+    for grad in (True, False):
+        est = _model(seed_geometry, tp=2).estimate(_batch((tokens,), "logits", grad))
+        forward = {t.name: t.bytes for t in est.terms if t.phase == "forward"}
+        assert forward[name] == gathered
+        assert est.peak_at == "forward: head"
+        if not grad:
+            # The decoder call has returned: its input and output are no longer live.
+            assert "embedding output" not in forward and "decoder output" not in forward
+    one_rank = _model(seed_geometry, tp=1).estimate(_batch((tokens,), "logits", False))
+    assert name not in {t.name for t in one_rank.terms}

@@ -44,7 +44,12 @@ from art.trainer_rank.memory.passes import (
     kept_note,
     pre_decoder_terms,
 )
-from art.trainer_rank.memory.tail import TailCost, default_tail, largest_allocation
+from art.trainer_rank.memory.tail import (
+    TailCost,
+    default_tail,
+    gathered_logits_bytes,
+    largest_allocation,
+)
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
 HEAD_CHUNK_TOKENS_DEFAULT = 2048
@@ -296,7 +301,9 @@ class MemoryModel:
             probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
             if probed is not None:
                 kept, forward, backward = probed
-                return TailCost(kept, forward, backward, "probe"), True
+                # The probe measured the gather inside its forward: shown as its own term.
+                gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
+                return TailCost(kept, forward - gathered, backward, "probe", gathered), True
         return default_tail(self, batch, s), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,

@@ -166,12 +166,35 @@ def kept_note(units: list[Unit], s: int) -> str:
     return "; ".join(parts) + f" x {s} tok"
 
 
+def _gather_terms(tail: TailCost) -> list[Term]:
+    if not tail.gathered_logits:
+        return []
+    return [Term("gathered logits chunk (TP all-gather)", int(tail.gathered_logits), "forward",
+                 "TP pieces [chunk, vocab/TP] + their concatenation [chunk, vocab], fp32")]
+
+
+def live_after_decoder(pre: list[Term]) -> list[Term]:
+    """Without grad, what of `pre` is still live at the head: the decoder call has returned,
+    so the embedding output, the per-token rotary index and the mask-type tensors are gone;
+    Megatron's rotary module caches its table, and the packed inputs and score buffer stay."""
+    live = []
+    for t in pre:
+        if t.name in ("embedding output", "checkpointed attention mask-type tensors"):
+            continue
+        if t.name == "rotary table":
+            t = replace(t, bytes=t.bytes // 2, note="cached table (per-token index freed)")
+        live.append(t)
+    return live
+
+
 def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str,
                   grad: bool) -> tuple[list[Term], str]:
     """The forward peak as terms, and where it is. With grad: everything kept, the decoder
     output and the head's working set, plus how far a layer's own peak rises above that.
-    Without grad nothing is kept: the larger of one layer's working set and the head's."""
+    Without grad nothing is kept: the larger of one layer's working set and the head's, whose
+    input is the final norm's output (the decoder's own output is freed with its call)."""
     x = fp.output
+    head = tail.forward + tail.gathered_logits
     if grad:
         terms = [
             *pre,
@@ -180,18 +203,22 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
             Term("decoder output", int(x), "forward", "last layer output"),
             Term("head + outputs (forward working set)", int(tail.forward), "forward",
                  tail.note),
+            *_gather_terms(tail),
         ]
-        layer_excess = fp.peak - (fp.kept_total + x + tail.forward)
+        layer_excess = fp.peak - (fp.kept_total + x + head)
         if layer_excess > 0:
             terms.append(Term("layer forward excess over head", int(layer_excess), "forward",
                               fp.peak_where))
             return terms, fp.peak_where
         return terms, "head"
-    if fp.peak >= x + tail.forward:
-        return [*pre, Term("largest layer working set (no grad)", int(fp.peak), "forward",
-                           fp.peak_where)], fp.peak_where
-    return [*pre, Term("decoder output", int(x), "forward", "last layer output"),
-            Term("head + outputs (no grad)", int(tail.forward), "forward", tail.note)], "head"
+    layer_terms = [*pre, Term("largest layer working set (no grad)", int(fp.peak), "forward",
+                              fp.peak_where)]
+    head_terms = [*live_after_decoder(pre),
+                  Term("head + outputs (no grad)", int(tail.forward), "forward", tail.note),
+                  *_gather_terms(tail)]
+    if sum(t.bytes for t in layer_terms) >= sum(t.bytes for t in head_terms):
+        return layer_terms, fp.peak_where
+    return head_terms, "head"
 
 
 def _full_unit_peak(unit: Unit) -> float:

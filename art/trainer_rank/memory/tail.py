@@ -32,12 +32,26 @@ class PricedModel(Protocol):
 @dataclass(frozen=True)
 class TailCost:
     """`kept`: what stays live through the layers' backward (the hidden row the caller's frame
-    holds, the requested outputs); `forward` / `backward`: peaks above the decoder output."""
+    holds, the requested outputs); `forward` / `backward`: peaks above the decoder output;
+    `gathered_logits`: the TP all-gather of one logits chunk, live at the forward peak on top
+    of `forward` (a term of its own)."""
 
     kept: float
     forward: float
     backward: float
     note: str
+    gathered_logits: float = 0.0
+
+
+def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) -> float:
+    """Full logits at TP > 1: each chunk's shard is all-gathered into TP pieces of
+    [chunk, vocab/TP] fp32 and concatenated into [chunk, vocab] before it is copied into the
+    output, so pieces and concatenation are live together beside the local shard."""
+    tp = model.layout.tensor_parallel
+    if not batch.outputs.logits or tp == 1:
+        return 0.0
+    chunk = min(model.head_chunk_tokens, s)
+    return 2.0 * chunk * model.geometry.vocab_size * FP32
 
 
 def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost:
@@ -91,7 +105,8 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
         top_k_grads = rows * out.top_k * FP32 * 2
         grads = hidden_row + bookkeeping + top_k_grads
         backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
-    return TailCost(kept=held, forward=forward, backward=backward, note=note)
+    return TailCost(kept=held, forward=forward, backward=backward, note=note,
+                    gathered_logits=gathered_logits_bytes(model, batch, rows))
 
 
 def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:
