@@ -74,6 +74,10 @@ def test_hybrid_runs_every_policy_within_an_oom_free_limit(megatron_process, pol
         assert mb.stats.measured_peak_bytes <= mb.stats.usable_limit_bytes
         assert mb.stats.retries == 0 and mb.stats.decision != "escalated", mb.stats
         ratios.append(mb.stats.predicted_dynamic_bytes / mb.stats.measured_peak_bytes)
+    # `pytest -s` prints the figures the closing notes quote.
+    print("predicted/measured", "-".join(x for x in policy if x),
+          [(mb.stats.packed_tokens, mb.stats.decision, round(r, 3))
+           for mb, r in zip(batches, ratios)])
     assert sum(len(mb.indices) for mb in batches) == 2 * len(inputs)
     assert any(mb.stats.local_count > 1 for mb in batches)  # packed rows are priced too
     assert all(1.0 <= ratio <= 1.05 for ratio in ratios), [
