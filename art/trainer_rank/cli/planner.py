@@ -469,6 +469,8 @@ def scaled_batch(batch: MicroBatchShape, packed_tokens: int) -> MicroBatchShape:
 def max_packed_tokens(memory_model: Any, batch: MicroBatchShape, usable_bytes: int) -> int:
     """Largest packed-token count of this batch's shape whose dynamic peak fits `usable_bytes`
     (bisection over the estimate; 0 when not even one token per sequence fits)."""
+    from art.trainer_rank.memory.model import largest_fitting
+
     if usable_bytes <= 0:
         return 0
     sequences = len(batch.sequence_lengths_tokens)
@@ -478,15 +480,7 @@ def max_packed_tokens(memory_model: Any, batch: MicroBatchShape, usable_bytes: i
 
     if not fits(sequences):
         return 0
-    low, high = sequences, max(batch.packed_tokens, sequences) * 2
-    while fits(high):
-        low, high = high, high * 2
-        if high > 1 << 34:  # more tokens than any context: report the bound reached
-            return low
-    while high - low > max(1, low // 1000):
-        mid = (low + high) // 2
-        if fits(mid):
-            low = mid
-        else:
-            high = mid
-    return low
+    # Past 2**34 tokens (more than any context) the bound reached is reported; a 0.1%
+    # bracket is as precise as a plan's figure needs.
+    return largest_fitting(fits, sequences, max(batch.packed_tokens, sequences) * 2,
+                           cap=1 << 34, slack=lambda low: max(1, low // 1000))

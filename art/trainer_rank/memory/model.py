@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -321,18 +322,25 @@ class MemoryModel:
 
         if not fits(sequences):
             return 0
-        lo, hi = sequences, sequences * 2
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi > 1 << 26:
-                return lo
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid
-        return lo
+        return largest_fitting(fits, sequences, sequences * 2, cap=1 << 26)
+
+
+def largest_fitting(fits: Callable[[int], bool], low: int, high: int, *, cap: int,
+                    slack: Callable[[int], int] = lambda low: 1) -> int:
+    """Largest token count n >= `low` with `fits(n)`, given that `fits(low)` holds: `high`
+    doubles until it fails (the last fitting count is returned once `high` passes `cap`),
+    then the bracket is bisected until it is within `slack(low)` tokens."""
+    while fits(high):
+        low, high = high, high * 2
+        if high > cap:
+            return low
+    while high - low > slack(low):
+        mid = (low + high) // 2
+        if fits(mid):
+            low = mid
+        else:
+            high = mid
+    return low
 
 
 def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
