@@ -3,9 +3,11 @@
 
     .venv/bin/python scripts/calibrate.py                 # full TP=1 matrix + TP=2 subset
     .venv/bin/python scripts/calibrate.py --quick         # a few cells, seconds
-    .venv/bin/python scripts/calibrate.py --tp 2 --only-tp
+    .venv/bin/python scripts/calibrate.py --tp 2 --out bench/calibration/tp2  # TP=2 only
     .venv/bin/python scripts/calibrate.py --build gpu-shaped --tp 1 \
         --out bench/calibration/gpu-shaped
+    .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
+        --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
 Every cell runs the trainer's compute path (pack -> decoder -> chunked head -> caller loss ->
 backward) and compares the measured dynamic peak (bytes allocated inside the micro-batch)
@@ -14,7 +16,10 @@ with the estimate's max(forward peak, backward peak), with probe coefficients (t
 same matrix on the CPU stand-ins of the GPU build's fused kernels (art/megatron/cpu_fused.py:
 RMSNorm, SwiGLU, RoPE; segmented flash attention), so the pricing of those kernels is
 measured. Writes calibration.csv, calibration.md and calibration.png to --out (default
-bench/calibration).
+bench/calibration; TP=1 and TP=2 rows into one --out share one CSV, so keep separate folders
+when running them separately). `--reprice` re-prices both columns of a measured CSV with the
+current memory model and the probes stored in <out>/probes under the current probe's key;
+`--reprobe` measures again the probes stored under another key (another probe version).
 """
 
 from __future__ import annotations
@@ -231,7 +236,11 @@ def main() -> int:
     parser.add_argument("--reprice", metavar="CSV",
                         help="re-price a measured CSV with the current memory model (both "
                              "columns; the probe's from <out>/probes) and rewrite the "
-                             "outputs (no model runs)")
+                             "outputs (no cell runs)")
+    parser.add_argument("--reprobe", action="store_true",
+                        help="with --reprice: probe again (TP=1) each model whose probe is "
+                             "not stored under the current probe's key, e.g. after a change "
+                             "to what the probe measures")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -239,10 +248,19 @@ def main() -> int:
         return worker(args)
     probe_dir = str(Path(args.out) / "probes")
     if args.reprice:
-        from _calibration.harness import reprice
+        from _calibration.harness import reprice_rows
 
+        if args.reprobe:
+            from art.megatron.distributed import initialize_distributed
+
+            initialize_distributed()
         with open(args.reprice, newline="") as f:
-            rows = [reprice(_typed(r), probe_dir) for r in csv.DictReader(f)]
+            measured = [_typed(r) for r in csv.DictReader(f)]
+        try:
+            rows = reprice_rows(measured, probe_dir, reprobe=args.reprobe,
+                                progress=lambda m: print(m, flush=True))
+        except ValueError as exc:
+            raise SystemExit(f"calibrate.py --reprice: {exc}") from None
         write_outputs(rows, Path(args.out), None, args.quick)
         return 0
 

@@ -34,6 +34,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.model import MemoryModel
@@ -87,37 +88,19 @@ class CalibrationModel:
                  cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None,
                  probe_dir: str | None = None
                  ) -> None:
-        from peft import LoraConfig
-
-        from art.megatron.provider import Provider
-        from art.megatron.settings import Settings
-
         self.geometry = geometry
         self.policy = policy
         self.implementation = implementation or Implementation.detect()
-        settings = Settings(
-            tensor_model_parallel_size=tensor_parallel,
-            sequence_parallel=False,
-            recompute_granularity=policy.granularity,
-            recompute_method=policy.method,
-            recompute_num_layers=policy.num_layers,
-            recompute_modules=policy.modules,
-        )
-        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank,
-                          target_modules=list(lora_targets_for(geometry)),
-                          lora_dropout=0.0) if lora_rank else None
-        self.provider = Provider(geometry, settings=settings, lora=lora, dtype=dtype,
-                                 implementation=self.implementation)
+        self.provider = calibration_provider(geometry, policy, lora_rank=lora_rank,
+                                             tensor_parallel=tensor_parallel, dtype=dtype,
+                                             implementation=self.implementation)
         self.provider.initialize_distributed()
         self.model = self.provider.build_model(seed=0)
         self.device = next(self.model.parameters()).device
         self.layout: ParallelLayout = self.provider.layout
         self.memory_default = MemoryModel.for_provider(self.provider)
         self._warm_grads()
-        outputs = {(OutputRequest.parse(c.outputs), c.grad) for c in cells}
-        grads = {g for _, g in outputs} or {True}
-        modes = {m for g in grads for m in modes_for(geometry, self.provider.effective_recompute,
-                                                     g)}
+        modes, outputs = probe_request(geometry, self.provider.effective_recompute, cells)
         self.coefficients = probe(
             self.model, geometry=geometry, layout=self.layout,
             implementation=self.implementation, dtype=dtype, lora_rank=lora_rank,
@@ -150,6 +133,60 @@ class CalibrationModel:
             probe_key=self.coefficients.key,
             seconds=time.perf_counter() - start,
         )
+
+
+def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
+                         tensor_parallel: int, dtype: str, implementation: Implementation
+                         ) -> Any:
+    """The provider a calibration model is built from (no weights yet)."""
+    from peft import LoraConfig
+
+    from art.megatron.provider import Provider
+    from art.megatron.settings import Settings
+
+    settings = Settings(
+        tensor_model_parallel_size=tensor_parallel,
+        sequence_parallel=False,
+        recompute_granularity=policy.granularity,
+        recompute_method=policy.method,
+        recompute_num_layers=policy.num_layers,
+        recompute_modules=policy.modules,
+    )
+    lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank,
+                      target_modules=list(lora_targets_for(geometry)),
+                      lora_dropout=0.0) if lora_rank else None
+    return Provider(geometry, settings=settings, lora=lora, dtype=dtype,
+                    implementation=implementation)
+
+
+def probe_request(geometry: ModelGeometry, recompute: Any, cells: Sequence[Cell]
+                  ) -> tuple[set[LayerMode], set[tuple[OutputRequest, bool]]]:
+    """What a model's probe measures for its cells: layer modes and (outputs, grad) tails."""
+    outputs = {(OutputRequest.parse(c.outputs), c.grad) for c in cells}
+    grads = {g for _, g in outputs} or {True}
+    modes = {m for g in grads for m in modes_for(geometry, recompute, g)}
+    return modes, outputs
+
+
+def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | None = None
+                       ) -> str:
+    """The probe key the model of `cells` (one geometry, policy, rank, dtype, build and TP
+    size) gets from the current probe, computed without building it. The calibration runs
+    one process per TP rank, so the world size is the TP size."""
+    from art.trainer_rank.memory.probe import probe_key
+
+    first = cells[0]
+    geometry = calibration_geometries()[first.geometry]
+    implementation = implementation_for(first.build) or Implementation.detect()
+    provider = calibration_provider(geometry, POLICY_BY_NAME[first.policy],
+                                    lora_rank=first.lora_rank,
+                                    tensor_parallel=first.tensor_parallel, dtype=first.dtype,
+                                    implementation=implementation)
+    modes, outputs = probe_request(geometry, provider.effective_recompute, cells)
+    return probe_key(geometry=geometry, layout=provider.settings.layout(first.tensor_parallel),
+                     implementation=implementation, dtype=first.dtype,
+                     lora_rank=first.lora_rank, modes=modes, outputs=outputs,
+                     device=implementation.device, tokens=probe_tokens)
 
 
 def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool,
@@ -264,31 +301,82 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
                        dtype=cell.dtype)
 
 
-def reprice(row: dict[str, Any], probe_dir: str | None = None) -> dict[str, Any]:
-    """Re-price a measured CSV row with the current memory model: the default column always,
-    the probe column too when the probe's JSON is in `probe_dir`."""
+def cell_of(row: dict[str, Any]) -> Cell:
+    """The cell a calibration CSV row measured."""
+    return Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
+                int(row["tensor_parallel"]),
+                tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
+                str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
+                row.get("loss") or "synthetic", row.get("build") or "local")
+
+
+def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
+                 probe_tokens: tuple[int, ...] | None = None,
+                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Re-price measured CSV rows with the current memory model, without running a cell.
+
+    The default column is re-priced from the geometry. The probe column uses the probe stored
+    in `probe_dir` under the key the current probe gives the row's model (`expected_probe_key`),
+    never a file found under the row's old key: a probe made by another version of the probe
+    measures something else. When that file is missing, `reprobe` builds the model and probes
+    it again (TP=1; seconds a model, the file is stored for the next re-price); otherwise the
+    error says what to do."""
     from pathlib import Path
 
     from art.trainer_rank.memory.probe import ProbeCoefficients
 
-    cell = Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
-                int(row["tensor_parallel"]),
-                tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
-                str(row["grad"]) in ("True", "true", "1"), row.get("dtype", "float32"),
-                row.get("loss", "synthetic"), row.get("build") or "local")
+    cells = [cell_of(r) for r in rows]
+    groups: dict[tuple[Any, ...], list[int]] = {}
+    for i, c in enumerate(cells):
+        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype, c.build,
+                           c.tensor_parallel), []).append(i)
+    out: list[dict[str, Any]] = [dict(r) for r in rows]
+    for (geo, policy, rank, dtype, build, tp), indices in groups.items():
+        group = [cells[i] for i in indices]
+        key = expected_probe_key(group, probe_tokens)
+        path = Path(probe_dir) / f"probe-{key}.json"
+        name = f"{geo} / {policy} / LoRA r{rank} / TP{tp} / {build}"
+        if path.is_file():
+            coefficients = ProbeCoefficients.from_json(path.read_text())
+        elif reprobe and tp == 1:
+            built = CalibrationModel(calibration_geometries()[geo], POLICY_BY_NAME[policy],
+                                     lora_rank=rank, tensor_parallel=tp, dtype=dtype,
+                                     cells=group, probe_tokens=probe_tokens,
+                                     probe_dir=probe_dir,
+                                     implementation=implementation_for(build))
+            coefficients = built.coefficients
+            del built
+            if progress:
+                progress(f"re-probed {name}: probe {coefficients.key}")
+        else:
+            old = sorted({str(rows[i].get("probe_key", "")) for i in indices})
+            remedy = ("pass --reprobe to measure the probe again (seconds a model; no cell "
+                      "is re-run)" if tp == 1 else
+                      "TP>1 probes run on torchrun ranks: re-measure these rows with "
+                      "scripts/calibrate.py --tp 2")
+            raise ValueError(
+                f"no stored probe for {name} under key {key} in {probe_dir} (the rows were "
+                f"priced by probe {', '.join(old)}: another probe version or other inputs, "
+                f"or a probe never stored); {remedy}")
+        if coefficients.key != key:
+            raise ValueError(f"{path} holds probe {coefficients.key}, expected {key}: the "
+                             "file was renamed or the probe's key computation changed")
+        for i in indices:
+            out[i] = _reprice(out[i], cells[i], coefficients)
+    return out
+
+
+def _reprice(row: dict[str, Any], cell: Cell, coefficients: Any) -> dict[str, Any]:
     model = default_memory_model(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
                               model.layout, model.implementation)
-    est = model.estimate(batch)
+    default = model.estimate(batch)
+    est = model.with_coefficients(coefficients).estimate(batch)
+    predicted_default = max(default.forward_peak_bytes, default.backward_peak_bytes)
     predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
-    measured = int(row["measured_bytes"])
-    out = dict(row) | {"predicted_default_bytes": predicted,
-                       "default_ratio": round(predicted / max(1, measured), 4)}
-    path = Path(probe_dir or "") / f"probe-{row.get('probe_key', '')}.json"
-    if probe_dir and path.is_file():
-        coefficients = ProbeCoefficients.from_json(path.read_text())
-        est = model.with_coefficients(coefficients).estimate(batch)
-        probed = max(est.forward_peak_bytes, est.backward_peak_bytes)
-        out |= {"predicted_bytes": probed, "ratio": round(probed / max(1, measured), 4),
-                "peak_at": est.peak_at}
-    return out
+    measured = max(1, int(row["measured_bytes"]))
+    return row | {"predicted_bytes": predicted,
+                  "predicted_default_bytes": predicted_default,
+                  "ratio": round(predicted / measured, 4),
+                  "default_ratio": round(predicted_default / measured, 4),
+                  "peak_at": est.peak_at, "probe_key": coefficients.key}

@@ -187,3 +187,46 @@ def test_probe_for_provider_feeds_memory_model_for_provider(megatron_process):
     result = built.measure(cell)
     predicted = max(estimate.forward_peak_bytes, estimate.backward_peak_bytes)
     assert 1.0 <= predicted / result.measured_bytes <= 1.05
+
+
+def test_reprice_uses_only_a_probe_stored_under_the_current_key(megatron_process, tmp_path,
+                                                                monkeypatch):
+    """`calibrate.py --reprice` re-prices measured rows with stored probes; a probe stored
+    under another key (made by another version of the probe) is never used: an error names
+    --reprobe, and with reprobe the model is probed again and its rows priced by it."""
+    import pytest
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+        expected_probe_key,
+        reprice_rows,
+    )
+
+    from art.trainer_rank.memory import probe as probe_module
+
+    tokens = (48, 64, 96)
+    cells = [Cell("gqa-128", "none", 8, 1, (70, 41), "logprobs", True),
+             Cell("gqa-128", "none", 8, 1, (83,), "logits", False)]
+    built = CalibrationModel(calibration_geometries()["gqa-128"], POLICY_BY_NAME["none"],
+                             lora_rank=8, tensor_parallel=1, cells=cells, probe_tokens=tokens,
+                             probe_dir=str(tmp_path))
+    assert expected_probe_key(cells, tokens) == built.coefficients.key
+    rows = [built.measure(c).row() for c in cells]
+    del built
+    again = reprice_rows(rows, str(tmp_path), probe_tokens=tokens)
+    assert [(r["ratio"], r["default_ratio"]) for r in again] == [
+        (r["ratio"], r["default_ratio"]) for r in rows]
+
+    cache_key = probe_module.cache_key
+    monkeypatch.setattr(probe_module, "cache_key",
+                        lambda **kw: cache_key(**kw)[::-1])  # another probe version
+    with pytest.raises(ValueError, match="--reprobe"):
+        reprice_rows(rows, str(tmp_path), probe_tokens=tokens)
+    reprobed = reprice_rows(rows, str(tmp_path), probe_tokens=tokens, reprobe=True)
+    assert {r["probe_key"] for r in reprobed} == {expected_probe_key(cells, tokens)}
+    assert {r["probe_key"] for r in reprobed} != {r["probe_key"] for r in rows}
+    assert (tmp_path / f"probe-{reprobed[0]['probe_key']}.json").is_file()
+    for r in reprobed:
+        assert 1.0 <= r["ratio"] <= 1.05, r

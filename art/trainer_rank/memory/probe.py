@@ -169,6 +169,35 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
+def default_probe_tokens(device: str, implementation: Any) -> tuple[int, ...]:
+    """The token counts `probe` measures at when none are given."""
+    if device != "cuda":
+        return PROBE_TOKENS
+    return PROBE_TOKENS_CUDA if implementation.attention == "flash" else PROBE_TOKENS_CUDA_UNFUSED
+
+
+def _probed_modes(modes: Iterable[LayerMode]) -> list[LayerMode]:
+    return sorted({m for m in modes if m.mode.modules <= PROBED_MODULES},
+                  key=lambda m: m.sort_key)
+
+
+def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtype: str,
+              lora_rank: int, modes: Iterable[LayerMode],
+              outputs: Iterable[tuple[OutputRequest, bool]], device: str,
+              tokens: tuple[int, ...] | None = None,
+              grad_tokens: tuple[int, ...] | None = None) -> str:
+    """The key `probe` stores its coefficients under for these arguments, without a model:
+    a stored probe whose key differs was measured for other inputs or by another version of
+    the probe."""
+    tails = sorted({(o.key, g) for o, g in outputs})
+    return cache_key(geometry=geometry, implementation=implementation, dtype=dtype,
+                     layout=layout, lora_rank=lora_rank,
+                     modes=[(m.kind, m.mode.key) for m in _probed_modes(modes)],
+                     outputs=[f"{k}:{g}" for k, g in tails],
+                     tokens=tokens or default_probe_tokens(device, implementation),
+                     device=device, grad_tokens=grad_tokens)
+
+
 def _inner(model: Any) -> Any:
     from art.trainer_rank.compute.forward import unwrap_model
 
@@ -397,22 +426,14 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     """
     inner = _inner(model)
     device = next(inner.parameters()).device
-    if tokens is None:
-        if device.type != "cuda":
-            tokens = PROBE_TOKENS
-        elif implementation.attention == "flash":
-            tokens = PROBE_TOKENS_CUDA
-        else:
-            tokens = PROBE_TOKENS_CUDA_UNFUSED
+    tokens = tokens or default_probe_tokens(device.type, implementation)
     torch_dtype = inner.config.params_dtype
-    wanted = sorted({m for m in modes if m.mode.modules <= PROBED_MODULES},
-                    key=lambda m: m.sort_key)
+    modes, outputs = list(modes), list(outputs)
+    wanted = _probed_modes(modes)
     tails = sorted({(o.key, o, g) for o, g in outputs}, key=lambda t: (t[0], t[2]))
-    key = cache_key(geometry=geometry, implementation=implementation, dtype=dtype,
-                    layout=layout, lora_rank=lora_rank,
-                    modes=[(m.kind, m.mode.key) for m in wanted],
-                    outputs=[f"{k}:{g}" for k, _, g in tails], tokens=tokens,
-                    device=device.type, grad_tokens=grad_tokens)
+    key = probe_key(geometry=geometry, layout=layout, implementation=implementation,
+                    dtype=dtype, lora_rank=lora_rank, modes=modes, outputs=outputs,
+                    tokens=tokens, device=device.type, grad_tokens=grad_tokens)
     points = {False: tuple(tokens), True: tuple(grad_tokens or tokens)}
     if not set(points[True]) <= set(points[False]):
         raise ValueError(f"grad_tokens {points[True]} must be a subset of tokens {tokens}")
