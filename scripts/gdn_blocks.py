@@ -23,19 +23,10 @@ sys.path.insert(0, str(ROOT))
 
 
 def hybrid_geometry(moe: bool = False):
-    from art.megatron.geometry import geometry_from_hf_dict
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _calibration.cells import hybrid_geometry as calibration_hybrid
 
-    raw: dict[str, Any] = dict(
-        model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
-        intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
-        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
-        partial_rotary_factor=0.25)
-    if moe:
-        raw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                   shared_expert_intermediate_size=64)
-    return geometry_from_hf_dict(raw, name="hybrid-moe-128" if moe else "hybrid-128")
+    return calibration_hybrid(moe)
 
 
 class BlockLabels:

@@ -49,7 +49,8 @@ POLICY_BY_NAME = {p.name: p for p in POLICIES}
 
 def calibration_geometries() -> dict[str, ModelGeometry]:
     """Small geometries (qk-norm, SwiGLU, RoPE) sized for 2 shared CPU cores: two GQA shapes
-    and an MQA one (one KV group, where K and V are smallest next to Q)."""
+    and an MQA one (one KV group, where K and V are smallest next to Q), and two hybrids
+    (Gated DeltaNet + attention, dense and MoE)."""
     def make(name: str, hidden: int, heads: int, groups: int, ffn: int, vocab: int):
         return geometry_from_hf_dict(dict(
             model_type="qwen3", num_hidden_layers=4, hidden_size=hidden, intermediate_size=ffn,
@@ -61,7 +62,29 @@ def calibration_geometries() -> dict[str, ModelGeometry]:
         "gqa-128": make("gqa-128", 128, 8, 4, 384, 1024),
         "gqa-256": make("gqa-256", 256, 8, 2, 704, 2048),
         "mqa-192": make("mqa-192", 192, 6, 1, 512, 1536),
+        "hybrid-128": hybrid_geometry(moe=False),
+        "hybrid-moe-128": hybrid_geometry(moe=True),
     }
+
+
+DENSE_GEOMETRIES = ("gqa-128", "gqa-256", "mqa-192")
+HYBRID_GEOMETRIES = ("hybrid-128", "hybrid-moe-128")
+
+
+def hybrid_geometry(moe: bool = False) -> ModelGeometry:
+    """A Qwen3.5-style hybrid sized like gqa-128: three Gated DeltaNet layers then one gated
+    attention layer; `moe`: every MLP is routed experts plus a shared expert."""
+    raw: dict[str, object] = dict(
+        model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
+        intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=32, linear_value_head_dim=32, linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25)
+    if moe:
+        raw.update(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                   shared_expert_intermediate_size=64)
+    return geometry_from_hf_dict(raw, name="hybrid-moe-128" if moe else "hybrid-128")
 
 
 @dataclass(frozen=True)

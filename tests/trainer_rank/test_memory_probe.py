@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+
+import pytest
 import torch
 
 from art.trainer_rank.memory.meter import MemoryMeter
@@ -114,6 +117,10 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
     assert {m for _, m, _ in coefficients.layers} == {"nograd", "sel:mlp"}
     again = probe_module.ProbeCoefficients.from_json(coefficients.to_json())
     assert again == coefficients
+    # A file measured by older code (another format) is refused, never silently reused.
+    stale = json.loads(coefficients.to_json()) | {"format": probe_module.PROBE_FORMAT_VERSION - 1}
+    with pytest.raises(ValueError, match="measure the probe again"):
+        probe_module.ProbeCoefficients.from_json(json.dumps(stale))
     batch = MicroBatchShape((200,), outputs=OutputRequest(target_logprobs=True))
     probed = model.memory.estimate(batch)
     assert probed.coefficients_source == f"probe:{coefficients.key}"
@@ -230,3 +237,27 @@ def test_reprice_uses_only_a_probe_stored_under_the_current_key(megatron_process
     assert (tmp_path / f"probe-{reprobed[0]['probe_key']}.json").is_file()
     for r in reprobed:
         assert 1.0 <= r["ratio"] <= 1.05, r
+
+
+def test_full_unit_mixing_layer_kinds_prices_the_held_incoming_gradient(megatron_process):
+    """Full recompute, units of two layers on the hybrid: layers 3-4 (Gated DeltaNet, then
+    attention) form one checkpoint priced from the two layers' probes. Megatron's checkpoint
+    keeps the unit's incoming gradient referenced until the unit's backward returns, so the
+    top layer's backward is probed with it held (`backward_held`); the micro-batch's peak is
+    in that unit's backward and priced within [1.00, 1.05]."""
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+    )
+
+    cell = Cell("hybrid-128", "full uniform 2", 8, 1, (222,), "logprobs", True)
+    model = CalibrationModel(calibration_geometries()["hybrid-128"],
+                             POLICY_BY_NAME["full uniform 2"], lora_rank=8, tensor_parallel=1,
+                             cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    modes = {(k, m): fit for k, m, fit in model.coefficients.layers}
+    assert modes[("attention", "none")].backward_held is not None
+    result = model.measure(cell)
+    assert result.peak_at == "backward: layers 3-4 backward (full recompute unit)", result.peak_at
+    assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)

@@ -21,7 +21,7 @@ from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
 from art.trainer_rank.memory.layers import GDN_CHUNK_TOKENS
 
-QUANTITIES = ("kept", "forward", "backward", "output")
+QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
 
 
 def chunk_tokens_of(kind: str) -> int:
@@ -59,6 +59,7 @@ class WithinChunk:
     forward: float = 0.0
     backward: float = 0.0
     output: float = 0.0
+    backward_held: float = 0.0
 
     def value(self, curve: Callable[[int], float], name: str, tokens: int,
               padded: int | None) -> int:
@@ -83,7 +84,7 @@ def split_points(points: Sequence[int], rows: Sequence[dict[str, float]], chunk_
             f"inside a chunk, got {tuple(points)}")
     whole_points = tuple(points[i] for i in whole)
     slopes: dict[str, float] = {}
-    for name in QUANTITIES:
+    for name in (q for q in QUANTITIES if q in rows[0]):
         curve = whole_chunk_curve(whole_points, [rows[i][name] for i in whole])
         candidates = []
         for i in inside:

@@ -13,7 +13,9 @@ whole QKV buffer, and that is what is priced.
 From the blocks, `LayerCost` gives the numbers the chain composition in `model.py` needs:
 `kept` (held until backward, the layer's input included when it saves it, its output
 excluded), `forward` (peak above the state at the layer's start), `backward` (peak above the
-state right before its backward, the incoming gradient included), `output`.
+state right before its backward, the incoming gradient included), `backward_held` (the same
+with the incoming gradient referenced until the backward returns, as a full-recompute
+checkpoint holds it), `output`.
 
 These are the default coefficients: formulas from the built implementation's tensors. The
 probe (`probe.py`) measures the same four numbers on the real layer and replaces them.
@@ -40,6 +42,9 @@ class LayerCost:
     backward: int
     output: int
     saves_input: bool
+    # The backward's peak when the incoming gradient stays referenced until the backward
+    # returns, as a full-recompute checkpoint holds it (None: not measured).
+    backward_held: int | None = None
 
 
 @dataclass(frozen=True)
@@ -483,8 +488,11 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
                              + blocks[j].output + blocks[j].temp)
                 before += blocks[j].internal + blocks[j].output
         remaining -= part
-    backward = peak_b - kept
-    return LayerCost(int(kept), int(peak_f), int(max(backward, 0.0)), int(x), saves_input)
+    backward = int(max(peak_b - kept, 0.0))
+    # Every block's backward above keeps a residual-stream gradient live besides its input's
+    # (the `2 * x`): the layer's incoming gradient is priced as held to the end already.
+    return LayerCost(int(kept), int(peak_f), backward, int(x), saves_input,
+                     backward_held=backward)
 
 
 def _checkpoint_segments(blocks: list[Block], modules: frozenset[str]) -> list[int | None]:

@@ -221,9 +221,16 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
     return head_terms, "head"
 
 
+def _held_backward(cost: LayerCost, incoming: float) -> float:
+    """A layer's backward with its incoming gradient referenced until it returns: measured
+    (`backward_held`), else its backward with that gradient added (an upper bound)."""
+    return cost.backward_held if cost.backward_held is not None else cost.backward + incoming
+
+
 def _full_unit_peak(unit: Unit) -> float:
     """A full-recompute unit's backward: its layers rebuilt with grad, then their backward
-    while Megatron's checkpoint holds the rebuilt unit output."""
+    while Megatron's checkpoint holds the rebuilt unit output and the unit's incoming gradient
+    (CheckpointFunction.backward keeps both referenced until the unit's backward returns)."""
     costs = unit.costs
     dy = unit.input  # incoming gradient, the size of a hidden tensor
     rebuilt = 0.0
@@ -240,10 +247,11 @@ def _full_unit_peak(unit: Unit) -> float:
         cost = costs[k]
         kept_k = cost.kept - (unit.input if k == 0 and cost.saves_input else 0)
         rebuilt -= kept_k
-        # The checkpoint's backward holds the unit's incoming gradient until the unit's
-        # backward returns; the last layer's own backward already counts it as its input.
-        incoming = dy if k < len(costs) - 1 else 0.0
-        peak = max(peak, rebuilt + kept_k + cost.backward + held + incoming)
+        # The last layer's incoming gradient is the unit's, held through its whole backward;
+        # a lower layer's own incoming gradient is freed after its first use, like the probe
+        # measures it, while the unit's stays held beside it.
+        backward = _held_backward(cost, dy) if k == len(costs) - 1 else cost.backward + dy
+        peak = max(peak, rebuilt + kept_k + backward + held)
     return peak
 
 

@@ -6,7 +6,10 @@ small token counts, and measures with the memory meter (CPU: live storages; GPU:
 - kept: what the layer holds for backward (its input when it saves it, not its output);
 - forward: the peak above the state at the layer's start (input live);
 - backward: the peak above the state right before its backward, incoming gradient included
-  (materialised inside the measurement by a scalar-multiply node, as in the real chain).
+  (materialised inside the measurement by a scalar-multiply node, as in the real chain);
+- backward_held (the layer without recompute, the mode a full-recompute unit mixing layer
+  kinds is composed from): the same with the incoming gradient referenced until the backward
+  returns, as Megatron's checkpoint (CheckpointFunction.backward) holds its unit's.
 Each quantity is fitted exactly by c0 + c1 s + c2 s^2 over the three token counts. The tail
 (final norm + chunked head + requested outputs + caller loss + backward) is probed the same
 way per output request. The selective modes are switched on the built layer through the
@@ -71,6 +74,7 @@ class ProbedLayer:
     saves_input: bool
     # Chunked kernels: the fits run over whole-chunk rows (memory/chunked.py).
     within_chunk: WithinChunk | None = None
+    backward_held: Fit | None = None
 
     def cost(self, s: int, padded: int | None = None) -> LayerCost:
         """At `s` tokens; `padded`: the row's tokens padded to whole kernel chunks (None: one
@@ -84,6 +88,7 @@ class ProbedLayer:
         return LayerCost(
             kept=at("kept"), forward=at("forward"), backward=at("backward"),
             output=at("output"), saves_input=self.saves_input,
+            backward_held=at("backward_held") if self.backward_held is not None else None,
         )
 
 
@@ -94,12 +99,18 @@ class ProbedTail:
     backward: Fit
 
 
+# What one probe file holds and how it was measured; a change makes every older file a
+# cache miss and an error to load (2: the no-recompute modes carry `backward_held`).
+PROBE_FORMAT_VERSION = 2
+
+
 @dataclass(frozen=True)
 class ProbeCoefficients:
     key: str
     tokens: tuple[int, ...]
     layers: tuple[tuple[str, str, ProbedLayer], ...]  # (layer kind, mode key, fit)
     tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
+    format: int = PROBE_FORMAT_VERSION
 
     def layer_cost(self, kind: str, mode: str, s: int, padded: int | None = None
                    ) -> LayerCost | None:
@@ -126,6 +137,13 @@ class ProbeCoefficients:
     @classmethod
     def from_json(cls, text: str) -> ProbeCoefficients:
         raw = json.loads(text)
+        found = raw.get("format", 1)
+        if found != PROBE_FORMAT_VERSION:
+            raise ValueError(
+                f"probe file {raw.get('key', '?')} has format {found}, this code reads format "
+                f"{PROBE_FORMAT_VERSION}: it was measured by older code and its coefficients "
+                "would price differently; measure the probe again (delete the file, or "
+                "re-probe the calibration's probes) instead of reusing it")
 
         def poly(d: dict[str, Any]) -> Fit:
             return Fit(tuple(d["tokens"]), tuple(d["values"]), Poly(**d["head"]),
@@ -139,13 +157,14 @@ class ProbeCoefficients:
         layers = tuple(
             (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
                                poly(f["output"]), bool(f["saves_input"]),
-                               within(f["within_chunk"]) if f.get("within_chunk") else None))
+                               within(f["within_chunk"]) if f.get("within_chunk") else None,
+                               poly(f["backward_held"]) if f.get("backward_held") else None))
             for k, m, f in raw["layers"]
         )
         tails = tuple((k, bool(g), ProbedTail(poly(f["kept"]), poly(f["forward"]),
                                                poly(f["backward"])))
                       for k, g, f in raw["tails"])
-        return cls(raw["key"], tuple(raw["tokens"]), layers, tails)
+        return cls(raw["key"], tuple(raw["tokens"]), layers, tails, found)
 
 
 _CACHE: dict[str, ProbeCoefficients] = {}
@@ -156,6 +175,7 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
               tokens: tuple[int, ...], device: str,
               grad_tokens: tuple[int, ...] | None = None) -> str:
     fields = {
+        "format": PROBE_FORMAT_VERSION,
         "geometry": geometry.to_dict() | {"source": ""},
         "implementation": implementation.key, "dtype": dtype, "layout": layout.summary,
         "lora": lora_rank, "modes": sorted(set(modes)), "outputs": sorted(set(outputs)),
@@ -288,7 +308,11 @@ def _unit(layer: Any, inputs: _Inputs, full_layers: int) -> Callable[[torch.Tens
 
 
 def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
-                   device: torch.device, grad: bool, full_layers: int = 0) -> dict[str, float]:
+                   device: torch.device, grad: bool, full_layers: int = 0,
+                   hold_incoming: bool = False) -> dict[str, float]:
+    """One run of the layer (or unit). `hold_incoming`: the backward gets its incoming
+    gradient as a tensor referenced until it returns, the way a full-recompute checkpoint
+    calls torch.autograd.backward(outputs, incoming) on the layers it rebuilt."""
     run = _unit(layer, inputs, full_layers)
     x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
     # Warm-up outside the meter: allocates the score buffer at this size and the LoRA grads,
@@ -315,7 +339,16 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
         y_bytes = _storage_nbytes(y)
         kept = meter.live_bytes - start + x_bytes - y_bytes
         backward = 0.0
-        if grad:
+        if grad and hold_incoming:
+            _sync(device, meter)
+            before = meter.live_bytes
+            meter.reset_peak()
+            incoming = torch.ones_like(y)
+            torch.autograd.backward(y, incoming)
+            _sync(device, meter)
+            backward = meter.peak_bytes - before
+            del incoming
+        elif grad:
             z = (y * 1.0).sum()
             _sync(device, meter)
             before = meter.live_bytes
@@ -465,10 +498,18 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             try:
                 rows = []
                 at = points[grad]
+                # A full-recompute unit of several layer kinds is composed from this mode.
+                held = grad and not mods and not full_layers
                 for t in at:
                     release_score_buffer()
-                    rows.append(_measure_layer(layer, per_tokens[t], inner.config.hidden_size,
-                                               torch_dtype, device, grad, full_layers))
+                    row = _measure_layer(layer, per_tokens[t], inner.config.hidden_size,
+                                         torch_dtype, device, grad, full_layers)
+                    if held:
+                        release_score_buffer()
+                        row["backward_held"] = _measure_layer(
+                            layer, per_tokens[t], inner.config.hidden_size, torch_dtype,
+                            device, grad, hold_incoming=True)["backward"]
+                    rows.append(row)
             finally:
                 _restore_modes(layer, old)
             within = None
@@ -482,6 +523,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 output=Fit.fit(at, [r["output"] for r in rows]),
                 saves_input=all(r["saves_input"] for r in rows),
                 within_chunk=within,
+                backward_held=Fit.fit(at, [r["backward_held"] for r in rows]) if held else None,
             )
             fitted_layers.append((kind, mode.key, fit))
             if progress:
