@@ -6,6 +6,8 @@
     .venv/bin/python scripts/calibrate.py --tp 2 --out bench/calibration/tp2  # TP=2 only
     .venv/bin/python scripts/calibrate.py --build gpu-shaped --tp 1 \
         --out bench/calibration/gpu-shaped
+    .venv/bin/python scripts/calibrate.py --geometries hybrid-128 hybrid-moe-128 \
+        --out bench/calibration/hybrid  # Gated DeltaNet + attention, dense and MoE
     .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
         --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
@@ -15,7 +17,9 @@ with the estimate's max(forward peak, backward peak), with probe coefficients (t
 [1.00, 1.05]) and with the default formulas (reported alongside). `--build gpu-shaped` runs the
 same matrix on the CPU stand-ins of the GPU build's fused kernels (art/megatron/cpu_fused.py:
 RMSNorm, SwiGLU, RoPE; segmented flash attention), so the pricing of those kernels is
-measured. Writes calibration.csv, calibration.md and calibration.png to --out (default
+measured. The hybrid geometries (Qwen3.5-style: three Gated DeltaNet layers and one gated
+attention layer, dense and MoE) are a seeded matrix of their own, every recompute policy.
+Writes calibration.csv, calibration.md and calibration.png to --out (default
 bench/calibration; TP=1 and TP=2 rows into one --out share one CSV, so keep separate folders
 when running them separately). `--reprice` re-prices both columns of a measured CSV with the
 current memory model and the probes stored in <out>/probes under the current probe's key;
@@ -39,17 +43,25 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 TARGET = (1.00, 1.05)
+TP2_GEOMETRY = "gqa-128"  # the TP=2 subset's model
 
 
 def tp1_cells(args: argparse.Namespace) -> list:
-    from _calibration.cells import off_grid_matrix
+    from _calibration.cells import DENSE_GEOMETRIES, HYBRID_GEOMETRIES, off_grid_matrix
 
     if args.quick:
         return off_grid_matrix(args.seed, rows_per_model=2, geometries=("gqa-128",),
                                policies=("none", "selective core_attn+mlp", "full uniform 2"),
                                max_tokens=1500, build=args.build)
-    cells = off_grid_matrix(args.seed, rows_per_model=args.rows_per_model,
-                            max_tokens=args.max_tokens, build=args.build)
+    # Each family is its own seeded matrix (the dense one as it always was); without
+    # --geometries the dense one runs, the hybrids measure into their own --out.
+    wanted = set(args.geometries or DENSE_GEOMETRIES)
+    cells = []
+    for family in (DENSE_GEOMETRIES, HYBRID_GEOMETRIES):
+        if wanted & set(family):
+            cells += off_grid_matrix(args.seed, rows_per_model=args.rows_per_model,
+                                     max_tokens=args.max_tokens, build=args.build,
+                                     geometries=family)
     if args.geometries:
         cells = [c for c in cells if c.geometry in args.geometries]
     if args.policies:
@@ -64,7 +76,7 @@ def tp2_cells(quick: bool, seed: int, build: str = "local") -> list:
         "none", "selective default", "selective core_attn+mlp", "full uniform 1",
         "full uniform 2")
     return off_grid_matrix(seed + 1, rows_per_model=2 if quick else 4, tensor_parallel=2,
-                           geometries=("gqa-128",), policies=policies,
+                           geometries=(TP2_GEOMETRY,), policies=policies,
                            max_tokens=1500 if quick else 3000, build=build)
 
 
@@ -247,6 +259,13 @@ def main() -> int:
     if args.worker_out:
         return worker(args)
     probe_dir = str(Path(args.out) / "probes")
+    if args.geometries:
+        from _calibration.cells import calibration_geometries
+
+        unknown = sorted(set(args.geometries) - set(calibration_geometries()))
+        if unknown:
+            parser.error(f"unknown calibration geometries {unknown}; known: "
+                         f"{sorted(calibration_geometries())}")
     if args.reprice:
         from _calibration.harness import reprice_rows
 
@@ -270,7 +289,7 @@ def main() -> int:
 
     start = time.time()
     rows: list[dict] = []
-    if 2 in args.tp:
+    if 2 in args.tp and (not args.geometries or TP2_GEOMETRY in args.geometries):
         rows += run_tp2(args.quick, args.seed, args.build)
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
