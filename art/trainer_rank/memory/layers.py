@@ -133,6 +133,17 @@ def _linear_input_saved(d: Dims, s: int, target: str, column: bool) -> bool:
     return bool(d.lora_rank) and target in d.lora_targets
 
 
+def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int) -> float:
+    """The GPU-shaped CPU build's SwiGLU stand-in (art/megatron/cpu_fused.py) computes its
+    backward in row chunks with five chunk-sized temporaries live at once (sigmoid, silu,
+    g * up, 1 - sigmoid, silu * (1 - sigmoid)); a fused GPU kernel has none."""
+    if not d.implementation.gpu_shaped_cpu:
+        return 0.0
+    from art.megatron.cpu_fused import CHUNK_ROWS
+
+    return 5 * min(tokens, CHUNK_ROWS) * ffn / d.tp * d.dtype_bytes
+
+
 def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Block]:
     """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP)."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
@@ -150,11 +161,13 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
               temp=_lora_temp(d, "linear_fc1", fc1_out),
               # Backward: the adapter's scaled copy of the incoming gradient.
               grad_temp=_lora_temp(d, "linear_fc1", fc1_out) / 3),
-        # Backward: the gradient of its input (fc1's output); the torch path adds one
-        # activation-sized temporary, the fused kernel none.
+        # Backward: the gradient of its input (fc1's output). The torch path never holds
+        # more: its peak is the gradient of x2 and the product for silu's backward (two
+        # activation-sized tensors), and by the time both halves are concatenated its saved
+        # tensors and the incoming gradient are freed.
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out,
-              grad_temp=fc1_out + (0.0 if d.implementation.swiglu_fused else act_out)),
+              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn)),
         Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2"),
               d.hidden_tokens(s) * g.hidden_size * b, False,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
@@ -452,8 +465,9 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     # Forward: kept so far + this block's full working set (recomputed blocks still run).
     peak_f = 0.0
     so_far = 0.0
-    for blk, part in zip(blocks, parts):
-        live = so_far + blk.internal + blk.output + blk.temp
+    for idx, (blk, part) in enumerate(zip(blocks, parts)):
+        live = (so_far + blk.internal + blk.output + blk.temp
+                + _norm_rebuilt_for(blocks, segments, idx, backward=False))
         peak_f = max(peak_f, live)
         so_far += part
 
@@ -465,7 +479,7 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     remaining = kept - own_input
     for idx in reversed(range(len(blocks))):
         blk, part, seg = blocks[idx], parts[idx], segments[idx]
-        rebuilt = 0.0
+        rebuilt = _norm_rebuilt_for(blocks, segments, idx)
         if seg is not None:
             for j in range(idx, -1, -1):
                 if segments[j] != seg:
@@ -482,7 +496,7 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             start = idx
             while start > 0 and segments[start - 1] == seg:
                 start -= 1
-            before = 0.0
+            before = _norm_rebuilt_for(blocks, segments, idx)
             for j in range(start, idx + 1):
                 peak_b = max(peak_b, held + own_input + 2 * x + before + blocks[j].internal
                              + blocks[j].output + blocks[j].temp)
@@ -493,6 +507,25 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     # (the `2 * x`): the layer's incoming gradient is priced as held to the end already.
     return LayerCost(int(kept), int(peak_f), backward, int(x), saves_input,
                      backward_held=backward)
+
+
+def _norm_rebuilt_for(blocks: list[Block], segments: list[int | None], idx: int, *,
+                      backward: bool = True) -> float:
+    """What recomputed norms hold while block `idx` runs, for every block between the norm
+    and the next residual add. Forward: the norm's output, which Megatron discards only once
+    the attention / MLP has run (`CheckpointWithoutOutput.discard_output_and_register_recompute`).
+    Backward: the norm re-runs as soon as the gradient of the attention's / MLP's output
+    arrives (`CheckpointWithoutOutput._recompute`); the discarded storage is restored (the
+    next linear's saved input) and the re-run's own output and saved statistics stay
+    referenced until the norm's backward: two outputs and the norm's internals."""
+    held = 0.0
+    for j in range(idx - 1, -1, -1):
+        if blocks[j].name == "residual add":
+            break
+        if blocks[j].module == "layernorm" and segments[j] is not None:
+            held += (blocks[j].internal + 2 * blocks[j].output if backward
+                     else blocks[j].output)
+    return held
 
 
 def _checkpoint_segments(blocks: list[Block], modules: frozenset[str]) -> list[int | None]:
