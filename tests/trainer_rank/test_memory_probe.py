@@ -314,3 +314,34 @@ def test_full_unit_mixing_layer_kinds_prices_the_held_incoming_gradient(megatron
     result = model.measure(cell)
     assert result.peak_at == "backward: layers 3-4 backward (full recompute unit)", result.peak_at
     assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)
+
+
+def test_hybrid_moe_without_grad_prices_what_earlier_layers_leave_behind(megatron_process):
+    """Without grad, each MoE layer's token dispatcher keeps its routing state referenced
+    after the layer returns (until its next call), so the gated attention layer on top runs
+    with the three Gated DeltaNet MoE layers' state still live; the gate is a copy out of the
+    QKV buffer, live through core attention. Probe (no-grad `kept`) and default formulas
+    price the row within [1.00, 1.05] and name the earlier layers' state as a term."""
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+        micro_batch_shape,
+    )
+
+    from art.trainer_rank._request import OutputRequest
+
+    cell = Cell("hybrid-moe-128", "none", 8, 1, (352,), "top_k=20", False)
+    model = CalibrationModel(calibration_geometries()["hybrid-moe-128"], POLICY_BY_NAME["none"],
+                             lora_rank=8, tensor_parallel=1, cells=[cell],
+                             probe_tokens=SLICE_PROBE_TOKENS)
+    result = model.measure(cell)
+    batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), False,
+                              model.layout, model.implementation)
+    for memory in (model.memory, model.memory_default):
+        names = {t.name for t in memory.estimate(batch).terms}
+        assert "state kept by earlier layers (no grad)" in names, names
+    assert 1.0 <= result.ratio <= 1.05, ("probe", result.measured_bytes, result.predicted_bytes)
+    assert 1.0 <= result.default_ratio <= 1.05, (
+        "defaults", result.measured_bytes, result.predicted_default_bytes)

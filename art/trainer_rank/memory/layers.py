@@ -30,6 +30,7 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 
 FP32 = 4
+INT64 = 8
 # fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
 # fp32 matrix per chunk and head and rebuilds the per-chunk recurrent states in backward.
 GDN_CHUNK_TOKENS = 64
@@ -174,6 +175,15 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
               + _lora_temp(d, "linear_fc2", d.hidden_tokens(s) * g.hidden_size * b),
               grad_temp=act_out),
     ]
+
+
+def moe_dispatcher_state(d: Dims, s: int) -> float:
+    """What a MoE layer's token dispatcher keeps referenced after the layer returns, until
+    its next call: the routing probabilities (fp32) and map (bool) [s, experts], the
+    permutation's token indices (int64, one per routed pair) and the tokens per expert."""
+    g = d.geometry
+    return (float(s) * g.num_experts * (FP32 + 1) + float(s) * g.moe_router_topk * INT64
+            + g.num_experts * INT64)
 
 
 def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
@@ -441,17 +451,24 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous
         # block's output, the largest block's output plus its working set; core attention
-        # also keeps the fused QKV buffer alive (V is a view of it).
+        # also keeps the fused QKV buffer alive (V is a view of it). A gated attention's
+        # gate is a contiguous copy out of the QKV buffer (Megatron reshapes the strided
+        # split), live from the split until the output gate multiplies it in.
+        gate = sum(blk.internal for blk in blocks if blk.name == "output gate")
         peak = 0.0
         prev = x
         qkv = 0.0
+        gate_live = 0.0
         for blk in blocks:
-            if blk.name == "qkv":
-                qkv = blk.output
-            extra = qkv if blk.module == "core_attn" else 0.0
+            if blk.name == "output gate":
+                gate_live = 0.0
+            extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
             peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
             prev = blk.output
-        return LayerCost(0, int(peak), 0, int(x), False)
+            if blk.name == "qkv":
+                qkv, gate_live = blk.output, gate
+        kept = moe_dispatcher_state(d, s) if kind.endswith("_moe") else 0.0
+        return LayerCost(int(kept), int(peak), 0, int(x), False)
 
     # Megatron's `moe` checkpoint wraps the whole MoE layer, its activation and shared
     # experts included.

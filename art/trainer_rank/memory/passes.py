@@ -43,10 +43,11 @@ class ForwardPass:
     peak_where: str = ""
     output: float = 0.0  # the decoder output's bytes
     probe_used: bool = False
+    peak_kept: float = 0.0  # of `peak`, what earlier layers kept
 
     def reach(self, peak: float, where: str) -> None:
         if peak > self.peak:
-            self.peak, self.peak_where = peak, where
+            self.peak, self.peak_where, self.peak_kept = peak, where, self.kept_total
 
 
 def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, tp: int,
@@ -126,7 +127,8 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
                 fp.probe_used = True
                 fp.reach(fp.kept_total + x_in + unit_cost.forward,
                          f"layers {index + 1}-{index + n} (no grad)")
-                fp.units.append(Unit(False, index, 0, x, (unit_cost,)))
+                fp.units.append(Unit(False, index, unit_cost.kept, x, (unit_cost,)))
+                fp.kept_total += unit_cost.kept
                 fp.output = unit_cost.output
                 i += n
                 continue
@@ -135,10 +137,13 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
             members = layers[i:i + n]
             costs = [layer_cost(j, frozenset(), s, False) for j, _ in members]
             fp.probe_used |= any(u for _, u in costs)
+            unit_kept = 0.0
             for k, (cost, _) in enumerate(costs):
                 fp.reach(fp.kept_total + x_in + cost.forward + (x_in if k else 0.0),
                          f"layer {index + k + 1} (no grad, checkpoint unit)")
-            fp.units.append(Unit(False, index, 0, x, (costs[-1][0],)))
+                fp.kept_total += cost.kept
+                unit_kept += cost.kept
+            fp.units.append(Unit(False, index, unit_kept, x, (costs[-1][0],)))
             fp.output = costs[-1][0].output
             i += n
             continue
@@ -187,6 +192,15 @@ def live_after_decoder(pre: list[Term]) -> list[Term]:
     return live
 
 
+def _state_terms(kept: float, whose: str) -> list[Term]:
+    """Without grad, what layers leave referenced after they return (a MoE layer's token
+    dispatcher keeps its routing state until its next call)."""
+    if kept <= 0:
+        return []
+    return [Term(f"state kept by {whose} (no grad)", int(kept), "forward",
+                 "MoE token dispatchers' routing state, held until their next call")]
+
+
 def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str,
                   grad: bool) -> tuple[list[Term], str]:
     """The forward peak as terms, and where it is. With grad: everything kept, the decoder
@@ -211,9 +225,10 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
                               fp.peak_where))
             return terms, fp.peak_where
         return terms, "head"
-    layer_terms = [*pre, Term("largest layer working set (no grad)", int(fp.peak), "forward",
-                              fp.peak_where)]
-    head_terms = [*live_after_decoder(pre),
+    layer_terms = [*pre, *_state_terms(fp.peak_kept, "earlier layers"),
+                   Term("largest layer working set (no grad)", int(fp.peak - fp.peak_kept),
+                        "forward", fp.peak_where)]
+    head_terms = [*live_after_decoder(pre), *_state_terms(fp.kept_total, "the layers"),
                   Term("head + outputs (no grad)", int(tail.forward), "forward", tail.note),
                   *_gather_terms(tail)]
     if sum(t.bytes for t in layer_terms) >= sum(t.bytes for t in head_terms):

@@ -4,6 +4,8 @@ Formulas drift from kernels, so the probe runs a real transformer layer of the b
 (same spec, dtype, LoRA adapters, device) under each recompute mode the policy uses, at three
 small token counts, and measures with the memory meter (CPU: live storages; GPU: allocator stats):
 - kept: what the layer holds for backward (its input when it saves it, not its output);
+  without grad, what it leaves referenced when it returns (a MoE layer's token dispatcher
+  keeps its routing state until its next call);
 - forward: the peak above the state at the layer's start (input live);
 - backward: the peak above the state right before its backward, incoming gradient included
   (materialised inside the measurement by a scalar-multiply node, as in the real chain);
@@ -100,8 +102,9 @@ class ProbedTail:
 
 
 # What one probe file holds and how it was measured; a change makes every older file a
-# cache miss and an error to load (2: the no-recompute modes carry `backward_held`).
-PROBE_FORMAT_VERSION = 2
+# cache miss and an error to load (2: the no-recompute modes carry `backward_held`; 3: the
+# no-grad modes measure `kept`).
+PROBE_FORMAT_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -359,7 +362,7 @@ def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
             del z
     del y
     x0.grad = None
-    return {"kept": kept if grad else 0.0, "forward": forward, "backward": backward,
+    return {"kept": kept, "forward": forward, "backward": backward,
             "output": y_bytes, "saves_input": saves_input}
 
 
