@@ -316,12 +316,15 @@ def test_full_unit_mixing_layer_kinds_prices_the_held_incoming_gradient(megatron
     assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)
 
 
-def test_hybrid_moe_without_grad_prices_what_earlier_layers_leave_behind(megatron_process):
+def test_hybrid_moe_prices_routing_state_and_expert_adapters(megatron_process):
     """Without grad, each MoE layer's token dispatcher keeps its routing state referenced
     after the layer returns (until its next call), so the gated attention layer on top runs
     with the three Gated DeltaNet MoE layers' state still live; the gate is a copy out of the
     QKV buffer, live through core attention. Probe (no-grad `kept`) and default formulas
-    price the row within [1.00, 1.05] and name the earlier layers' state as a term."""
+    price the row within [1.00, 1.05] and name the earlier layers' state as a term. With
+    grad the default formulas price what the experts keep: the activation and its product
+    with the routing probabilities, each local expert's LoRA (rows per routed pair, A weights
+    concatenated per expert), the router's indices and the dispatcher's map."""
     from _calibration.harness import (
         POLICY_BY_NAME,
         CalibrationModel,
@@ -333,9 +336,15 @@ def test_hybrid_moe_without_grad_prices_what_earlier_layers_leave_behind(megatro
     from art.trainer_rank._request import OutputRequest
 
     cell = Cell("hybrid-moe-128", "none", 8, 1, (352,), "top_k=20", False)
+    with_grad = Cell("hybrid-moe-128", "none", 8, 1, (348,), "logits", True)
     model = CalibrationModel(calibration_geometries()["hybrid-moe-128"], POLICY_BY_NAME["none"],
-                             lora_rank=8, tensor_parallel=1, cells=[cell],
+                             lora_rank=8, tensor_parallel=1, cells=[cell, with_grad],
                              probe_tokens=SLICE_PROBE_TOKENS)
+    trained = model.measure(with_grad)
+    assert 1.0 <= trained.default_ratio <= 1.05, (
+        "defaults, grad", trained.measured_bytes, trained.predicted_default_bytes)
+    assert 1.0 <= trained.ratio <= 1.05, ("probe, grad", trained.measured_bytes,
+                                          trained.predicted_bytes)
     result = model.measure(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), False,
                               model.layout, model.implementation)

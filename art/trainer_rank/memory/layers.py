@@ -105,17 +105,18 @@ def _norm_block(d: Dims, s: int, name: str, fused_into_next: bool, saves_out: bo
 LORA_PROJECTIONS = {"linear_qkv": 3, "linear_fc1": 2}
 
 
-def _lora_saved(d: Dims, s: int, target: str) -> float:
+def _lora_saved(d: Dims, s: float, target: str, adapters: int = 1) -> float:
     """What a LoRA adapter on `target` keeps besides its input: the rank intermediate of
     every projection ([s, projections x r], one storage the B matmuls keep whole) and, when
     the linear fuses several projections, their A weights concatenated each forward (a new
-    tensor the A matmul keeps)."""
+    tensor the A matmul keeps), once per adapter (`adapters`: local experts)."""
     if not d.lora_rank or target not in d.lora_targets:
         return 0.0
     projections = LORA_PROJECTIONS.get(target, 1)
     saved = float(s) * projections * d.lora_rank * d.dtype_bytes
     if projections > 1:
-        saved += projections * d.lora_rank * d.geometry.hidden_size * d.dtype_bytes
+        saved += (adapters * projections * d.lora_rank * d.geometry.hidden_size
+                  * d.dtype_bytes)
     return saved
 
 
@@ -145,8 +146,10 @@ def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int) -> float:
     return 5 * min(tokens, CHUNK_ROWS) * ffn / d.tp * d.dtype_bytes
 
 
-def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Block]:
-    """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP)."""
+def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
+                lora_tokens: float | None = None, adapters: int = 1) -> list[Block]:
+    """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP); routed
+    experts: their LoRA adapters see `lora_tokens` rows over `adapters` local experts."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     fc1_out = tokens * 2 * ffn * b / tp
     act_out = tokens * ffn * b / tp
@@ -157,8 +160,9 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
         # silu(x1) * x2: x1, x2 are views of fc1's output (kept whole); silu(x1) and one more
         # activation-sized storage are kept besides (measured with saved-tensor hooks).
         act_internal = 2 * act_out
+    rows = float(s) if lora_tokens is None else lora_tokens
     return [
-        Block(f"{tag}fc1", "mlp", _lora_saved(d, s, "linear_fc1"), fc1_out, True,
+        Block(f"{tag}fc1", "mlp", _lora_saved(d, rows, "linear_fc1", adapters), fc1_out, True,
               temp=_lora_temp(d, "linear_fc1", fc1_out),
               # Backward: the adapter's scaled copy of the incoming gradient.
               grad_temp=_lora_temp(d, "linear_fc1", fc1_out) / 3),
@@ -169,7 +173,7 @@ def _mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str) -> list[Bloc
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out,
               grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn)),
-        Block(f"{tag}fc2", "mlp", _lora_saved(d, s, "linear_fc2"),
+        Block(f"{tag}fc2", "mlp", _lora_saved(d, rows, "linear_fc2", adapters),
               d.hidden_tokens(s) * g.hidden_size * b, False,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
               + _lora_temp(d, "linear_fc2", d.hidden_tokens(s) * g.hidden_size * b),
@@ -197,14 +201,25 @@ def _moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
         local_pairs = float(s) * min(g.moe_router_topk, local_experts)
     else:
         local_pairs = routed / ep
-    router = Block("router", None, float(s) * g.num_experts * FP32 * 2,
+    # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
+    # probabilities (its output); the routing map [s, experts] (bool) and the permutation's
+    # token indices (int64 per routed pair) the dispatcher keeps for the un-permute.
+    router = Block("router", None,
+                   float(s) * g.num_experts * (FP32 * 2 + 1) + float(s) * g.moe_router_topk
+                   * INT64 + routed * INT64,
                    float(s) * g.moe_router_topk * FP32, True)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
                      temp=local_pairs * g.hidden_size * b)
     # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
     # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
     experts = [replace(blk, module="moe_act" if blk.name.endswith("swiglu") else "moe")
-               for blk in _mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ")]
+               for blk in _mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ",
+                                      lora_tokens=local_pairs, adapters=local_experts)]
+    # The routing probabilities multiply the activation before fc2 (one fp32 per pair): the
+    # multiply keeps the activation and the probabilities, fc2 keeps the product.
+    act_out = local_pairs * g.moe_ffn_hidden_size * b
+    experts[1] = replace(experts[1], internal=experts[1].internal + act_out
+                         + local_pairs * FP32)
     blocks = [replace(router, module="moe"), dispatch, *experts]
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=local_pairs * g.hidden_size * b))
