@@ -57,7 +57,7 @@ from art.trainer_rank.memory.device import (
     cuda_oom_count,
     device_usable_bytes,
     release_memory,
-    unallocated_gradient_bytes,
+    unallocated_gradients,
 )
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
@@ -174,8 +174,9 @@ class TrainerRank(SlotMethods):
         measures only at sizes that fit `usable`."""
         if self.probe is not None:
             self.probe.usable_bytes = usable
-        self.admission.unallocated_gradient_bytes = (
-            unallocated_gradient_bytes(self.model) if grad else 0)
+        gradients = unallocated_gradients(self.model, self.provider.geometry.num_layers)
+        self.admission.unallocated_gradients = gradients if grad else None
+        self.admission.unallocated_gradient_bytes = gradients.total_bytes if grad else 0
         return self.admission.plan_next(pending, grad, usable)
 
     def _meter(self, usable: int) -> MemoryMeter:

@@ -232,3 +232,35 @@ def test_a_recorded_miss_shrinks_what_is_admitted(usable):
     adm.profiles.record_miss(first.signature, tokens, usable, first.pricing.model_peak_bytes)
     again = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
     assert again.decision == DECLINED or again.shape.packed_tokens < tokens
+
+
+def test_first_gradients_count_only_the_layers_a_backward_reached_at_its_peak():
+    """Gradients not allocated yet are allocated by the backward top-down: at a peak in layer
+    k's backward only the layers from k up (and parameters outside the layers) have theirs."""
+    from art.trainer_rank.memory.device import unallocated_gradients
+
+    class Layer(torch.nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.lora = torch.nn.Parameter(torch.zeros(n))
+            self.frozen = torch.nn.Parameter(torch.zeros(n), requires_grad=False)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = torch.nn.ModuleList([Layer(10), Layer(20), Layer(30)])
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.decoder = Decoder()
+            self.head = torch.nn.Parameter(torch.zeros(5))
+
+    model = Model()
+    model.decoder.layers[2].lora.grad = torch.zeros(30)  # already allocated
+    gradients = unallocated_gradients(model, num_layers=3)
+    assert gradients.per_layer == (40, 80, 0) and gradients.outside_layers == 20
+    assert gradients.total_bytes == 140
+    assert gradients.allocated_down_to(1) == 80 + 20
+    assert gradients.allocated_down_to(0) == 140
+    assert gradients.allocated_down_to(None) == 20  # a peak in the head's backward

@@ -354,3 +354,30 @@ def test_hybrid_moe_prices_routing_state_and_expert_adapters(megatron_process):
     assert 1.0 <= result.ratio <= 1.05, ("probe", result.measured_bytes, result.predicted_bytes)
     assert 1.0 <= result.default_ratio <= 1.05, (
         "defaults", result.measured_bytes, result.predicted_default_bytes)
+
+
+def test_hybrid_row_of_many_sequences_prices_each_sequence_conv_padding(megatron_process):
+    """A packed row of many short sequences: each Gated DeltaNet layer's causal conv pads
+    every sequence on its own (`SegmentedCausalConv1d`) and keeps that padded input for
+    backward, which the probe (one sequence per point) does not see; the estimate adds it per
+    extra sequence, so the row lands within [1.00, 1.05]."""
+    import random
+
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+    )
+
+    rng = random.Random("many sequences")
+    lengths = tuple(rng.randint(10, 40) for _ in range(13))
+    cell = Cell("hybrid-128", "selective default", 8, 1, lengths, "logprobs", True)
+    model = CalibrationModel(calibration_geometries()["hybrid-128"],
+                             POLICY_BY_NAME["selective default"], lora_rank=8,
+                             tensor_parallel=1, cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    result = model.measure(cell)
+    assert result.peak_at == "backward: layer 4 backward", result.peak_at
+    assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
+    assert 1.0 <= result.default_ratio <= 1.05, (
+        lengths, result.measured_bytes, result.predicted_default_bytes)

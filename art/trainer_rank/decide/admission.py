@@ -185,6 +185,9 @@ class Admission:
     # Bytes of trainable gradients not allocated yet (the trainer sets it before each grad
     # plan); grad micro-batches carry it as their first_gradient_allocation_bytes term.
     unallocated_gradient_bytes: int = 0
+    # The same per decoder layer (memory/device.UnallocatedGradients): a backward allocates
+    # only the gradients of the layers above its peak by then. None: all of them count.
+    unallocated_gradients: Any = None
 
     def __post_init__(self) -> None:
         self.clear_caches()
@@ -264,7 +267,12 @@ class Admission:
         profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window,
                                         int(estimate.dynamic_bytes) - reserve)
         profile_dynamic = None if profile is None else profile + reserve
-        first_gradients = self.unallocated_gradient_bytes if grad else 0
+        first_gradients = 0
+        if grad and self.unallocated_gradients is not None:
+            first_gradients = self.unallocated_gradients.allocated_down_to(
+                getattr(estimate, "backward_peak_layer", None))
+        elif grad:
+            first_gradients = self.unallocated_gradient_bytes
         return Pricing(estimate, profile_dynamic, recompute,
                        first_gradient_allocation_bytes=first_gradients), shape, sig
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import gc
 import os
+import re
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -58,6 +60,45 @@ def held_output_bytes(shape: MicroBatchShape, geometry: ModelGeometry, dtype: st
     if wanted.hidden_states:
         per_token += geometry.hidden_size * DTYPES[dtype].itemsize
     return tokens * per_token
+
+
+@dataclass(frozen=True)
+class UnallocatedGradients:
+    """Bytes of trainable gradients not allocated yet, per decoder layer and outside them."""
+
+    per_layer: tuple[int, ...]
+    outside_layers: int
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.per_layer) + self.outside_layers
+
+    def allocated_down_to(self, layer: int | None) -> int:
+        """What a backward allocates by the time it runs layer `layer`'s backward (index;
+        None: the head's): the backward runs top-down, so layers below it have allocated
+        nothing yet. Parameters outside the layers count in full (an upper bound)."""
+        if layer is None:
+            return self.outside_layers
+        return sum(self.per_layer[layer:]) + self.outside_layers
+
+
+_LAYER = re.compile(r"(?:^|\.)decoder\.layers\.(\d+)\.")
+
+
+def unallocated_gradients(model: Any, num_layers: int) -> UnallocatedGradients:
+    """`unallocated_gradient_bytes` split by decoder layer (from the parameter names)."""
+    per_layer = [0] * num_layers
+    outside = 0
+    for name, p in model.named_parameters():
+        if not p.requires_grad or p.grad is not None or getattr(p, "main_grad", None) is not None:
+            continue
+        nbytes = p.numel() * p.element_size()
+        match = _LAYER.search(name)
+        if match and int(match.group(1)) < num_layers:
+            per_layer[int(match.group(1))] += nbytes
+        else:
+            outside += nbytes
+    return UnallocatedGradients(tuple(per_layer), outside)
 
 
 def unallocated_gradient_bytes(model: Any) -> int:

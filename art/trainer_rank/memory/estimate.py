@@ -36,6 +36,9 @@ class Estimate:
     batch: MicroBatchShape
     # Which phase sets the dynamic peak, and where in it (e.g. "backward: head").
     peak_at: str = ""
+    # The first layer (index) of the layer or full-recompute unit whose backward sets the
+    # backward peak; None: the head's backward (or no grad).
+    backward_peak_layer: int | None = None
 
     @property
     def dynamic_bytes(self) -> int:

@@ -399,6 +399,19 @@ def _linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list
     ]
 
 
+def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int) -> float:
+    """A Gated DeltaNet layer on CPU convolves a packed row with each sequence's own causal
+    left padding (`SegmentedCausalConv1d`): its saved input grows by kernel-1 columns of every
+    conv channel per sequence. Probe and formulas price one sequence; this is the rest."""
+    la = d.geometry.linear_attention
+    if (sequences <= 1 or la is None or not kind.startswith("linear_attention")
+            or d.implementation.device == "cuda"):
+        return 0.0
+    channels = (2 * la.num_key_heads * la.key_head_dim
+                + la.num_value_heads * la.value_head_dim) / d.tp
+    return float((sequences - 1) * (la.conv_kernel_size - 1) * channels * d.dtype_bytes)
+
+
 def keeps_layer_input(d: Dims, kind: str) -> bool:
     """Whether a layer keeps its input for backward. A Gated DeltaNet layer's frozen input norm
     with torch's composite kernel in bf16/fp16 keeps its fp32 upcast instead."""

@@ -37,7 +37,13 @@ from art.trainer_rank.memory.budget import AllocatorReserve
 from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
 from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
 from art.trainer_rank.memory.estimate import Estimate, Term
-from art.trainer_rank.memory.layers import Dims, LayerCost, layer_kind, price_layer
+from art.trainer_rank.memory.layers import (
+    Dims,
+    LayerCost,
+    conv_sequence_padding_bytes,
+    layer_kind,
+    price_layer,
+)
 from art.trainer_rank.memory.passes import (
     backward_terms,
     forward_pass,
@@ -142,10 +148,11 @@ class MemoryModel:
         return cached
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
-                    padded: int | None = None) -> tuple[LayerCost, bool]:
-        """`padded`: the row's tokens padded to whole kernel chunks (memory/chunked.py)."""
+                    padded: int | None = None, sequences: int = 1) -> tuple[LayerCost, bool]:
+        """`padded`: the row's tokens padded to whole kernel chunks (memory/chunked.py);
+        `sequences`: how many sequences the row packs."""
         kind = self._kinds[index]
-        memo_key = (kind, modules, s, grad, padded)
+        memo_key = (kind, modules, s, grad, padded, sequences)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
@@ -159,6 +166,11 @@ class MemoryModel:
             result = (price_layer(self.dims, kind, modules, s, grad=grad,
                                   worst_case_routing=self.worst_case_routing, padded=padded),
                       False)
+        padding = conv_sequence_padding_bytes(self.dims, kind, sequences) if grad else 0.0
+        if padding:
+            cost, used = result
+            result = (replace(cost, kept=int(cost.kept + padding),
+                              forward=int(cost.forward + padding)), used)
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[memo_key] = result
@@ -254,7 +266,8 @@ class MemoryModel:
         padded = (row_padded_chunk_tokens(batch.sequence_lengths_tokens, self.layout)
                   if self.layout.context_parallel == 1 and has_chunked_layers(g) else None)
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
-                          functools.partial(self._layer_cost, padded=padded),
+                          functools.partial(self._layer_cost, padded=padded,
+                                            sequences=len(batch.sequence_lengths_tokens)),
                           functools.partial(self._probed_unit, padded=padded))
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
@@ -263,8 +276,8 @@ class MemoryModel:
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
         fwd_terms, forward_where = forward_terms(pre, fp, tail, layer_kept_note, grad)
         forward_peak = sum(t.bytes for t in fwd_terms)
-        bwd_terms, backward_where = (backward_terms(pre, fp, tail, layer_kept_note) if grad
-                                     else ([], ""))
+        bwd_terms, backward_where, backward_layer = (
+            backward_terms(pre, fp, tail, layer_kept_note) if grad else ([], "", None))
         backward_peak = sum(t.bytes for t in bwd_terms)
 
         dynamic_core = max(forward_peak, backward_peak)
@@ -293,6 +306,7 @@ class MemoryModel:
             coefficients_source=source,
             batch=batch,
             peak_at=peak_at,
+            backward_peak_layer=backward_layer,
         )
 
     def _tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:

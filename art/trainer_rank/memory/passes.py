@@ -271,12 +271,14 @@ def _full_unit_peak(unit: Unit) -> float:
 
 
 def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str
-                   ) -> tuple[list[Term], str]:
-    """The backward peak as terms, and where it is: the head's backward, then each layer
+                   ) -> tuple[list[Term], str, int | None]:
+    """The backward peak as terms, where it is, and the first layer (index) of the layer or
+    unit whose backward sets it (None: the head's): the head's backward, then each layer
     top-down at its `backward` above what it and the layers below keep. LoRA gradients are
     priced as resident (they exist from the first step on)."""
     best = fp.kept_total + fp.output + tail.backward
     where = "head backward"
+    peak_layer: int | None = None
     parts = [("layer activations kept (all layers)", fp.kept_total, layer_kept_note),
              ("decoder output", fp.output, "last layer output"),
              ("head + outputs + caller loss (backward)", tail.backward, tail.note)]
@@ -288,7 +290,7 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
             cost = unit.costs[0]
             peak = below + cost.kept + cost.backward + outputs_held
             if peak > best:
-                best, where = peak, f"layer {unit.start + 1} backward"
+                best, where, peak_layer = peak, f"layer {unit.start + 1} backward", unit.start
                 parts = [
                     ("activations kept by layers below", below, ""),
                     ("this layer's kept activations", cost.kept, ""),
@@ -302,7 +304,7 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
         if peak > best:
             first, last = unit.start + 1, unit.start + len(unit.costs)
             span = f"layer {first}" if first == last else f"layers {first}-{last}"
-            best, where = peak, f"{span} backward (full recompute unit)"
+            best, where, peak_layer = peak, f"{span} backward (full recompute unit)", unit.start
             parts = [
                 ("activations kept by layers below", below, "checkpoint inputs"),
                 ("checkpoint unit input", unit.kept, ""),
@@ -312,4 +314,4 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
             ]
     terms = [replace(t, phase="backward") for t in pre]
     terms += [Term(n, int(v), "backward", note) for n, v, note in parts]
-    return terms, where
+    return terms, where, peak_layer
