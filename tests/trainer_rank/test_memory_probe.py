@@ -381,3 +381,32 @@ def test_hybrid_row_of_many_sequences_prices_each_sequence_conv_padding(megatron
     assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
     assert 1.0 <= result.default_ratio <= 1.05, (
         lengths, result.measured_bytes, result.predicted_default_bytes)
+
+
+def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
+        megatron_process):
+    """The hybrid's first three layers are Gated DeltaNet: without grad a row of short
+    sequences (each padded to whole 64-token chunks there) peaks in one of them, before the
+    attention layer's first call allocates Megatron's score buffer, so that peak is priced
+    without it (probe within [1.00, 1.05]; the buffer term absent)."""
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+        micro_batch_shape,
+    )
+
+    from art.trainer_rank._request import OutputRequest
+
+    cell = Cell("hybrid-128", "none", 8, 1, (9, 23, 30, 46), "top_k=20", False)
+    model = CalibrationModel(calibration_geometries()["hybrid-128"], POLICY_BY_NAME["none"],
+                             lora_rank=8, tensor_parallel=1, cells=[cell],
+                             probe_tokens=SLICE_PROBE_TOKENS)
+    result = model.measure(cell)
+    estimate = model.memory.estimate(micro_batch_shape(
+        cell.lengths, OutputRequest.parse(cell.outputs), False, model.layout,
+        model.implementation))
+    assert estimate.peak_at == "forward: layer 2", estimate.peak_at
+    assert "attention score buffer" not in {t.name for t in estimate.terms}
+    assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)

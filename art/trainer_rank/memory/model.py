@@ -45,6 +45,7 @@ from art.trainer_rank.memory.layers import (
     price_layer,
 )
 from art.trainer_rank.memory.passes import (
+    BUFFERS_OF_ATTENTION,
     backward_terms,
     forward_pass,
     forward_terms,
@@ -268,7 +269,12 @@ class MemoryModel:
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
                           functools.partial(self._layer_cost, padded=padded,
                                             sequences=len(batch.sequence_lengths_tokens)),
-                          functools.partial(self._probed_unit, padded=padded))
+                          functools.partial(self._probed_unit, padded=padded),
+                          attention_layers=frozenset(
+                              i for i, kind in enumerate(self._kinds)
+                              if kind.startswith("attention")),
+                          attention_buffers=sum(t.bytes for t in pre
+                                                if t.name in BUFFERS_OF_ATTENTION))
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:

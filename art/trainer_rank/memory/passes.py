@@ -44,10 +44,19 @@ class ForwardPass:
     output: float = 0.0  # the decoder output's bytes
     probe_used: bool = False
     peak_kept: float = 0.0  # of `peak`, what earlier layers kept
+    # Whether an attention layer has run by the layers' peak: Megatron allocates its score
+    # buffer on the first attention layer's call, so a peak before it does not hold it.
+    attention_run: bool = False
+    peak_after_attention: bool = True
+    attention_buffers: float = 0.0  # what the first attention layer's call allocates
+    peak_with_buffers: float = 0.0
 
     def reach(self, peak: float, where: str) -> None:
-        if peak > self.peak:
+        with_buffers = peak + (self.attention_buffers if self.attention_run else 0.0)
+        if with_buffers > self.peak_with_buffers:
             self.peak, self.peak_where, self.peak_kept = peak, where, self.kept_total
+            self.peak_after_attention = self.attention_run
+            self.peak_with_buffers = with_buffers
 
 
 def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, tp: int,
@@ -84,16 +93,25 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
 
 def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
                  hidden_local: float, layer_cost: LayerPricer,
-                 probed_unit: UnitPricer) -> ForwardPass:
+                 probed_unit: UnitPricer,
+                 attention_layers: frozenset[int] = frozenset(),
+                 attention_buffers: float = 0.0) -> ForwardPass:
     """Layer i starts with what layers < i kept plus its input and peaks at its `forward`
-    above that; a full-recompute unit keeps only its input and runs its layers without grad."""
-    fp = ForwardPass(output=hidden_local)  # the embedding output, then each layer's output
+    above that; a full-recompute unit keeps only its input and runs its layers without grad.
+    `attention_layers`: the indices of the (softmax) attention layers, whose first call
+    allocates `attention_buffers` (pre-decoder terms, `BUFFERS_OF_ATTENTION`)."""
+    fp = ForwardPass(output=hidden_local,  # the embedding output, then each layer's output
+                     attention_buffers=attention_buffers,
+                     attention_run=not attention_layers)
     i = 0
     while i < len(layers):
         index, lr = layers[i]
         first = i == 0
         x = fp.output
         x_in = 0.0 if first else x  # the first input is the embedding output (pre term)
+        # A unit's peak is not placed inside it: count its attention layers as run.
+        span = lr.full_unit_layers if lr.full_checkpoint_unit is not None else 1
+        fp.attention_run |= any(j in attention_layers for j, _ in layers[i:i + max(1, span)])
         if grad and lr.full_checkpoint_unit is not None:
             n = lr.full_unit_layers
             members = layers[i:i + n]
@@ -178,6 +196,10 @@ def _gather_terms(tail: TailCost) -> list[Term]:
                  "TP pieces [chunk, vocab/TP] + their concatenation [chunk, vocab], fp32")]
 
 
+# Pre-decoder terms the first attention layer's call allocates.
+BUFFERS_OF_ATTENTION = ("attention score buffer", "checkpointed attention mask-type tensors")
+
+
 def live_after_decoder(pre: list[Term]) -> list[Term]:
     """Without grad, what of `pre` is still live at the head: the decoder call has returned,
     so the embedding output, the per-token rotary index and the mask-type tensors are gone;
@@ -209,6 +231,10 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
     input is the final norm's output (the decoder's own output is freed with its call)."""
     x = fp.output
     head = tail.forward + tail.gathered_logits
+    # Before the first attention layer runs, Megatron's score buffer does not exist yet.
+    absent = 0.0 if fp.peak_after_attention else sum(
+        t.bytes for t in pre if t.name in BUFFERS_OF_ATTENTION)
+    at_layer = [t for t in pre if fp.peak_after_attention or t.name not in BUFFERS_OF_ATTENTION]
     if grad:
         terms = [
             *pre,
@@ -219,13 +245,13 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
                  tail.note),
             *_gather_terms(tail),
         ]
-        layer_excess = fp.peak - (fp.kept_total + x + head)
+        layer_excess = fp.peak - absent - (fp.kept_total + x + head)
         if layer_excess > 0:
             terms.append(Term("layer forward excess over head", int(layer_excess), "forward",
                               fp.peak_where))
             return terms, fp.peak_where
         return terms, "head"
-    layer_terms = [*pre, *_state_terms(fp.peak_kept, "earlier layers"),
+    layer_terms = [*at_layer, *_state_terms(fp.peak_kept, "earlier layers"),
                    Term("largest layer working set (no grad)", int(fp.peak - fp.peak_kept),
                         "forward", fp.peak_where)]
     head_terms = [*live_after_decoder(pre), *_state_terms(fp.kept_total, "the layers"),
