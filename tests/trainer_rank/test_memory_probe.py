@@ -97,7 +97,8 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
     forward exactly and its backward at most one hidden row per token high (the incoming
     gradient is counted twice where the residual stream passes it on as the same tensor):
     torch's SwiGLU backward, a rebuilt recomputed norm, the GPU-shaped SwiGLU stand-in's
-    chunk temporaries."""
+    chunk temporaries. The caller's mean-square loss on hidden states: its backward's
+    temporaries and the loss scalars."""
     from _calibration.harness import (
         POLICY_BY_NAME,
         CalibrationModel,
@@ -106,8 +107,11 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
         implementation_for,
     )
 
+    from art.trainer_rank._request import MicroBatchShape, OutputRequest
     from art.trainer_rank.memory.layers import price_layer
+    from art.trainer_rank.memory.tail import default_tail
 
+    hidden = OutputRequest.parse("hidden_states")
     tokens = (48, 64, 96)
     for build, policy, modules in (("local", "none", frozenset()),
                                    ("local", "selective layernorm", frozenset({"layernorm"})),
@@ -126,6 +130,14 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
             where = (build, policy, s, probed, default)
             assert probed.forward <= default.forward <= probed.forward + 8, where
             assert probed.backward <= default.backward <= probed.backward + row, where
+            # The tail with hidden states and the caller's mean-square loss (no head): the
+            # formulas are at most the final norm's inverse rms per token above the probe.
+            batch = MicroBatchShape((s,), outputs=hidden)
+            tail = default_tail(built.memory_default, batch, s)
+            kept, forward, backward = built.coefficients.tail_cost(hidden, True, s)
+            where = (build, policy, s, (kept, forward, backward), tail)
+            assert kept <= tail.kept and forward <= tail.forward <= forward + 4 * s, where
+            assert backward <= tail.backward <= backward + 4 * s, where
 
 
 def test_profile_after_a_long_sequence_does_not_over_price_many_short_ones(megatron_process):

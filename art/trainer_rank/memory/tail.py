@@ -81,6 +81,8 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
         held += rows * out.top_k * (FP32 + INT64)
     if out.logits:
         held += rows * g.vocab_size * FP32
+    if grad:
+        held += 2 * FP32  # the caller's loss and its gradient, live through the backward
     saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
     bookkeeping = rows * HEAD_BOOKKEEPING_BYTES_PER_TOKEN if uses_head else 0.0
     forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
@@ -89,9 +91,15 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     if grad:
         caller = 0.0
         if out.hidden_states:
-            # The caller's fp32 mean-square: an fp32 copy (low precision) and its gradient.
-            caller = rows * g.hidden_size * FP32 * (2 if b < FP32 else 1)
-            forward += rows * g.hidden_size * FP32 if b < FP32 else 0.0
+            # The caller's fp32 mean-square: in forward the squares (and the fp32 copy in low
+            # precision, which the square keeps). Its backward holds four hidden-sized fp32
+            # rows at once (the incoming gradient, x^1, 2 x^1, their product: pow's backward)
+            # before the hidden row's gradient (in `grads`) exists: three beyond it. torch's
+            # composite final norm then runs the same pow backward beside that gradient.
+            copy = rows * g.hidden_size * FP32 if b < FP32 else 0.0
+            rows_held = 4 if model.implementation.norm == "torch" else 3
+            caller = rows_held * rows * g.hidden_size * FP32 + copy
+            forward += rows * g.hidden_size * FP32 + copy
         if out.logits:
             caller += rows * g.vocab_size * FP32
         # Head backward, per chunk: the logits rebuilt (the softmax and its gradient run in
