@@ -400,7 +400,9 @@ def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
     """The hybrid's first three layers are Gated DeltaNet: without grad a row of short
     sequences (each padded to whole 64-token chunks there) peaks in one of them, before the
     attention layer's first call allocates Megatron's score buffer, so that peak is priced
-    without it (probe within [1.00, 1.05]; the buffer term absent)."""
+    without it (probe within [1.00, 1.05]; the buffer term absent). The default formulas
+    price that layer's working set: the padded chunk copies and the decay mask the CPU rule
+    builds at once, on the views of in_proj's and the conv's outputs it runs on."""
     from _calibration.harness import (
         POLICY_BY_NAME,
         CalibrationModel,
@@ -422,3 +424,5 @@ def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
     assert estimate.peak_at == "forward: layer 2", estimate.peak_at
     assert "attention score buffer" not in {t.name for t in estimate.terms}
     assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)
+    assert 1.0 <= result.default_ratio <= 1.05, (
+        result.measured_bytes, result.predicted_default_bytes)

@@ -365,10 +365,14 @@ def _linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list
         delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
         delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
     else:
-        # The CPU kernels (cpu_gated_delta): fp32 padded chunk copies of q, k, v, w, u, the chunk
-        # matrix and its inverse; backward rebuilds them under autograd with their gradients.
-        delta_work = chunked * vheads * (dk * 3 + dv * 3 + 2 * GDN_CHUNK_TOKENS) * FP32
-        delta_grad = 3 * delta_work
+        # CPU kernels (cpu_gated_delta): forward peaks in `_outputs` masking the decay: fp32
+        # padded chunk copies of q, k, v, A, w, u, q k^T, the decay's difference, fill and
+        # masked result, g, beta; the identity and causal mask. Backward rebuilds q, k, v, w,
+        # u, the chunk matrix and its inverse under autograd with their gradients.
+        c = GDN_CHUNK_TOKENS
+        delta_work = (chunked * vheads * (3 * dk + 2 * dv + 5 * c + 2) * FP32
+                      + c * c * (FP32 + 1))
+        delta_grad = 3 * chunked * vheads * (dk * 3 + dv * 3 + 2 * c) * FP32
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
@@ -482,7 +486,13 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
         # also keeps the fused QKV buffer alive (V is a view of it). A gated attention's
         # gate is a contiguous copy out of the QKV buffer (Megatron reshapes the strided
         # split), live from the split until the output gate multiplies it in.
+        # A Gated DeltaNet's rule runs on views of in_proj's and the conv's outputs (held by
+        # the layer's frame) and on the repeated q, k, contiguous v, gate and decay inputs.
         gate = sum(blk.internal for blk in blocks if blk.name == "output gate")
+        rule_inputs = sum(blk.output for blk in blocks
+                          if blk.name in ("input norm + in_proj", "causal conv1d + silu"))
+        rule_inputs += sum(blk.internal for blk in blocks
+                           if blk.name == "q/k repeat, gates (g, beta)")
         peak = 0.0
         prev = x
         qkv = 0.0
@@ -491,6 +501,8 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             if blk.name == "output gate":
                 gate_live = 0.0
             extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
+            if blk.name == "gated delta rule":
+                extra += rule_inputs
             peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
             prev = blk.output
             if blk.name == "qkv":
