@@ -53,6 +53,7 @@ from art.trainer_rank.memory.passes import (
     pre_decoder_terms,
 )
 from art.trainer_rank.memory.tail import (
+    CALLER_LOSS_SCALARS_BYTES,
     TailCost,
     default_tail,
     gathered_logits_bytes,
@@ -322,6 +323,8 @@ class MemoryModel:
             probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
             if probed is not None:
                 kept, forward, backward = probed
+                # The probe's kept is the outputs' storages; the caller's loss scalars too.
+                kept += CALLER_LOSS_SCALARS_BYTES if batch.grad_enabled else 0
                 # The probe measured the gather inside its forward: shown as its own term.
                 gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
                 return TailCost(kept, forward - gathered, backward, "probe", gathered), True

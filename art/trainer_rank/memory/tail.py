@@ -54,6 +54,10 @@ def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) ->
     return 2.0 * chunk * model.geometry.vocab_size * FP32
 
 
+# The caller's loss and its gradient: two fp32 scalars live through the backward.
+CALLER_LOSS_SCALARS_BYTES = 2 * FP32
+
+
 def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost:
     """Final norm + head + outputs + caller loss, priced from the compute path's head."""
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
@@ -82,7 +86,7 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     if out.logits:
         held += rows * g.vocab_size * FP32
     if grad:
-        held += 2 * FP32  # the caller's loss and its gradient, live through the backward
+        held += CALLER_LOSS_SCALARS_BYTES
     saved_head = rows * FP32 if uses_head else 0.0  # the log-normaliser kept for backward
     bookkeeping = rows * HEAD_BOOKKEEPING_BYTES_PER_TOKEN if uses_head else 0.0
     forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
