@@ -232,8 +232,7 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
     x = fp.output
     head = tail.forward + tail.gathered_logits
     # Before the first attention layer runs, Megatron's score buffer does not exist yet.
-    absent = 0.0 if fp.peak_after_attention else sum(
-        t.bytes for t in pre if t.name in BUFFERS_OF_ATTENTION)
+    absent = 0.0 if fp.peak_after_attention else fp.attention_buffers
     at_layer = [t for t in pre if fp.peak_after_attention or t.name not in BUFFERS_OF_ATTENTION]
     if grad:
         terms = [
