@@ -7,8 +7,8 @@ Builds a small hybrid (Gated DeltaNet + attention, LoRA on o_proj and the MLP, t
 linears frozen as under LoRA) through the Provider, runs its first (Gated DeltaNet) layer
 forward with a saved-tensor hook that attributes every storage kept for backward to the block
 whose op created it (parameters excluded; a storage counts once), and prints it
-next to the default formulas' block terms (`art/trainer_rank/memory/layers.py`). Writes
-bench/calibration/gdn_blocks.md.
+next to the default formulas' block terms (`art/trainer_rank/memory/layers_gdn.py`, composed
+in `layers.py`). Writes bench/calibration/gdn_blocks.md.
 """
 
 from __future__ import annotations

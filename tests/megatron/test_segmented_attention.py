@@ -14,7 +14,8 @@ from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.packed_attention import segmented_flash_attention
-from art.trainer_rank.memory.layers import Dims, _segmented_flash_costs
+from art.trainer_rank.memory.layer_terms import Dims
+from art.trainer_rank.memory.layers_attention import segmented_flash_costs
 from art.trainer_rank.memory.meter import MemoryMeter
 
 # A prompt, a deeper shared part with two children, a sibling completion, and a pad block.
@@ -97,7 +98,7 @@ def test_an_8k_row_runs_within_the_priced_transients():
         AttentionSegment(prompt + 1298 * i, 1298, (KeySpan(0, prompt),)) for i in range(4)]))
     q, k, v = _qkv(s, 4, 2, 16)
     q_bytes, kv_bytes = s * 64 * 4, s * 32 * 4
-    kept, forward, backward = _segmented_flash_costs(d, s, q_bytes, kv_bytes)
+    kept, forward, backward = segmented_flash_costs(d, s, q_bytes, kv_bytes)
     with MemoryMeter() as meter:
         out = segmented_flash_attention(q, k, v, layout, 0.25)
         forward_seen = meter.peak_bytes - out.untyped_storage().nbytes() - kept

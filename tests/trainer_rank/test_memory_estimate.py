@@ -103,7 +103,8 @@ def test_block_recompute_lies_between_full_and_none(seed_geometry):
 
 
 def test_hybrid_layers_are_priced_by_type(seed_geometry):
-    from art.trainer_rank.memory.layers import Dims, price_layer
+    from art.trainer_rank.memory.layer_terms import Dims
+    from art.trainer_rank.memory.layers import price_layer
 
     d = Dims(seed_geometry, ParallelLayout(tensor_parallel=2, sequence_parallel=True),
              Implementation.gpu_te(), 2, 1, frozenset(LoraShape().target_modules))

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from art.megatron.geometry import ModelGeometry
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
-from art.trainer_rank.memory.layers import GDN_CHUNK_TOKENS
+from art.trainer_rank.memory.layers_gdn import GDN_CHUNK_TOKENS
 
 QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
 

@@ -37,13 +37,9 @@ from art.trainer_rank.memory.budget import AllocatorReserve
 from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
 from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
 from art.trainer_rank.memory.estimate import Estimate, Term
-from art.trainer_rank.memory.layers import (
-    Dims,
-    LayerCost,
-    conv_sequence_padding_bytes,
-    layer_kind,
-    price_layer,
-)
+from art.trainer_rank.memory.layer_terms import Dims, LayerCost
+from art.trainer_rank.memory.layers import layer_kind, price_layer
+from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
 from art.trainer_rank.memory.passes import (
     BUFFERS_OF_ATTENTION,
     backward_terms,

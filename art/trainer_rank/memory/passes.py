@@ -11,7 +11,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.recompute import LayerRecompute
 from art.trainer_rank.memory.estimate import Term
-from art.trainer_rank.memory.layers import FP32, LayerCost
+from art.trainer_rank.memory.layer_terms import FP32, LayerCost
 from art.trainer_rank.memory.tail import INT64, TailCost
 
 INT32 = 4

@@ -26,19 +26,19 @@ once as its own term.
 
 Results are cached per (geometry, implementation, dtype, layout, LoRA, policy modes, device)
 in memory and, when a directory is given, as JSON files.
+
+Here: the fitted records, their keys, the driver and the modes a policy needs; the runs under
+the meter are in `probe_runs.py`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
-
-import torch
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
@@ -51,9 +51,17 @@ from art.trainer_rank.memory.chunked import (
 )
 from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
 from art.trainer_rank.memory.fit import Fit, Poly
-from art.trainer_rank.memory.layers import LayerCost, layer_kind
+from art.trainer_rank.memory.layer_terms import LayerCost
+from art.trainer_rank.memory.layers import layer_kind
 from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.memory.probe_runs import (
+    inner_model,
+    measure_layer,
+    measure_tail,
+    probe_inputs,
+    restore_modes,
+    set_modes,
+)
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -221,230 +229,6 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
                      device=device, grad_tokens=grad_tokens)
 
 
-def _inner(model: Any) -> Any:
-    from art.trainer_rank.compute.forward import unwrap_model
-
-    return unwrap_model(model)
-
-
-def _set_modes(layer: Any, modules: frozenset[str]) -> dict[str, Any]:
-    """Switch the selective recompute flags Megatron derived from the config; return the old."""
-    attention = getattr(layer, "self_attention", None)
-    old = {
-        "recompute_input_layernorm": layer.recompute_input_layernorm,
-        "recompute_pre_mlp_layernorm": layer.recompute_pre_mlp_layernorm,
-        "recompute_mlp": layer.recompute_mlp,
-    }
-    from megatron.core.transformer.identity_op import IdentityOp
-
-    # Megatron turns a norm's recompute on only where the norm is a module of the layer (a
-    # Gated DeltaNet layer's input norm sits in its in_proj).
-    layer.recompute_input_layernorm = "layernorm" in modules and not isinstance(
-        layer.input_layernorm, IdentityOp)
-    layer.recompute_pre_mlp_layernorm = "layernorm" in modules and not isinstance(
-        layer.pre_mlp_layernorm, IdentityOp)
-    layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
-    if attention is not None and hasattr(attention, "checkpoint_core_attention"):
-        old["checkpoint_core_attention"] = attention.checkpoint_core_attention
-        attention.checkpoint_core_attention = "core_attn" in modules
-    return old
-
-
-def _restore_modes(layer: Any, old: dict[str, Any]) -> None:
-    for name, value in old.items():
-        if name == "checkpoint_core_attention":
-            layer.self_attention.checkpoint_core_attention = value
-        else:
-            setattr(layer, name, value)
-
-
-def _storage_nbytes(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.untyped_storage().nbytes()
-
-
-@dataclass(frozen=True)
-class _Inputs:
-    batch: Any  # PackedBatch
-    rotary: torch.Tensor | None
-    rows: int
-
-
-def _probe_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
-                  device: torch.device) -> _Inputs:
-    from art.trainer_rank.compute.forward import _rotary
-    from art.trainer_rank.compute.packing import pack_sequences
-
-    inner = _inner(model)
-    seq = torch.randint(0, inner.vocab_size, (tokens,), device=device)
-    batch = pack_sequences([seq], implementation=implementation, layout=layout, device=device)
-    rows = batch.padded_tokens
-    if layout.sequence_parallel:
-        rows //= layout.tensor_parallel
-    dummy = torch.zeros(rows, 1, inner.config.hidden_size, device=device,
-                        dtype=inner.config.params_dtype)
-    return _Inputs(batch, _rotary(inner, batch, dummy), rows)
-
-
-def _unit(layer: Any, inputs: _Inputs, full_layers: int) -> Callable[[torch.Tensor], Any]:
-    """The layer, or a full-recompute checkpoint unit of `full_layers` runs of it, called the
-    way TransformerBlock calls them (Megatron's reentrant tensor_parallel.checkpoint)."""
-    batch = inputs.batch
-
-    def run_layers(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        context = None
-        for _ in range(max(1, full_layers)):
-            h, context = layer(hidden_states=h, attention_mask=batch.attention_mask,
-                               rotary_pos_emb=inputs.rotary,
-                               packed_seq_params=batch.packed_seq_params)
-        return h, context
-
-    if not full_layers:
-        return run_layers
-
-    def checkpointed(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
-        from megatron.core import tensor_parallel
-
-        # TransformerBlock checkpoints in training mode whether or not grad is enabled.
-        return tensor_parallel.checkpoint(run_layers, False, h)
-
-    return checkpointed
-
-
-def _measure_layer(layer: Any, inputs: _Inputs, hidden: int, dtype: torch.dtype,
-                   device: torch.device, grad: bool, full_layers: int = 0,
-                   hold_incoming: bool = False) -> dict[str, float]:
-    """One run of the layer (or unit). `hold_incoming`: the backward gets its incoming
-    gradient as a tensor referenced until it returns, the way a full-recompute checkpoint
-    calls torch.autograd.backward(outputs, incoming) on the layers it rebuilt."""
-    run = _unit(layer, inputs, full_layers)
-    x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
-    # Warm-up outside the meter: allocates the score buffer at this size and the LoRA grads,
-    # which the memory model prices elsewhere (buffer term, resident grads).
-    with torch.set_grad_enabled(grad):
-        y, _ = run(x0 * 1.0)
-        if grad:
-            (y * 1.0).sum().backward()
-    del y
-    x0.grad = None
-    meter = MemoryMeter(device=device)
-    with meter, torch.set_grad_enabled(grad):
-        x = x0 * 1.0
-        x_bytes = _storage_nbytes(x)
-        x_ref = weakref.ref(x.untyped_storage())
-        _sync(device, meter)
-        start = meter.live_bytes
-        meter.reset_peak()
-        y, _ = run(x)
-        del x
-        _sync(device, meter)
-        saves_input = x_ref() is not None
-        forward = meter.peak_bytes - start
-        y_bytes = _storage_nbytes(y)
-        kept = meter.live_bytes - start + x_bytes - y_bytes
-        backward = 0.0
-        if grad and hold_incoming:
-            _sync(device, meter)
-            before = meter.live_bytes
-            meter.reset_peak()
-            incoming = torch.ones_like(y)
-            torch.autograd.backward(y, incoming)
-            _sync(device, meter)
-            backward = meter.peak_bytes - before
-            del incoming
-        elif grad:
-            z = (y * 1.0).sum()
-            _sync(device, meter)
-            before = meter.live_bytes
-            meter.reset_peak()
-            z.backward()
-            _sync(device, meter)
-            backward = meter.peak_bytes - before
-            del z
-    del y
-    x0.grad = None
-    return {"kept": kept, "forward": forward, "backward": backward,
-            "output": y_bytes, "saves_input": saves_input}
-
-
-def _sync(device: torch.device, meter: MemoryMeter) -> None:
-    meter.synchronize()
-
-
-def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> torch.Tensor:
-    """The caller's loss used by the probe and the calibration harness: every requested,
-    differentiable output contributes (a policy-gradient style sum over log-probs; a
-    mean-square on hidden states in fp32)."""
-    loss = hidden.new_zeros((), dtype=torch.float32)
-    if heads.target_logprobs is not None:
-        loss = loss - heads.target_logprobs.sum()
-    if heads.top_k_logprobs is not None:
-        loss = loss - heads.top_k_logprobs.sum()
-    if heads.logits is not None:
-        loss = loss + heads.logits.mean()
-    if outputs.hidden_states:
-        loss = loss + hidden.float().square().mean()
-    return loss
-
-
-def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
-             targets: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
-    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes."""
-    from megatron.core import tensor_parallel
-
-    from art.trainer_rank.compute.heads import compute_heads
-
-    inner = _inner(model)
-    hidden = inner.decoder.final_layernorm(x)
-    if inner.config.sequence_parallel:
-        hidden = tensor_parallel.gather_from_sequence_parallel_region(
-            hidden, tensor_parallel_output_grad=False)
-    hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
-    if outputs.target_logprobs or outputs.top_k or outputs.logits:
-        heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
-                              else None, top_k=outputs.top_k, logits=outputs.logits)
-    else:
-        from art.trainer_rank.compute.heads import HeadOutputs
-
-        heads = HeadOutputs(None, None, None, None)
-    return heads, hidden
-
-
-def _measure_tail(model: Any, inputs: _Inputs, outputs: OutputRequest, dtype: torch.dtype,
-                  device: torch.device, grad: bool) -> dict[str, float]:
-    inner = _inner(model)
-    batch = inputs.batch
-    x0 = torch.randn(inputs.rows, 1, inner.config.hidden_size, dtype=dtype, device=device,
-                     requires_grad=grad)
-    targets = torch.randint(0, inner.vocab_size, (batch.padded_tokens,), device=device)
-    meter = MemoryMeter(device=device)
-    with meter, torch.set_grad_enabled(grad):
-        x = x0 * 1.0
-        _sync(device, meter)
-        start = meter.live_bytes
-        meter.reset_peak()
-        heads, hidden = run_tail(model, x, batch, outputs, targets)
-        del x
-        held = sum(_storage_nbytes(t) for t in (heads.target_logprobs, heads.top_k_logprobs,
-                                                 heads.top_k_tokens, heads.logits))
-        # The caller's frame holds the hidden row until backward returns (the trainer's
-        # path keeps it as a local, and returns it when hidden states were requested).
-        held += _storage_nbytes(hidden)
-        backward = 0.0
-        if grad:
-            loss = caller_loss(outputs, heads, hidden)
-            _sync(device, meter)
-            forward = meter.peak_bytes - start
-            loss.backward()
-            _sync(device, meter)
-            backward = meter.peak_bytes - start
-            del loss
-        else:
-            _sync(device, meter)
-            forward = meter.peak_bytes - start
-        del heads, hidden
-    return {"kept": held, "forward": forward, "backward": backward}
-
-
 def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
           dtype: str, lora_rank: int,
           modes: Iterable[LayerMode],
@@ -460,7 +244,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     Modes whose modules include ones the probe cannot switch (MoE-level) are skipped: the
     memory model falls back to its formulas for them.
     """
-    inner = _inner(model)
+    inner = inner_model(model)
     device = next(inner.parameters()).device
     tokens = tokens or default_probe_tokens(device.type, implementation)
     torch_dtype = inner.config.params_dtype
@@ -489,7 +273,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     fitted_layers: list[tuple[str, str, ProbedLayer]] = []
     fitted_tails: list[tuple[str, bool, ProbedTail]] = []
     try:
-        per_tokens = {t: _probe_inputs(model, t, layout, implementation, device)
+        per_tokens = {t: probe_inputs(model, t, layout, implementation, device)
                       for t in tokens}
         for layer_mode in wanted:
             kind, mode = layer_mode.kind, layer_mode.mode
@@ -497,7 +281,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             layer = layer_by_kind.get(kind)
             if layer is None:
                 continue
-            old = _set_modes(layer, mods)
+            old = set_modes(layer, mods)
             try:
                 rows = []
                 at = points[grad]
@@ -505,16 +289,16 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 held = grad and not mods and not full_layers
                 for t in at:
                     release_score_buffer()
-                    row = _measure_layer(layer, per_tokens[t], inner.config.hidden_size,
-                                         torch_dtype, device, grad, full_layers)
+                    row = measure_layer(layer, per_tokens[t], inner.config.hidden_size,
+                                        torch_dtype, device, grad, full_layers)
                     if held:
                         release_score_buffer()
-                        row["backward_held"] = _measure_layer(
+                        row["backward_held"] = measure_layer(
                             layer, per_tokens[t], inner.config.hidden_size, torch_dtype,
                             device, grad, hold_incoming=True)["backward"]
                     rows.append(row)
             finally:
-                _restore_modes(layer, old)
+                restore_modes(layer, old)
             within = None
             if chunk_tokens_of(kind):
                 at, rows, within = split_points(
@@ -533,7 +317,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 progress(f"probed {kind} {mode.key}")
         for okey, request, grad in tails:
             at = points[grad]
-            rows = [_measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)
+            rows = [measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)
                     for t in at]
             fitted_tails.append((okey, grad, ProbedTail(
                 kept=Fit.fit(at, [r["kept"] for r in rows]),

@@ -31,14 +31,15 @@ import torch
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory import probe as probe_module
 from art.trainer_rank.memory.coefficients import LayerMode
-from art.trainer_rank.memory.layers import LayerCost
+from art.trainer_rank.memory.layer_terms import LayerCost
+from art.trainer_rank.memory.probe_runs import inner_model
 from art.trainer_rank.ranks import agree as _agree
 
 
 def _probe_tokens(model: Any, implementation: Any) -> tuple[int, ...]:
     # The probe's own choice of token counts (it picks them when none are given); needed here
     # to name the cache key before deciding, on every rank together, whether to probe.
-    device = next(probe_module._inner(model).parameters()).device
+    device = next(inner_model(model).parameters()).device
     if device.type != "cuda":
         return probe_module.PROBE_TOKENS
     if implementation.attention == "flash":
@@ -173,7 +174,7 @@ class TrainerProbe:
             dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
             modes=[(m.kind, m.mode.key) for m in wanted],
             outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
-            device=next(probe_module._inner(self.model).parameters()).device.type,
+            device=next(inner_model(self.model).parameters()).device.type,
             grad_tokens=grad_tokens,
         )
 

@@ -1,0 +1,114 @@
+"""Gated DeltaNet layer formulas: the blocks of a linear-attention mixer, its conv padding.
+
+The input norm inside in_proj, the causal convolution, q/k l2norm, the gated delta rule (fla's
+chunked kernels on GPU, their CPU counterparts otherwise) and the gated output norm, priced as
+`Block`s (see `layers.py`).
+"""
+
+from __future__ import annotations
+
+from art.trainer_rank.memory.layer_terms import FP32, Block, Dims, lora_saved
+
+# fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
+# fp32 matrix per chunk and head and rebuilds the per-chunk recurrent states in backward.
+GDN_CHUNK_TOKENS = 64
+
+
+def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[Block]:
+    """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py) with the local
+    spec (`art/megatron/specs`), its linears frozen (LoRA never targets them), and fla's
+    kernels or their CPU counterparts (`cpu_gated_delta`), which keep fla-core 0.6's set.
+    Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term. `padded`:
+    the row's tokens with each sequence padded to whole 64-token chunks (None: one sequence),
+    what the delta rule's per-chunk working set grows with."""
+    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    la = g.linear_attention
+    if la is None:
+        raise ValueError(f"{g.name}: linear-attention layer without linear_attention dims")
+    key = la.num_key_heads * la.key_head_dim / tp
+    value = la.num_value_heads * la.value_head_dim / tp
+    kheads, vheads = la.num_key_heads / tp, la.num_value_heads / tp
+    repeated = la.num_value_heads > la.num_key_heads
+    rows, hidden_rows = float(s), d.hidden_tokens(s)
+    chunked = float(padded if padded is not None
+                    else -(-s // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS)
+    te = d.implementation.spec == "te"
+    in_proj = rows * (2 * key + 2 * value + 2 * vheads) * b  # q, k, v, z (gate), beta, a
+    conv = rows * (2 * key + value) * b
+    out = rows * value * b
+    # The input norm sits in in_proj with a frozen weight: a fused kernel keeps the fp32 rstd
+    # (the input is the layer input); torch's composite keeps the fp32 upcast (the input
+    # itself in fp32, counted as the layer input) and the rstd.
+    norm = hidden_rows * FP32
+    if not te and d.implementation.norm == "torch" and b < FP32:
+        norm += hidden_rows * g.hidden_size * FP32
+    # fla's chunked rule keeps the chunk-local cumulated decay (fp32) and the WY inverse A
+    # ([tokens, heads, 64] in k's dtype); q, k, v and beta are the blocks' outputs above.
+    delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
+    dk, dv = la.key_head_dim, la.value_head_dim
+    if d.implementation.device == "cuda":
+        # fla's kernels: the fp32 chunk matrix before its inverse, w and u (k's dtype), the
+        # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
+        # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
+        # allocations; not measured here (no GPU).
+        states = chunked / GDN_CHUNK_TOKENS * vheads * dk * dv
+        delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
+        delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
+    else:
+        # CPU kernels (cpu_gated_delta): forward peaks in `_outputs` masking the decay: fp32
+        # padded chunk copies of q, k, v, A, w, u, q k^T, the decay's difference, fill and
+        # masked result, g, beta; the identity and causal mask. Backward rebuilds q, k, v, w,
+        # u, the chunk matrix and its inverse under autograd with their gradients.
+        c = GDN_CHUNK_TOKENS
+        delta_work = (chunked * vheads * (3 * dk + 2 * dv + 5 * c + 2) * FP32
+                      + c * c * (FP32 + 1))
+        delta_grad = 3 * chunked * vheads * (dk * 3 + dv * 3 + 2 * c) * FP32
+    return [
+        Block("input norm + in_proj", None, norm, in_proj, False,
+              temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
+              grad_temp=in_proj),
+        # The convolution's input: q, k, v transposed to [channels, tokens] (a copy).
+        Block("split, qkv transpose copy", None, 0.0, conv, True),
+        # silu keeps the convolution's output ([channels, tokens + kernel - 1]).
+        Block("causal conv1d + silu", None, (rows + la.conv_kernel_size - 1) / rows * conv,
+              conv, False, grad_temp=2 * conv),
+        # l2norm keeps its outputs (q, k per key head) and one fp32 rstd per key head.
+        Block("q/k l2norm", None, rows * 2 * key * b + rows * 2 * kheads * FP32,
+              rows * 2 * key * b, False, temp=rows * 2 * key * b),
+        # q, k repeated to the value heads (new tensors, kept by the rule); v and the output
+        # gate made contiguous (kept by the rule and by the gated norm); beta = sigmoid (kept)
+        # and the fp32 softplus input of the decay.
+        Block("q/k repeat, gates (g, beta)", None,
+              (rows * 2 * value * b if repeated else 0.0) + 2 * out
+              + rows * vheads * (b + FP32), 0.0, False),
+        Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
+              grad_temp=delta_grad),
+        # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
+        # (rule output, gate: kept above) and one fp32 rstd per value head; its output is
+        # transposed into a copy for out_proj, which is frozen and keeps nothing.
+        Block("gated output norm", None, rows * vheads * FP32, out, False, temp=out,
+              grad_temp=2 * out),
+        Block("out_proj", None, lora_saved(d, s, "out_proj"),
+              hidden_rows * g.hidden_size * b, False, grad_temp=out),
+    ]
+
+
+def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int) -> float:
+    """A Gated DeltaNet layer on CPU convolves a packed row with each sequence's own causal
+    left padding (`SegmentedCausalConv1d`): its saved input grows by kernel-1 columns of every
+    conv channel per sequence. Probe and formulas price one sequence; this is the rest."""
+    la = d.geometry.linear_attention
+    if (sequences <= 1 or la is None or not kind.startswith("linear_attention")
+            or d.implementation.device == "cuda"):
+        return 0.0
+    channels = (2 * la.num_key_heads * la.key_head_dim
+                + la.num_value_heads * la.value_head_dim) / d.tp
+    return float((sequences - 1) * (la.conv_kernel_size - 1) * channels * d.dtype_bytes)
+
+
+
+def linear_attention_keeps_input(d: Dims) -> bool:
+    """Whether a Gated DeltaNet layer keeps its input for backward: its frozen input norm with
+    torch's composite kernel in bf16/fp16 keeps its fp32 upcast instead."""
+    te = d.implementation.spec == "te"
+    return te or d.implementation.norm != "torch" or d.dtype_bytes >= FP32

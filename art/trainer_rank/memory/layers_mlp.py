@@ -1,0 +1,114 @@
+"""MLP layer formulas: the blocks of a dense SwiGLU MLP and of a MoE layer; dispatcher state.
+
+fc1 (gate + up), SwiGLU, fc2 for a dense MLP or each local expert; a MoE layer adds the router,
+the token dispatch and combine, and shared experts, priced as `Block`s (see `layers.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from art.trainer_rank.memory.layer_terms import (
+    FP32,
+    INT64,
+    Block,
+    Dims,
+    linear_input_saved,
+    lora_saved,
+    lora_temp,
+)
+
+
+def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int) -> float:
+    """The GPU-shaped CPU build's SwiGLU stand-in (art/megatron/cpu_fused.py) computes its
+    backward in row chunks with five chunk-sized temporaries live at once (sigmoid, silu,
+    g * up, 1 - sigmoid, silu * (1 - sigmoid)); a fused GPU kernel has none."""
+    if not d.implementation.gpu_shaped_cpu:
+        return 0.0
+    from art.megatron.cpu_fused import CHUNK_ROWS
+
+    return 5 * min(tokens, CHUNK_ROWS) * ffn / d.tp * d.dtype_bytes
+
+
+def mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
+               lora_tokens: float | None = None, adapters: int = 1) -> list[Block]:
+    """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP); routed
+    experts: their LoRA adapters see `lora_tokens` rows over `adapters` local experts."""
+    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    fc1_out = tokens * 2 * ffn * b / tp
+    act_out = tokens * ffn * b / tp
+    fc2_in_saved = linear_input_saved(d, s, "linear_fc2", column=False)
+    if d.implementation.swiglu_fused:
+        act_internal = 0.0  # the fused kernel keeps its input (fc1's output, saved below)
+    else:
+        # silu(x1) * x2: x1, x2 are views of fc1's output (kept whole); silu(x1) and one more
+        # activation-sized storage are kept besides (measured with saved-tensor hooks).
+        act_internal = 2 * act_out
+    rows = float(s) if lora_tokens is None else lora_tokens
+    return [
+        Block(f"{tag}fc1", "mlp", lora_saved(d, rows, "linear_fc1", adapters), fc1_out, True,
+              temp=lora_temp(d, "linear_fc1", fc1_out),
+              # Backward: the adapter's scaled copy of the incoming gradient.
+              grad_temp=lora_temp(d, "linear_fc1", fc1_out) / 3),
+        # Backward: the gradient of its input (fc1's output). The torch path never holds
+        # more: its peak is the gradient of x2 and the product for silu's backward (two
+        # activation-sized tensors), and by the time both halves are concatenated its saved
+        # tensors and the incoming gradient are freed.
+        Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
+              temp=act_out,
+              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn)),
+        Block(f"{tag}fc2", "mlp", lora_saved(d, rows, "linear_fc2", adapters),
+              d.hidden_tokens(s) * g.hidden_size * b, False,
+              temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
+              + lora_temp(d, "linear_fc2", d.hidden_tokens(s) * g.hidden_size * b),
+              grad_temp=act_out),
+    ]
+
+
+def moe_dispatcher_state(d: Dims, s: int) -> float:
+    """What a MoE layer's token dispatcher keeps referenced after the layer returns, until
+    its next call: the routing probabilities (fp32) and map (bool) [s, experts], the
+    permutation's token indices (int64, one per routed pair) and the tokens per expert."""
+    g = d.geometry
+    return (float(s) * g.num_experts * (FP32 + 1) + float(s) * g.moe_router_topk * INT64
+            + g.num_experts * INT64)
+
+
+def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
+    g, b = d.geometry, d.dtype_bytes
+    ep = d.layout.expert_parallel
+    local_experts = max(1, g.num_experts // ep)
+    routed = float(s) * g.moe_router_topk  # token-expert pairs over all experts
+    # Balanced routing spreads the pairs evenly; the worst case sends every token to this
+    # rank's experts (capped at top-k per token, i.e. all tokens hit min(topk, local) experts).
+    if worst_case:
+        local_pairs = float(s) * min(g.moe_router_topk, local_experts)
+    else:
+        local_pairs = routed / ep
+    # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
+    # probabilities (its output); the routing map [s, experts] (bool) and the permutation's
+    # token indices (int64 per routed pair) the dispatcher keeps for the un-permute.
+    router = Block("router", None,
+                   float(s) * g.num_experts * (FP32 * 2 + 1) + float(s) * g.moe_router_topk
+                   * INT64 + routed * INT64,
+                   float(s) * g.moe_router_topk * FP32, True)
+    dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
+                     temp=local_pairs * g.hidden_size * b)
+    # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
+    # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
+    experts = [replace(blk, module="moe_act" if blk.name.endswith("swiglu") else "moe")
+               for blk in mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ",
+                                     lora_tokens=local_pairs, adapters=local_experts)]
+    # The routing probabilities multiply the activation before fc2 (one fp32 per pair): the
+    # multiply keeps the activation and the probabilities, fc2 keeps the product.
+    act_out = local_pairs * g.moe_ffn_hidden_size * b
+    experts[1] = replace(experts[1], internal=experts[1].internal + act_out
+                         + local_pairs * FP32)
+    blocks = [replace(router, module="moe"), dispatch, *experts]
+    blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
+                        temp=local_pairs * g.hidden_size * b))
+    if g.shared_expert_ffn_hidden_size:
+        blocks += [replace(blk, module="shared_experts")
+                   for blk in mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s),
+                                         "shared ")]
+    return blocks

@@ -1,0 +1,245 @@
+"""Probe runs: a real layer (or full-recompute unit) and the head's tail run under the meter.
+
+What the probe (`probe.py`) fits its curves to: for one token count, the inputs a layer is
+called with (a packed row, its rotary embedding), the selective recompute flags switched on the
+built layer, and the layer's kept / forward / backward / output bytes, or the tail's (final
+norm, chunked head, requested outputs, the caller's loss and its backward) measured on the
+meter (CPU: live storages; GPU: allocator stats).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory.meter import MemoryMeter
+
+
+def inner_model(model: Any) -> Any:
+    from art.trainer_rank.compute.forward import unwrap_model
+
+    return unwrap_model(model)
+
+
+def set_modes(layer: Any, modules: frozenset[str]) -> dict[str, Any]:
+    """Switch the selective recompute flags Megatron derived from the config; return the old."""
+    attention = getattr(layer, "self_attention", None)
+    old = {
+        "recompute_input_layernorm": layer.recompute_input_layernorm,
+        "recompute_pre_mlp_layernorm": layer.recompute_pre_mlp_layernorm,
+        "recompute_mlp": layer.recompute_mlp,
+    }
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    # Megatron turns a norm's recompute on only where the norm is a module of the layer (a
+    # Gated DeltaNet layer's input norm sits in its in_proj).
+    layer.recompute_input_layernorm = "layernorm" in modules and not isinstance(
+        layer.input_layernorm, IdentityOp)
+    layer.recompute_pre_mlp_layernorm = "layernorm" in modules and not isinstance(
+        layer.pre_mlp_layernorm, IdentityOp)
+    layer.recompute_mlp = "mlp" in modules and not getattr(layer, "is_moe_layer", False)
+    if attention is not None and hasattr(attention, "checkpoint_core_attention"):
+        old["checkpoint_core_attention"] = attention.checkpoint_core_attention
+        attention.checkpoint_core_attention = "core_attn" in modules
+    return old
+
+
+def restore_modes(layer: Any, old: dict[str, Any]) -> None:
+    for name, value in old.items():
+        if name == "checkpoint_core_attention":
+            layer.self_attention.checkpoint_core_attention = value
+        else:
+            setattr(layer, name, value)
+
+
+def _storage_nbytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.untyped_storage().nbytes()
+
+
+@dataclass(frozen=True)
+class ProbeInputs:
+    batch: Any  # PackedBatch
+    rotary: torch.Tensor | None
+    rows: int
+
+
+def probe_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
+                 device: torch.device) -> ProbeInputs:
+    from art.trainer_rank.compute.forward import _rotary
+    from art.trainer_rank.compute.packing import pack_sequences
+
+    inner = inner_model(model)
+    seq = torch.randint(0, inner.vocab_size, (tokens,), device=device)
+    batch = pack_sequences([seq], implementation=implementation, layout=layout, device=device)
+    rows = batch.padded_tokens
+    if layout.sequence_parallel:
+        rows //= layout.tensor_parallel
+    dummy = torch.zeros(rows, 1, inner.config.hidden_size, device=device,
+                        dtype=inner.config.params_dtype)
+    return ProbeInputs(batch, _rotary(inner, batch, dummy), rows)
+
+
+def _unit(layer: Any, inputs: ProbeInputs, full_layers: int) -> Callable[[torch.Tensor], Any]:
+    """The layer, or a full-recompute checkpoint unit of `full_layers` runs of it, called the
+    way TransformerBlock calls them (Megatron's reentrant tensor_parallel.checkpoint)."""
+    batch = inputs.batch
+
+    def run_layers(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        context = None
+        for _ in range(max(1, full_layers)):
+            h, context = layer(hidden_states=h, attention_mask=batch.attention_mask,
+                               rotary_pos_emb=inputs.rotary,
+                               packed_seq_params=batch.packed_seq_params)
+        return h, context
+
+    if not full_layers:
+        return run_layers
+
+    def checkpointed(h: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        from megatron.core import tensor_parallel
+
+        # TransformerBlock checkpoints in training mode whether or not grad is enabled.
+        return tensor_parallel.checkpoint(run_layers, False, h)
+
+    return checkpointed
+
+
+def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dtype,
+                  device: torch.device, grad: bool, full_layers: int = 0,
+                  hold_incoming: bool = False) -> dict[str, float]:
+    """One run of the layer (or unit). `hold_incoming`: the backward gets its incoming
+    gradient as a tensor referenced until it returns, the way a full-recompute checkpoint
+    calls torch.autograd.backward(outputs, incoming) on the layers it rebuilt."""
+    run = _unit(layer, inputs, full_layers)
+    x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
+    # Warm-up outside the meter: allocates the score buffer at this size and the LoRA grads,
+    # which the memory model prices elsewhere (buffer term, resident grads).
+    with torch.set_grad_enabled(grad):
+        y, _ = run(x0 * 1.0)
+        if grad:
+            (y * 1.0).sum().backward()
+    del y
+    x0.grad = None
+    meter = MemoryMeter(device=device)
+    with meter, torch.set_grad_enabled(grad):
+        x = x0 * 1.0
+        x_bytes = _storage_nbytes(x)
+        x_ref = weakref.ref(x.untyped_storage())
+        _sync(device, meter)
+        start = meter.live_bytes
+        meter.reset_peak()
+        y, _ = run(x)
+        del x
+        _sync(device, meter)
+        saves_input = x_ref() is not None
+        forward = meter.peak_bytes - start
+        y_bytes = _storage_nbytes(y)
+        kept = meter.live_bytes - start + x_bytes - y_bytes
+        backward = 0.0
+        if grad and hold_incoming:
+            _sync(device, meter)
+            before = meter.live_bytes
+            meter.reset_peak()
+            incoming = torch.ones_like(y)
+            torch.autograd.backward(y, incoming)
+            _sync(device, meter)
+            backward = meter.peak_bytes - before
+            del incoming
+        elif grad:
+            z = (y * 1.0).sum()
+            _sync(device, meter)
+            before = meter.live_bytes
+            meter.reset_peak()
+            z.backward()
+            _sync(device, meter)
+            backward = meter.peak_bytes - before
+            del z
+    del y
+    x0.grad = None
+    return {"kept": kept, "forward": forward, "backward": backward,
+            "output": y_bytes, "saves_input": saves_input}
+
+
+def _sync(device: torch.device, meter: MemoryMeter) -> None:
+    meter.synchronize()
+
+
+def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> torch.Tensor:
+    """The caller's loss used by the probe and the calibration harness: every requested,
+    differentiable output contributes (a policy-gradient style sum over log-probs; a
+    mean-square on hidden states in fp32)."""
+    loss = hidden.new_zeros((), dtype=torch.float32)
+    if heads.target_logprobs is not None:
+        loss = loss - heads.target_logprobs.sum()
+    if heads.top_k_logprobs is not None:
+        loss = loss - heads.top_k_logprobs.sum()
+    if heads.logits is not None:
+        loss = loss + heads.logits.mean()
+    if outputs.hidden_states:
+        loss = loss + hidden.float().square().mean()
+    return loss
+
+
+def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
+             targets: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
+    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes."""
+    from megatron.core import tensor_parallel
+
+    from art.trainer_rank.compute.heads import compute_heads
+
+    inner = inner_model(model)
+    hidden = inner.decoder.final_layernorm(x)
+    if inner.config.sequence_parallel:
+        hidden = tensor_parallel.gather_from_sequence_parallel_region(
+            hidden, tensor_parallel_output_grad=False)
+    hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
+    if outputs.target_logprobs or outputs.top_k or outputs.logits:
+        heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
+                              else None, top_k=outputs.top_k, logits=outputs.logits)
+    else:
+        from art.trainer_rank.compute.heads import HeadOutputs
+
+        heads = HeadOutputs(None, None, None, None)
+    return heads, hidden
+
+
+def measure_tail(model: Any, inputs: ProbeInputs, outputs: OutputRequest, dtype: torch.dtype,
+                 device: torch.device, grad: bool) -> dict[str, float]:
+    inner = inner_model(model)
+    batch = inputs.batch
+    x0 = torch.randn(inputs.rows, 1, inner.config.hidden_size, dtype=dtype, device=device,
+                     requires_grad=grad)
+    targets = torch.randint(0, inner.vocab_size, (batch.padded_tokens,), device=device)
+    meter = MemoryMeter(device=device)
+    with meter, torch.set_grad_enabled(grad):
+        x = x0 * 1.0
+        _sync(device, meter)
+        start = meter.live_bytes
+        meter.reset_peak()
+        heads, hidden = run_tail(model, x, batch, outputs, targets)
+        del x
+        held = sum(_storage_nbytes(t) for t in (heads.target_logprobs, heads.top_k_logprobs,
+                                                 heads.top_k_tokens, heads.logits))
+        # The caller's frame holds the hidden row until backward returns (the trainer's
+        # path keeps it as a local, and returns it when hidden states were requested).
+        held += _storage_nbytes(hidden)
+        backward = 0.0
+        if grad:
+            loss = caller_loss(outputs, heads, hidden)
+            _sync(device, meter)
+            forward = meter.peak_bytes - start
+            loss.backward()
+            _sync(device, meter)
+            backward = meter.peak_bytes - start
+            del loss
+        else:
+            _sync(device, meter)
+            forward = meter.peak_bytes - start
+        del heads, hidden
+    return {"kept": held, "forward": forward, "backward": backward}
+
