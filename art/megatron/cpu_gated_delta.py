@@ -151,7 +151,10 @@ def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     outs = []
     for i in range(n):
         if i and i in first_chunks:
-            state = torch.zeros_like(state)
+            # Zeroed by a product rather than replaced: the graph, and with it what backward
+            # allocates, stays the one of a single sequence over the same chunks, whatever
+            # the split of the row into sequences.
+            state = state * 0.0
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * g_last[:, :, i, None, None].exp() + k_to_end[:, :, i].transpose(

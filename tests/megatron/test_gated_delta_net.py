@@ -3,6 +3,8 @@ they keep for backward), and the tiny hybrids built and trained through the loca
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
@@ -18,11 +20,12 @@ from art.megatron.cpu_gated_delta import (
 
 
 def _delta_inputs(dtype: torch.dtype, decay: float, tokens: int = 150, heads: int = 3,
-                  seed: int = 0) -> list[torch.Tensor]:
+                  seed: int = 0, key_dim: int = 16, value_dim: int = 8) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
-    q, k = (torch.nn.functional.normalize(torch.randn(1, tokens, heads, 16, generator=gen), dim=-1)
+    q, k = (torch.nn.functional.normalize(torch.randn(1, tokens, heads, key_dim, generator=gen),
+                                          dim=-1)
             for _ in range(2))
-    v = torch.randn(1, tokens, heads, 8, generator=gen)
+    v = torch.randn(1, tokens, heads, value_dim, generator=gen)
     g = -torch.rand(1, tokens, heads, generator=gen) * decay  # log decay, fp32 as Megatron's
     beta = torch.rand(1, tokens, heads, generator=gen).sigmoid()
     return [x.to(dtype).requires_grad_(True) for x in (q, k, v)] + [
@@ -106,6 +109,36 @@ def test_packed_sequences_run_one_recurrence_each():
     expected_conv = torch.cat([conv(x[..., a:a + n])[..., :n]
                                for a, n in zip((0, 70, 134), lengths)], dim=-1)
     torch.testing.assert_close(y, expected_conv)
+
+
+def _backward_peak_bytes(lengths: tuple[int, ...]) -> int:
+    """Peak bytes the rule's backward allocates on a packed row of `lengths`."""
+    from art.trainer_rank.memory.meter import MemoryMeter
+
+    # Heads and head sizes of the calibration hybrids: the state ([heads, 32, 32] per chunk)
+    # is large enough next to the chunk's own work for the split to show.
+    q, k, v, g, beta = _delta_inputs(torch.float32, 0.5, tokens=sum(lengths), heads=4,
+                                     seed=1, key_dim=32, value_dim=32)
+    cu = torch.tensor([0, *itertools.accumulate(lengths)])
+    out, _ = chunk_gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu)
+    incoming = torch.ones_like(out)
+    meter = MemoryMeter(device="cpu")
+    with meter:
+        out.backward(incoming)
+    return meter.peak_bytes
+
+
+def test_backward_allocates_the_same_however_the_row_splits_into_sequences():
+    """The memory model prices a Gated DeltaNet layer by the row's tokens and padded chunks
+    alone, so the rule's backward must allocate the same for one sequence over ten chunks as
+    for ten one-chunk sequences or any other split of the same tokens into the same chunks,
+    in any order: a sequence start zeroes the state inside the single-sequence graph."""
+    whole_chunks = {lengths: _backward_peak_bytes(lengths)
+                    for lengths in ((640,), (64,) * 10, (128,) * 5, (192, 64, 64, 320))}
+    assert len(set(whole_chunks.values())) == 1, whole_chunks
+    padded = {lengths: _backward_peak_bytes(lengths)
+              for lengths in ((84,) + (20,) * 8, (20,) * 8 + (84,), (20, 84) + (20,) * 7)}
+    assert len(set(padded.values())) == 1, padded
 
 
 def test_l2norm_keeps_output_and_one_fp32_rstd_per_row():
