@@ -30,3 +30,23 @@ def test_gated_delta_net_blocks_are_priced_as_measured(megatron_process):
     for block in MIXER_BLOCKS + SHARED_BLOCKS:
         assert priced[block] == pytest.approx(got.get(block, 0), rel=0.01, abs=64), block
     assert sum(priced.values()) == pytest.approx(sum(got.values()), rel=0.01)
+
+
+def test_full_chunk_line_takes_the_slope_of_rows_the_tokens_dominate():
+    """Inside a chunk the probe's points give the full-chunk line's slope. A point whose
+    padding is large enough for the rule's padded work to set the peak reads a flatter slope
+    (its value lies above the tokens' line); the sparse-chunk rows price that regime, so the
+    line takes the steepest slope, and a nearly full row is priced on it exactly."""
+    from art.trainer_rank.memory.chunked import split_points
+    from art.trainer_rank.memory.fit import Fit
+
+    def peak(tokens: int, padded: int) -> float:
+        # Larger of the tokens' line (20 per token) and the padded work's line (8 per token,
+        # 6 per padded token): the padded work wins at 32 of 64 tokens, not at 48 or 96.
+        return max(1000.0 + 20 * tokens, 1096.0 + 8 * tokens + 6 * padded)
+
+    points = (32, 48, 64, 96, 128, 192, 256)
+    rows = [{"forward": peak(t, -(-t // 64) * 64)} for t in points]
+    whole, _, within = split_points(points, rows, 64, lambda ts, vs: Fit.fit(ts, vs).at)
+    assert whole == (64, 128, 192, 256)
+    assert within.forward == pytest.approx(20.0)

@@ -426,3 +426,39 @@ def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
     assert 1.0 <= result.ratio <= 1.05, (result.measured_bytes, result.predicted_bytes)
     assert 1.0 <= result.default_ratio <= 1.05, (
         result.measured_bytes, result.predicted_default_bytes)
+
+
+def test_hybrid_rows_of_short_sequences_priced_from_sparse_chunk_rows(megatron_process):
+    """Rows of many short sequences leave most of each 64-token chunk of a Gated DeltaNet
+    layer as padding, where the rule's padded work, not the tokens, sets the layer's peak;
+    one probe sequence never has that much padding. The probe measures rows of one short
+    sequence per chunk, and its full-chunk line keeps the slope of rows the tokens dominate,
+    so both kinds of row land within [1.00, 1.03] with the peak in a Gated DeltaNet layer:
+    without grad (forward peak) and with grad (backward peak)."""
+    import random
+    import re
+
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+    )
+
+    rng = random.Random("sparse chunks")
+    forward_row = tuple(rng.randint(12, 30) for _ in range(8))
+    backward_row = tuple(rng.randint(8, 30) for _ in range(14))
+    cells = [Cell("hybrid-128", "full uniform 1", 8, 1, forward_row, "top_k=20", False),
+             Cell("hybrid-128", "full uniform 1", 8, 1, backward_row, "logprobs", True)]
+    model = CalibrationModel(calibration_geometries()["hybrid-128"],
+                             POLICY_BY_NAME["full uniform 1"],
+                             lora_rank=8, tensor_parallel=1, cells=cells,
+                             probe_tokens=SLICE_PROBE_TOKENS)
+    for cell in cells:
+        result = model.measure(cell)
+        # Layers 1-3 are the Gated DeltaNet layers.
+        assert re.match(r"(forward|backward): layer [123]\b", result.peak_at), (
+            cell.lengths, result.peak_at)
+        assert 1.0 <= result.ratio <= 1.03, (
+            cell.lengths, result.measured_bytes, result.predicted_bytes)
+

@@ -7,8 +7,13 @@ line of another slope within a chunk. A curve fitted over token counts alone cut
 and under-prices a row just past a boundary. Such a layer is fitted over rows of whole
 chunks (where tokens = padded tokens), and a row of `tokens` in `padded` chunk tokens is
 priced from that curve at `padded`, less the within-chunk slope times the padding. The
-within-chunk slope comes from the probe's points inside a chunk; where two disagree, the
-one giving the larger price is used.
+within-chunk slope comes from the probe's points inside a chunk.
+
+A row of many short sequences leaves most of each chunk as padding, which one sequence never
+does (its padding is under one chunk). There the kernel's per-chunk working set can outgrow
+the rest of the layer, which follows the tokens, and a quantity becomes the larger of two
+lines in the tokens at a fixed padded length: the full-chunk line above and a sparse-chunk
+line, measured on rows of one short sequence per chunk (`SparseChunks`).
 """
 
 from __future__ import annotations
@@ -19,9 +24,13 @@ from dataclasses import dataclass
 from art.megatron.geometry import ModelGeometry
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
+from art.trainer_rank.memory.fit import Fit
 from art.trainer_rank.memory.layers_gdn import GDN_CHUNK_TOKENS
 
 QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
+# Tokens per chunk of the sparse rows: one short sequence per chunk, two fills that both
+# leave the kernel's padded working set larger than the rest of the layer.
+SPARSE_TOKENS_PER_CHUNK: tuple[int, int] = (1, 8)
 
 
 def chunk_tokens_of(kind: str) -> int:
@@ -91,6 +100,34 @@ def split_points(points: Sequence[int], rows: Sequence[dict[str, float]], chunk_
             t = points[i]
             padded = -(-t // chunk_tokens) * chunk_tokens
             candidates.append((curve(padded) - rows[i][name]) / (padded - t))
-        # The smaller slope prices every row inside a chunk higher.
-        slopes[name] = min(candidates)
+        # A point whose kernel's padded work sets its peak reads a flatter slope; the sparse
+        # line (`SparseChunks`) prices that regime, so the full-chunk line takes the steepest.
+        slopes[name] = max(candidates)
     return whole_points, [rows[i] for i in whole], WithinChunk(chunk_tokens, **slopes)
+
+
+def sparse_row_lengths(padded_tokens: int, tokens_per_chunk: int,
+                       chunk_tokens: int = GDN_CHUNK_TOKENS) -> list[int]:
+    """The sequence lengths of a sparse probe row: one sequence of `tokens_per_chunk` tokens
+    in each chunk of `padded_tokens`."""
+    return [tokens_per_chunk] * (padded_tokens // chunk_tokens)
+
+
+@dataclass(frozen=True)
+class SparseChunks:
+    """Each quantity on rows of one short sequence per chunk, at two fills, as curves over
+    the padded length: between and beyond the two fills, the line through them."""
+
+    chunk_tokens: int
+    tokens_per_chunk: tuple[int, int]
+    quantities: tuple[tuple[str, Fit, Fit], ...]  # (name, at the first fill, at the second)
+
+    def value(self, name: str, tokens: int, padded: int) -> int | None:
+        for quantity, first, second in self.quantities:
+            if quantity != name:
+                continue
+            chunks = padded / self.chunk_tokens
+            low, high = (chunks * n for n in self.tokens_per_chunk)
+            at_low, at_high = first.at(padded), second.at(padded)
+            return int(round(at_low + (at_high - at_low) * (tokens - low) / (high - low)))
+        return None

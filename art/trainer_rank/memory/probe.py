@@ -33,6 +33,7 @@ the meter are in `probe_runs.py`.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable
@@ -44,19 +45,24 @@ from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory.chunked import (
     GDN_CHUNK_TOKENS,
+    QUANTITIES,
+    SPARSE_TOKENS_PER_CHUNK,
+    SparseChunks,
     WithinChunk,
     chunk_tokens_of,
     has_chunked_layers,
+    sparse_row_lengths,
     split_points,
 )
 from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
 from art.trainer_rank.memory.fit import Fit, Poly
-from art.trainer_rank.memory.layer_terms import LayerCost
+from art.trainer_rank.memory.layer_terms import Dims, LayerCost
 from art.trainer_rank.memory.layers import layer_kind
+from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.probe_runs import (
     inner_model,
-    measure_layer,
+    measure_mode,
     measure_tail,
     probe_inputs,
     restore_modes,
@@ -85,6 +91,8 @@ class ProbedLayer:
     # Chunked kernels: the fits run over whole-chunk rows (memory/chunked.py).
     within_chunk: WithinChunk | None = None
     backward_held: Fit | None = None
+    # Chunked kernels: rows of one short sequence per chunk (memory/chunked.py).
+    sparse_chunks: SparseChunks | None = None
 
     def cost(self, s: int, padded: int | None = None) -> LayerCost:
         """At `s` tokens; `padded`: the row's tokens padded to whole kernel chunks (None: one
@@ -93,7 +101,15 @@ class ProbedLayer:
 
         def at(name: str) -> int:
             fit: Fit = getattr(self, name)
-            return max(0, fit.at(s) if chunk is None else chunk.value(fit.at, name, s, padded))
+            if chunk is None:
+                return max(0, fit.at(s))
+            value = chunk.value(fit.at, name, s, padded)
+            if self.sparse_chunks is not None:
+                whole = padded if padded is not None else -(-s // chunk.chunk_tokens) * (
+                    chunk.chunk_tokens)
+                sparse = self.sparse_chunks.value(name, s, whole)
+                value = max(value, sparse if sparse is not None else value)
+            return max(0, value)
 
         return LayerCost(
             kept=at("kept"), forward=at("forward"), backward=at("backward"),
@@ -165,11 +181,16 @@ class ProbeCoefficients:
             known = {f.name for f in fields(WithinChunk)}
             return WithinChunk(**{k: v for k, v in d.items() if k in known})
 
+        def sparse(d: dict[str, Any]) -> SparseChunks:
+            return SparseChunks(int(d["chunk_tokens"]), tuple(d["tokens_per_chunk"]),
+                                tuple((q, poly(a), poly(b)) for q, a, b in d["quantities"]))
+
         layers = tuple(
             (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
                                poly(f["output"]), bool(f["saves_input"]),
                                within(f["within_chunk"]) if f.get("within_chunk") else None,
-                               poly(f["backward_held"]) if f.get("backward_held") else None))
+                               poly(f["backward_held"]) if f.get("backward_held") else None,
+                               sparse(f["sparse_chunks"]) if f.get("sparse_chunks") else None))
             for k, m, f in raw["layers"]
         )
         tails = tuple((k, bool(g), ProbedTail(poly(f["kept"]), poly(f["forward"]),
@@ -195,7 +216,8 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
     if grad_tokens is not None and tuple(grad_tokens) != tuple(tokens):
         fields["grad_tokens"] = list(grad_tokens)
     if has_chunked_layers(geometry):
-        fields["chunked_fit"] = GDN_CHUNK_TOKENS  # fitted by chunks: other coefficients
+        # Fitted by chunks, with sparse-chunk rows: other coefficients.
+        fields["chunked_fit"] = [GDN_CHUNK_TOKENS, list(SPARSE_TOKENS_PER_CHUNK)]
     payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -227,6 +249,29 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
                      outputs=[f"{k}:{g}" for k, g in tails],
                      tokens=tokens or default_probe_tokens(device, implementation),
                      device=device, grad_tokens=grad_tokens)
+
+
+def _without_conv_padding(rows: dict[tuple[int, int], dict[str, float]],
+                          geometry: ModelGeometry, layout: Any, implementation: Any,
+                          dtype_bytes: int, kind: str, chunk: int) -> None:
+    """Takes out of sparse rows what their many sequences add to the causal convolution's
+    saved input: the memory model adds it for the row's own sequence count."""
+    # Adapters do not enter the convolution's padding.
+    dims = Dims(geometry, layout, implementation, dtype_bytes, 0, frozenset())
+    for (padded, _), row in rows.items():
+        padding = conv_sequence_padding_bytes(dims, kind, padded // chunk)
+        row["kept"] -= padding
+        row["forward"] -= padding
+
+
+def _sparse_chunks(rows: dict[tuple[int, int], dict[str, float]], chunk: int
+                   ) -> SparseChunks:
+    first, second = SPARSE_TOKENS_PER_CHUNK
+    padded = sorted({t for t, _ in rows})
+    names = [q for q in QUANTITIES if q in rows[(padded[0], first)]]
+    return SparseChunks(chunk, SPARSE_TOKENS_PER_CHUNK, tuple(
+        (q, Fit.fit(padded, [rows[(t, first)][q] for t in padded]),
+         Fit.fit(padded, [rows[(t, second)][q] for t in padded])) for q in names))
 
 
 def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
@@ -281,28 +326,30 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             layer = layer_by_kind.get(kind)
             if layer is None:
                 continue
+            # A full-recompute unit of several layer kinds is composed from this mode.
+            held = grad and not mods and not full_layers
+            measure = functools.partial(
+                measure_mode, layer, hidden=inner.config.hidden_size, dtype=torch_dtype,
+                device=device, grad=grad, full_layers=full_layers, held=held)
+            at = points[grad]
+            chunk = chunk_tokens_of(kind)
             old = set_modes(layer, mods)
             try:
-                rows = []
-                at = points[grad]
-                # A full-recompute unit of several layer kinds is composed from this mode.
-                held = grad and not mods and not full_layers
-                for t in at:
-                    release_score_buffer()
-                    row = measure_layer(layer, per_tokens[t], inner.config.hidden_size,
-                                        torch_dtype, device, grad, full_layers)
-                    if held:
-                        release_score_buffer()
-                        row["backward_held"] = measure_layer(
-                            layer, per_tokens[t], inner.config.hidden_size, torch_dtype,
-                            device, grad, hold_incoming=True)["backward"]
-                    rows.append(row)
+                rows = [measure(per_tokens[t]) for t in at]
+                sparse_rows = {
+                    (t, n): measure(probe_inputs(model, sparse_row_lengths(t, n, chunk),
+                                                 layout, implementation, device))
+                    for t in at if chunk and t % chunk == 0 for n in SPARSE_TOKENS_PER_CHUNK}
             finally:
                 restore_modes(layer, old)
-            within = None
-            if chunk_tokens_of(kind):
+            within = sparse = None
+            if chunk:
+                if grad:
+                    _without_conv_padding(sparse_rows, geometry, layout, implementation,
+                                          torch_dtype.itemsize, kind, chunk)
+                sparse = _sparse_chunks(sparse_rows, chunk)
                 at, rows, within = split_points(
-                    at, rows, chunk_tokens_of(kind), lambda ts, vs: Fit.fit(ts, vs).at)
+                    at, rows, chunk, lambda ts, vs: Fit.fit(ts, vs).at)
             fit = ProbedLayer(
                 kept=Fit.fit(at, [r["kept"] for r in rows]),
                 forward=Fit.fit(at, [r["forward"] for r in rows]),
@@ -311,6 +358,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 saves_input=all(r["saves_input"] for r in rows),
                 within_chunk=within,
                 backward_held=Fit.fit(at, [r["backward_held"] for r in rows]) if held else None,
+                sparse_chunks=sparse,
             )
             fitted_layers.append((kind, mode.key, fit))
             if progress:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 
 
@@ -68,14 +69,17 @@ class ProbeInputs:
     rows: int
 
 
-def probe_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
+def probe_inputs(model: Any, tokens: int | list[int], layout: Any, implementation: Any,
                  device: torch.device) -> ProbeInputs:
+    """A packed row of one sequence of `tokens`, or of sequences of the given lengths."""
     from art.trainer_rank.compute.forward import _rotary
     from art.trainer_rank.compute.packing import pack_sequences
 
     inner = inner_model(model)
-    seq = torch.randint(0, inner.vocab_size, (tokens,), device=device)
-    batch = pack_sequences([seq], implementation=implementation, layout=layout, device=device)
+    lengths = [tokens] if isinstance(tokens, int) else tokens
+    sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
+    batch = pack_sequences(sequences, implementation=implementation, layout=layout,
+                           device=device)
     rows = batch.padded_tokens
     if layout.sequence_parallel:
         rows //= layout.tensor_parallel
@@ -163,6 +167,19 @@ def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dty
     x0.grad = None
     return {"kept": kept, "forward": forward, "backward": backward,
             "output": y_bytes, "saves_input": saves_input}
+
+
+def measure_mode(layer: Any, inputs: ProbeInputs, *, hidden: int, dtype: torch.dtype,
+                 device: torch.device, grad: bool, full_layers: int, held: bool
+                 ) -> dict[str, float]:
+    """One probe row of a (layer, mode); `held`: with `backward_held` measured too."""
+    release_score_buffer()
+    row = measure_layer(layer, inputs, hidden, dtype, device, grad, full_layers)
+    if held:
+        release_score_buffer()
+        row["backward_held"] = measure_layer(layer, inputs, hidden, dtype, device, grad,
+                                             hold_incoming=True)["backward"]
+    return row
 
 
 def _sync(device: torch.device, meter: MemoryMeter) -> None:
