@@ -462,3 +462,41 @@ def test_hybrid_rows_of_short_sequences_priced_from_sparse_chunk_rows(megatron_p
         assert 1.0 <= result.ratio <= 1.03, (
             cell.lengths, result.measured_bytes, result.predicted_bytes)
 
+
+def test_moe_checkpoint_units_hold_input_and_gradient_past_their_backward(megatron_process):
+    """Full recompute, one layer per unit, on the MoE hybrid: each MoE layer's token
+    dispatcher keeps the routing probabilities it computed while its unit was rebuilt, and
+    their graph reaches the unit input Megatron's checkpoint detached into a leaf, so that
+    input and its gradient outlive the unit's backward (with the routing state). By the
+    first layer's backward three units above hold them: the peak moves there, priced by a
+    term of its own, and the row lands within [1.00, 1.05]."""
+    import random
+
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        CalibrationModel,
+        Cell,
+        calibration_geometries,
+        micro_batch_shape,
+    )
+
+    from art.trainer_rank._request import OutputRequest
+
+    rng = random.Random("moe checkpoint units")
+    lengths = tuple(rng.randint(10, 45) for _ in range(4))
+    cell = Cell("hybrid-moe-128", "full uniform 1", 8, 1, lengths, "logprobs", True)
+    model = CalibrationModel(calibration_geometries()["hybrid-moe-128"],
+                             POLICY_BY_NAME["full uniform 1"], lora_rank=8, tensor_parallel=1,
+                             cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    result = model.measure(cell)
+    estimate = model.memory.estimate(micro_batch_shape(
+        lengths, OutputRequest.parse(cell.outputs), True, model.layout, model.implementation))
+    assert estimate.peak_at == "backward: layer 1 backward", estimate.peak_at
+    held = {t.name: t.bytes for t in estimate.terms if t.phase == "backward"}
+    hidden_row = sum(lengths) * 128 * 4
+    # Units 4, 3 and 2 hold their inputs and gradients, less the gradient unit 2 hands
+    # down (unit 1's incoming gradient), and their routing state.
+    assert held["held by MoE layers above"] > 5 * hidden_row, held
+    assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
+    assert 1.0 <= result.default_ratio <= 1.05, (
+        lengths, result.measured_bytes, result.predicted_default_bytes)

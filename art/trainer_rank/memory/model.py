@@ -271,7 +271,9 @@ class MemoryModel:
                               i for i, kind in enumerate(self._kinds)
                               if kind.startswith("attention")),
                           attention_buffers=sum(t.bytes for t in pre
-                                                if t.name in BUFFERS_OF_ATTENTION))
+                                                if t.name in BUFFERS_OF_ATTENTION),
+                          moe_layers=frozenset(i for i, kind in enumerate(self._kinds)
+                                               if kind.endswith("_moe")))
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:

@@ -33,6 +33,11 @@ class Unit:
     kept: float  # what it keeps for backward (a full unit: its input)
     input: float  # its input's bytes (a full unit: also the incoming gradient's)
     costs: tuple[LayerCost, ...]
+    # What stays referenced after its backward returns, until the next micro-batch reaches
+    # it: a MoE layer's routing state (`retained_by_moe_checkpoint` for a checkpoint unit,
+    # which also keeps its input and that input's gradient: `retains_input_gradient`).
+    retained: float = 0.0
+    retains_input_gradient: bool = False
 
 
 @dataclass
@@ -91,15 +96,29 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
     return pre
 
 
+def retained_by_moe_checkpoint(members: list[int], moe_layers: frozenset[int],
+                               unit_input: float, routing_state: float) -> float:
+    """A full-recompute checkpoint unit with a MoE layer outlives its backward: the layer's
+    token dispatcher keeps the routing state it computed while the unit was rebuilt
+    (`routing_state`) until its next call, and the routing probabilities' graph reaches back
+    to the unit input Megatron's checkpoint detached and made a leaf
+    (CheckpointFunction.backward), which holds that input's storage and its gradient."""
+    if not any(j in moe_layers for j in members):
+        return 0.0
+    return 2 * unit_input + routing_state
+
+
 def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
                  hidden_local: float, layer_cost: LayerPricer,
                  probed_unit: UnitPricer,
                  attention_layers: frozenset[int] = frozenset(),
-                 attention_buffers: float = 0.0) -> ForwardPass:
+                 attention_buffers: float = 0.0,
+                 moe_layers: frozenset[int] = frozenset()) -> ForwardPass:
     """Layer i starts with what layers < i kept plus its input and peaks at its `forward`
     above that; a full-recompute unit keeps only its input and runs its layers without grad.
     `attention_layers`: the indices of the (softmax) attention layers, whose first call
-    allocates `attention_buffers` (pre-decoder terms, `BUFFERS_OF_ATTENTION`)."""
+    allocates `attention_buffers` (pre-decoder terms, `BUFFERS_OF_ATTENTION`); `moe_layers`:
+    the indices of the MoE layers."""
     fp = ForwardPass(output=hidden_local,  # the embedding output, then each layer's output
                      attention_buffers=attention_buffers,
                      attention_run=not attention_layers)
@@ -115,6 +134,7 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
         if grad and lr.full_checkpoint_unit is not None:
             n = lr.full_unit_layers
             members = layers[i:i + n]
+            member_indices = [j for j, _ in members]
             unit_cost = probed_unit(index, n, s)
             if unit_cost is not None:
                 # The probe measured this very checkpoint unit: use it as one "layer".
@@ -122,7 +142,12 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
                 fp.reach(fp.kept_total + x_in + unit_cost.forward,
                          f"layers {index + 1}-{index + n} (no-grad run)")
                 kept = unit_cost.kept - (x if first and unit_cost.saves_input else 0)
-                fp.units.append(Unit(False, index, kept, x, (replace(unit_cost, kept=int(kept)),)))
+                # What the unit keeps beside its input is its dispatchers' routing state.
+                retained = retained_by_moe_checkpoint(
+                    member_indices, moe_layers, x,
+                    max(0.0, unit_cost.kept - (x if unit_cost.saves_input else 0)))
+                fp.units.append(Unit(False, index, kept, x, (replace(unit_cost, kept=int(kept)),),
+                                     retained, bool(retained)))
                 fp.kept_total += kept
                 fp.output = unit_cost.output
                 i += n
@@ -132,7 +157,11 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
             fp.probe_used |= any(u for _, u in nograd + full)
             fp.reach(fp.kept_total + x_in + max(c.forward for c, _ in nograd),
                      f"layer {index + 1} (no-grad run)")
-            fp.units.append(Unit(True, index, x_in, x, tuple(c for c, _ in full)))
+            # Without grad a layer keeps only its dispatcher's routing state.
+            retained = retained_by_moe_checkpoint(member_indices, moe_layers, x,
+                                                  sum(c.kept for c, _ in nograd))
+            fp.units.append(Unit(True, index, x_in, x, tuple(c for c, _ in full), retained,
+                                 bool(retained)))
             fp.kept_total += x_in
             i += n
             continue
@@ -170,7 +199,12 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
         fp.probe_used |= used
         fp.reach(fp.kept_total + x_in + cost.forward, f"layer {index + 1}")
         kept = cost.kept - (x if first and cost.saves_input else 0)
-        fp.units.append(Unit(False, index, kept, x, (replace(cost, kept=int(kept)),)))
+        # A MoE layer's dispatcher keeps its routing state past the layer's backward, what the
+        # layer keeps without grad.
+        retained = layer_cost(index, frozenset(), s, False)[0].kept if (
+            grad and index in moe_layers) else 0.0
+        fp.units.append(Unit(False, index, kept, x, (replace(cost, kept=int(kept)),),
+                             retained))
         fp.kept_total += kept
         fp.output = cost.output
         i += 1
@@ -309,15 +343,24 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
              ("head + outputs + caller loss (backward)", tail.backward, tail.note)]
     outputs_held = tail.kept
     below = fp.kept_total
+    retained = 0.0  # left referenced by the units whose backward has run
+    incoming = 0.0  # of it, the gradient the next unit receives (priced in its backward)
     for unit in reversed(fp.units):
         below -= unit.kept
+        above = retained - incoming
+        held_above = [("held by MoE layers above", above,
+                       "routing state; a checkpoint unit's detached input and its gradient")
+                      ] if above else []
+        retained += unit.retained
+        incoming = unit.input if unit.retains_input_gradient else 0.0
         if not unit.full:
             cost = unit.costs[0]
-            peak = below + cost.kept + cost.backward + outputs_held
+            peak = below + above + cost.kept + cost.backward + outputs_held
             if peak > best:
                 best, where, peak_layer = peak, f"layer {unit.start + 1} backward", unit.start
                 parts = [
                     ("activations kept by layers below", below, ""),
+                    *held_above,
                     ("this layer's kept activations", cost.kept, ""),
                     ("layer backward working set", cost.backward,
                      "incoming grad, grads, rebuilt checkpoints"),
@@ -325,13 +368,14 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
                 ]
             continue
         unit_peak = _full_unit_peak(unit)
-        peak = below + unit.kept + unit_peak + outputs_held
+        peak = below + above + unit.kept + unit_peak + outputs_held
         if peak > best:
             first, last = unit.start + 1, unit.start + len(unit.costs)
             span = f"layer {first}" if first == last else f"layers {first}-{last}"
             best, where, peak_layer = peak, f"{span} backward (full recompute unit)", unit.start
             parts = [
                 ("activations kept by layers below", below, "checkpoint inputs"),
+                *held_above,
                 ("checkpoint unit input", unit.kept, ""),
                 ("full unit recompute + backward", unit_peak,
                  f"{len(unit.costs)} layer(s) rebuilt with grad + incoming grad"),
