@@ -50,3 +50,35 @@ def test_full_chunk_line_takes_the_slope_of_rows_the_tokens_dominate():
     whole, _, within = split_points(points, rows, 64, lambda ts, vs: Fit.fit(ts, vs).at)
     assert whole == (64, 128, 192, 256)
     assert within.forward == pytest.approx(20.0)
+
+
+def test_chunked_models_get_probe_points_inside_a_chunk_on_every_device():
+    """A hybrid's probe fits its Gated DeltaNet layers over whole-chunk points and needs one
+    inside a chunk for the within-chunk slope: the CUDA grids are all whole chunks, so a
+    hybrid's default grid gains points inside one (without them the fit stops with an
+    error), and a probe cut short by a memory limit keeps three whole-chunk points and one
+    inside (one whole point would price every larger row at its value)."""
+    from _calibration.cells import calibration_geometries
+
+    from art.megatron.implementation import Implementation
+    from art.trainer_rank.memory.chunked import (
+        WHOLE_CHUNK_POINTS,
+        fewest_chunked_points,
+        split_points,
+    )
+    from art.trainer_rank.memory.fit import Fit
+    from art.trainer_rank.memory.probe import PROBE_TOKENS, default_probe_tokens
+
+    hybrid, dense = calibration_geometries()["hybrid-128"], calibration_geometries()["gqa-128"]
+    for device, implementation in (("cuda", Implementation.gpu_te()),
+                                   ("cuda", Implementation.cpu_local("unfused")),
+                                   ("cpu", Implementation.cpu_local())):
+        points = default_probe_tokens(device, implementation, hybrid)
+        assert set(default_probe_tokens(device, implementation, dense)) <= set(points)
+        rows = [{"forward": 1000.0 + 7 * t + 3 * (-(-t // 64) * 64)} for t in points]
+        whole, _, within = split_points(points, rows, 64, lambda ts, vs: Fit.fit(ts, vs).at)
+        assert len(whole) >= WHOLE_CHUNK_POINTS and within.forward == pytest.approx(7.0)
+        head = points[:fewest_chunked_points(points)]
+        assert sum(1 for t in head if t % 64 == 0) == WHOLE_CHUNK_POINTS
+        assert any(t % 64 for t in head)
+    assert default_probe_tokens("cpu", Implementation.cpu_local(), hybrid) == PROBE_TOKENS

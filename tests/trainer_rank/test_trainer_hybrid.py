@@ -103,3 +103,16 @@ def test_packed_sequences_do_not_see_each_other_through_gated_delta_net_layers(m
     assert len(together) == 1 and together[0].stats.local_count == 2
     torch.testing.assert_close(together[0].outputs[1].target_logprobs,
                                alone[0].outputs[0].target_logprobs, rtol=1e-5, atol=1e-5)
+
+
+def test_a_hybrid_probe_cut_short_by_the_limit_keeps_what_its_fit_needs(megatron_process):
+    """Under a limit that admits no probe point the probe still measures its fewest points;
+    for a hybrid those include three whole-chunk points and one inside a chunk, which its
+    Gated DeltaNet fit needs (with one whole point every larger row would be priced at it)."""
+    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.memory.probing import probe_tokens_for_limit
+
+    p = _provider("none", None, None, None)
+    model = p.build_model(seed=0)
+    points = probe_tokens_for_limit(model, p.implementation, MemoryModel.for_provider(p), 1)
+    assert sum(1 for t in points if t % 64 == 0) == 3 and any(t % 64 for t in points), points

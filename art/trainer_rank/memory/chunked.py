@@ -59,6 +59,32 @@ def has_chunked_layers(geometry: ModelGeometry) -> bool:
     return any(t == "linear_attention" for t in geometry.layer_types)
 
 
+# Whole-chunk points a chunked layer's curve needs (a quadratic through three), besides one
+# inside a chunk for the within-chunk slope (`split_points`).
+WHOLE_CHUNK_POINTS = 3
+
+
+def with_points_inside_chunks(points: Sequence[int], chunk_tokens: int = GDN_CHUNK_TOKENS
+                              ) -> tuple[int, ...]:
+    """`points`, and where none lies inside a chunk, half a chunk below each of the first two
+    whole-chunk points (the CUDA grids are whole chunks)."""
+    if any(t % chunk_tokens for t in points):
+        return tuple(points)
+    inside = {t - chunk_tokens // 2 for t in sorted(points)[:2]}
+    return tuple(sorted(set(points) | inside))
+
+
+def fewest_chunked_points(points: Sequence[int], chunk_tokens: int = GDN_CHUNK_TOKENS) -> int:
+    """How many of `points` (from the smallest) a chunked layer's probe needs: a point inside
+    a chunk and WHOLE_CHUNK_POINTS whole-chunk ones (all of them when fewer exist)."""
+    for n in range(1, len(points) + 1):
+        head = points[:n]
+        if (any(t % chunk_tokens for t in head)
+                and sum(1 for t in head if t % chunk_tokens == 0) >= WHOLE_CHUNK_POINTS):
+            return n
+    return len(points)
+
+
 @dataclass(frozen=True)
 class WithinChunk:
     """Per-token slope of each probed quantity while the chunk count stays the same."""

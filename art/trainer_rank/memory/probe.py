@@ -53,6 +53,7 @@ from art.trainer_rank.memory.chunked import (
     has_chunked_layers,
     sparse_row_lengths,
     split_points,
+    with_points_inside_chunks,
 )
 from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
 from art.trainer_rank.memory.fit import Fit, Poly
@@ -222,11 +223,18 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
-def default_probe_tokens(device: str, implementation: Any) -> tuple[int, ...]:
-    """The token counts `probe` measures at when none are given."""
+def default_probe_tokens(device: str, implementation: Any,
+                         geometry: ModelGeometry | None = None) -> tuple[int, ...]:
+    """The token counts `probe` measures at when none are given (for `geometry`: a model
+    with chunked layers also gets points inside a chunk, which its fit needs)."""
     if device != "cuda":
-        return PROBE_TOKENS
-    return PROBE_TOKENS_CUDA if implementation.attention == "flash" else PROBE_TOKENS_CUDA_UNFUSED
+        tokens = PROBE_TOKENS
+    else:
+        tokens = (PROBE_TOKENS_CUDA if implementation.attention == "flash"
+                  else PROBE_TOKENS_CUDA_UNFUSED)
+    if geometry is not None and has_chunked_layers(geometry):
+        tokens = with_points_inside_chunks(tokens)
+    return tokens
 
 
 def _probed_modes(modes: Iterable[LayerMode]) -> list[LayerMode]:
@@ -247,7 +255,7 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
                      layout=layout, lora_rank=lora_rank,
                      modes=[(m.kind, m.mode.key) for m in _probed_modes(modes)],
                      outputs=[f"{k}:{g}" for k, g in tails],
-                     tokens=tokens or default_probe_tokens(device, implementation),
+                     tokens=tokens or default_probe_tokens(device, implementation, geometry),
                      device=device, grad_tokens=grad_tokens)
 
 
@@ -291,7 +299,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     """
     inner = inner_model(model)
     device = next(inner.parameters()).device
-    tokens = tokens or default_probe_tokens(device.type, implementation)
+    tokens = tokens or default_probe_tokens(device.type, implementation, geometry)
     torch_dtype = inner.config.params_dtype
     modes, outputs = list(modes), list(outputs)
     wanted = _probed_modes(modes)

@@ -30,21 +30,18 @@ import torch
 
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory import probe as probe_module
+from art.trainer_rank.memory.chunked import fewest_chunked_points, has_chunked_layers
 from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.layer_terms import LayerCost
 from art.trainer_rank.memory.probe_runs import inner_model
 from art.trainer_rank.ranks import agree as _agree
 
 
-def _probe_tokens(model: Any, implementation: Any) -> tuple[int, ...]:
+def _probe_tokens(model: Any, implementation: Any, geometry: Any) -> tuple[int, ...]:
     # The probe's own choice of token counts (it picks them when none are given); needed here
     # to name the cache key before deciding, on every rank together, whether to probe.
     device = next(inner_model(model).parameters()).device
-    if device.type != "cuda":
-        return probe_module.PROBE_TOKENS
-    if implementation.attention == "flash":
-        return probe_module.PROBE_TOKENS_CUDA
-    return probe_module.PROBE_TOKENS_CUDA_UNFUSED
+    return probe_module.default_probe_tokens(device.type, implementation, geometry)
 
 
 # The fewest probe points kept however small the limit: the probe's curves need three per
@@ -57,7 +54,8 @@ def probe_tokens_for_limit(model: Any, implementation: Any, default_memory_model
                            usable_bytes: int, *, grad: bool = False,
                            outputs: OutputRequest = LOGPROBS) -> tuple[int, ...]:
     """The probe's token counts whose whole micro-batch (priced by the default formulas for
-    `grad` and `outputs`) fits `usable_bytes`, never fewer than MIN_PROBE_POINTS.
+    `grad` and `outputs`) fits `usable_bytes`, never fewer than MIN_PROBE_POINTS (and, for a
+    model with chunked layers, never fewer than their fit needs: `fewest_chunked_points`).
 
     One layer or the head tail at t tokens holds less than the whole micro-batch at t, so
     the probe's own peak stays under the limit the trainer runs with (to within the defaults'
@@ -65,11 +63,15 @@ def probe_tokens_for_limit(model: Any, implementation: Any, default_memory_model
     still priced, by the quadratic through the last three points; a limit that cannot admit
     a point does not admit much beyond it either.
     """
-    tokens = _probe_tokens(model, implementation)
+    geometry = default_memory_model.geometry
+    tokens = _probe_tokens(model, implementation, geometry)
     bound = default_memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
                                                      grad_enabled=grad)
     inside = sum(1 for t in tokens if t <= bound)
-    return tokens[:max(inside, MIN_PROBE_POINTS)]
+    fewest = MIN_PROBE_POINTS
+    if has_chunked_layers(geometry):
+        fewest = max(fewest, fewest_chunked_points(tokens))
+    return tokens[:max(inside, fewest)]
 
 
 @contextlib.contextmanager
@@ -156,7 +158,7 @@ class TrainerProbe:
     def _points(self, outputs: OutputRequest, grad: bool) -> tuple[int, ...]:
         if self.default_model is None or self.usable_bytes is None:
             return getattr(self, "tokens", None) or _probe_tokens(
-                self.model, self.provider.implementation)
+                self.model, self.provider.implementation, self.provider.geometry)
         return probe_tokens_for_limit(self.model, self.provider.implementation,
                                       self.default_model, self.usable_bytes, grad=grad,
                                       outputs=outputs)
