@@ -8,6 +8,7 @@ keeps and allocates.
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from art.megatron.geometry import ModelGeometry
@@ -30,6 +31,20 @@ class LayerCost:
     backward_held: int | None = None
 
 
+class BlockRole(enum.Enum):
+    """The blocks the layer composition looks up to price what lives across blocks (a
+    block's name is for display only)."""
+
+    RESIDUAL_ADD = "residual add"  # ends a norm's reach (`layers._norm_rebuilt_for`)
+    QKV = "qkv"  # the fused QKV buffer, which core attention keeps alive (V is a view)
+    OUTPUT_GATE = "output gate"  # a gated attention's gate, a copy out of the QKV buffer
+    # What a Gated DeltaNet's rule runs on without grad: views of in_proj's and the conv's
+    # outputs and the repeated q, k, gates and decay inputs, then the rule itself.
+    RULE_INPUT = "rule input"
+    RULE_INPUT_COPIES = "rule input copies"
+    DELTA_RULE = "delta rule"
+
+
 @dataclass(frozen=True)
 class Block:
     name: str
@@ -39,6 +54,7 @@ class Block:
     output_saved: bool
     temp: float = 0.0
     grad_temp: float = 0.0
+    role: BlockRole | None = None
 
 
 

@@ -32,6 +32,7 @@ from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.trainer_rank.memory.layer_terms import (
     FP32,
     Block,
+    BlockRole,
     Dims,
     LayerCost,
     linear_input_saved,
@@ -69,7 +70,8 @@ def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
     # bf16/fp16 keeps its fp32 upcast instead (in the norm's block) and the add keeps nothing.
     fused_norm = te and not kind.endswith("_moe")
     residual = Block("residual add", None, 0.0, d.hidden_tokens(s) * g.hidden_size * b,
-                     fused_norm or d.implementation.norm != "torch" or b >= FP32)
+                     fused_norm or d.implementation.norm != "torch" or b >= FP32,
+                     role=BlockRole.RESIDUAL_ADD)
     mlp_norm = norm_block(d, s, "pre-MLP norm", fused_norm,
                           linear_input_saved(d, s, "linear_fc1", True) or kind.endswith("_moe"))
     if kind.endswith("_moe"):
@@ -121,24 +123,23 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
         # split), live from the split until the output gate multiplies it in.
         # A Gated DeltaNet's rule runs on views of in_proj's and the conv's outputs (held by
         # the layer's frame) and on the repeated q, k, contiguous v, gate and decay inputs.
-        gate = sum(blk.internal for blk in blocks if blk.name == "output gate")
-        rule_inputs = sum(blk.output for blk in blocks
-                          if blk.name in ("input norm + in_proj", "causal conv1d + silu"))
+        gate = sum(blk.internal for blk in blocks if blk.role is BlockRole.OUTPUT_GATE)
+        rule_inputs = sum(blk.output for blk in blocks if blk.role is BlockRole.RULE_INPUT)
         rule_inputs += sum(blk.internal for blk in blocks
-                           if blk.name == "q/k repeat, gates (g, beta)")
+                           if blk.role is BlockRole.RULE_INPUT_COPIES)
         peak = 0.0
         prev = x
         qkv = 0.0
         gate_live = 0.0
         for blk in blocks:
-            if blk.name == "output gate":
+            if blk.role is BlockRole.OUTPUT_GATE:
                 gate_live = 0.0
             extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
-            if blk.name == "gated delta rule":
+            if blk.role is BlockRole.DELTA_RULE:
                 extra += rule_inputs
             peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
             prev = blk.output
-            if blk.name == "qkv":
+            if blk.role is BlockRole.QKV:
                 qkv, gate_live = blk.output, gate
         kept = moe_dispatcher_state(d, s) if kind.endswith("_moe") else 0.0
         return LayerCost(int(kept), int(peak), 0, int(x), False)
@@ -210,7 +211,7 @@ def _norm_rebuilt_for(blocks: list[Block], segments: list[int | None], idx: int,
     referenced until the norm's backward: two outputs and the norm's internals."""
     held = 0.0
     for j in range(idx - 1, -1, -1):
-        if blocks[j].name == "residual add":
+        if blocks[j].role is BlockRole.RESIDUAL_ADD:
             break
         if blocks[j].module == "layernorm" and segments[j] is not None:
             held += (blocks[j].internal + 2 * blocks[j].output if backward

@@ -10,6 +10,7 @@ from __future__ import annotations
 from art.trainer_rank.memory.layer_terms import (
     FP32,
     Block,
+    BlockRole,
     Dims,
     linear_input_saved,
     lora_saved,
@@ -50,7 +51,7 @@ def attention_blocks(d: Dims, s: int) -> list[Block]:
         Block("qkv", None, lora_saved(d, s, "linear_qkv"), qkv, True,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
               + lora_temp(d, "linear_qkv", qkv),
-              grad_temp=qkv + lora_temp(d, "linear_qkv", qkv) / 2),
+              grad_temp=qkv + lora_temp(d, "linear_qkv", qkv) / 2, role=BlockRole.QKV),
     ]
     rope_q = float(s) * q_width * b
     rope_k = float(s) * kv_width * b
@@ -104,7 +105,8 @@ def attention_blocks(d: Dims, s: int) -> list[Block]:
     blocks.append(Block("core attention", "core_attn", core_internal, ctx, True,
                         temp=core_temp, grad_temp=core_grad))
     if g.gated_attention_output:
-        blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True))
+        blocks.append(Block("output gate", None, float(s) * q_width * b, ctx, True,
+                            role=BlockRole.OUTPUT_GATE))
     proj_out = d.hidden_tokens(s) * g.hidden_size * b
     # The projection's output only feeds the residual add, which keeps nothing.
     blocks.append(Block("proj", None, lora_saved(d, s, "linear_proj"), proj_out,

@@ -7,7 +7,7 @@ chunked kernels on GPU, their CPU counterparts otherwise) and the gated output n
 
 from __future__ import annotations
 
-from art.trainer_rank.memory.layer_terms import FP32, Block, Dims, lora_saved
+from art.trainer_rank.memory.layer_terms import FP32, Block, BlockRole, Dims, lora_saved
 
 # fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
 # fp32 matrix per chunk and head and rebuilds the per-chunk recurrent states in backward.
@@ -66,12 +66,12 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
-              grad_temp=in_proj),
+              grad_temp=in_proj, role=BlockRole.RULE_INPUT),
         # The convolution's input: q, k, v transposed to [channels, tokens] (a copy).
         Block("split, qkv transpose copy", None, 0.0, conv, True),
         # silu keeps the convolution's output ([channels, tokens + kernel - 1]).
         Block("causal conv1d + silu", None, (rows + la.conv_kernel_size - 1) / rows * conv,
-              conv, False, grad_temp=2 * conv),
+              conv, False, grad_temp=2 * conv, role=BlockRole.RULE_INPUT),
         # l2norm keeps its outputs (q, k per key head) and one fp32 rstd per key head.
         Block("q/k l2norm", None, rows * 2 * key * b + rows * 2 * kheads * FP32,
               rows * 2 * key * b, False, temp=rows * 2 * key * b),
@@ -80,9 +80,9 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
         # and the fp32 softplus input of the decay.
         Block("q/k repeat, gates (g, beta)", None,
               (rows * 2 * value * b if repeated else 0.0) + 2 * out
-              + rows * vheads * (b + FP32), 0.0, False),
+              + rows * vheads * (b + FP32), 0.0, False, role=BlockRole.RULE_INPUT_COPIES),
         Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
-              grad_temp=delta_grad),
+              grad_temp=delta_grad, role=BlockRole.DELTA_RULE),
         # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
         # (rule output, gate: kept above) and one fp32 rstd per value head; its output is
         # transposed into a copy for out_proj, which is frozen and keeps nothing.
