@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 import torch
@@ -13,6 +14,18 @@ SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 # The production points' spacing (about 1.5x apart), stopping where test rows stop.
 SLICE_PROBE_TOKENS = (48, 64, 96, 128, 192, 256, 384)
 
+
+
+def _slice_model(cells: list) -> Any:
+    """The calibration model of `cells` (one geometry, policy, LoRA rank and TP size),
+    probed at the slice's points."""
+    from _calibration.harness import POLICY_BY_NAME, CalibrationModel, calibration_geometries
+
+    first = cells[0]
+    return CalibrationModel(calibration_geometries()[first.geometry],
+                            POLICY_BY_NAME[first.policy], lora_rank=first.lora_rank,
+                            tensor_parallel=first.tensor_parallel, cells=cells,
+                            probe_tokens=SLICE_PROBE_TOKENS)
 
 def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
     outside = torch.ones(1000)
@@ -310,17 +323,10 @@ def test_full_unit_mixing_layer_kinds_prices_the_held_incoming_gradient(megatron
     keeps the unit's incoming gradient referenced until the unit's backward returns, so the
     top layer's backward is probed with it held (`backward_held`); the micro-batch's peak is
     in that unit's backward and priced within [1.00, 1.05]."""
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-    )
+    from _calibration.harness import Cell
 
     cell = Cell("hybrid-128", "full uniform 2", 8, 1, (222,), "logprobs", True)
-    model = CalibrationModel(calibration_geometries()["hybrid-128"],
-                             POLICY_BY_NAME["full uniform 2"], lora_rank=8, tensor_parallel=1,
-                             cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model([cell])
     modes = {(k, m): fit for k, m, fit in model.coefficients.layers}
     assert modes[("attention", "none")].backward_held is not None
     result = model.measure(cell)
@@ -337,21 +343,13 @@ def test_hybrid_moe_prices_routing_state_and_expert_adapters(megatron_process):
     grad the default formulas price what the experts keep: the activation and its product
     with the routing probabilities, each local expert's LoRA (rows per routed pair, A weights
     concatenated per expert), the router's indices and the dispatcher's map."""
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-        micro_batch_shape,
-    )
+    from _calibration.harness import Cell, micro_batch_shape
 
     from art.trainer_rank._request import OutputRequest
 
     cell = Cell("hybrid-moe-128", "none", 8, 1, (352,), "top_k=20", False)
     with_grad = Cell("hybrid-moe-128", "none", 8, 1, (348,), "logits", True)
-    model = CalibrationModel(calibration_geometries()["hybrid-moe-128"], POLICY_BY_NAME["none"],
-                             lora_rank=8, tensor_parallel=1, cells=[cell, with_grad],
-                             probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model([cell, with_grad])
     trained = model.measure(with_grad)
     assert 1.0 <= trained.default_ratio <= 1.05, (
         "defaults, grad", trained.measured_bytes, trained.predicted_default_bytes)
@@ -375,19 +373,12 @@ def test_hybrid_row_of_many_sequences_prices_each_sequence_conv_padding(megatron
     extra sequence, so the row lands within [1.00, 1.05]."""
     import random
 
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-    )
+    from _calibration.harness import Cell
 
     rng = random.Random("many sequences")
     lengths = tuple(rng.randint(10, 40) for _ in range(13))
     cell = Cell("hybrid-128", "selective default", 8, 1, lengths, "logprobs", True)
-    model = CalibrationModel(calibration_geometries()["hybrid-128"],
-                             POLICY_BY_NAME["selective default"], lora_rank=8,
-                             tensor_parallel=1, cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model([cell])
     result = model.measure(cell)
     assert result.peak_at == "backward: layer 4 backward", result.peak_at
     assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
@@ -403,20 +394,12 @@ def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
     without it (probe within [1.00, 1.05]; the buffer term absent). The default formulas
     price that layer's working set: the padded chunk copies and the decay mask the CPU rule
     builds at once, on the views of in_proj's and the conv's outputs it runs on."""
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-        micro_batch_shape,
-    )
+    from _calibration.harness import Cell, micro_batch_shape
 
     from art.trainer_rank._request import OutputRequest
 
     cell = Cell("hybrid-128", "none", 8, 1, (9, 23, 30, 46), "top_k=20", False)
-    model = CalibrationModel(calibration_geometries()["hybrid-128"], POLICY_BY_NAME["none"],
-                             lora_rank=8, tensor_parallel=1, cells=[cell],
-                             probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model([cell])
     result = model.measure(cell)
     estimate = model.memory.estimate(micro_batch_shape(
         cell.lengths, OutputRequest.parse(cell.outputs), False, model.layout,
@@ -438,22 +421,14 @@ def test_hybrid_rows_of_short_sequences_priced_from_sparse_chunk_rows(megatron_p
     import random
     import re
 
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-    )
+    from _calibration.harness import Cell
 
     rng = random.Random("sparse chunks")
     forward_row = tuple(rng.randint(12, 30) for _ in range(8))
     backward_row = tuple(rng.randint(8, 30) for _ in range(14))
     cells = [Cell("hybrid-128", "full uniform 1", 8, 1, forward_row, "top_k=20", False),
              Cell("hybrid-128", "full uniform 1", 8, 1, backward_row, "logprobs", True)]
-    model = CalibrationModel(calibration_geometries()["hybrid-128"],
-                             POLICY_BY_NAME["full uniform 1"],
-                             lora_rank=8, tensor_parallel=1, cells=cells,
-                             probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model(cells)
     for cell in cells:
         result = model.measure(cell)
         # Layers 1-3 are the Gated DeltaNet layers.
@@ -472,22 +447,14 @@ def test_moe_checkpoint_units_hold_input_and_gradient_past_their_backward(megatr
     term of its own, and the row lands within [1.00, 1.05]."""
     import random
 
-    from _calibration.harness import (
-        POLICY_BY_NAME,
-        CalibrationModel,
-        Cell,
-        calibration_geometries,
-        micro_batch_shape,
-    )
+    from _calibration.harness import Cell, micro_batch_shape
 
     from art.trainer_rank._request import OutputRequest
 
     rng = random.Random("moe checkpoint units")
     lengths = tuple(rng.randint(10, 45) for _ in range(4))
     cell = Cell("hybrid-moe-128", "full uniform 1", 8, 1, lengths, "logprobs", True)
-    model = CalibrationModel(calibration_geometries()["hybrid-moe-128"],
-                             POLICY_BY_NAME["full uniform 1"], lora_rank=8, tensor_parallel=1,
-                             cells=[cell], probe_tokens=SLICE_PROBE_TOKENS)
+    model = _slice_model([cell])
     result = model.measure(cell)
     estimate = model.memory.estimate(micro_batch_shape(
         lengths, OutputRequest.parse(cell.outputs), True, model.layout, model.implementation))
