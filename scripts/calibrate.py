@@ -6,8 +6,10 @@
     .venv/bin/python scripts/calibrate.py --tp 2 --out bench/calibration/tp2  # TP=2 only
     .venv/bin/python scripts/calibrate.py --build gpu-shaped --tp 1 \
         --out bench/calibration/gpu-shaped
-    .venv/bin/python scripts/calibrate.py --geometries hybrid-128 hybrid-moe-128 \
+    .venv/bin/python scripts/calibrate.py --geometries hybrid-128 hybrid-moe-128 --tp 1 \
         --out bench/calibration/hybrid  # Gated DeltaNet + attention, dense and MoE
+    .venv/bin/python scripts/calibrate.py --tp 2 --geometries hybrid-128 hybrid-moe-128 \
+        --out bench/calibration/hybrid-tp2  # the hybrids on two torchrun ranks
     .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
         --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
@@ -18,7 +20,9 @@ with the estimate's max(forward peak, backward peak), with probe coefficients (t
 same matrix on the CPU stand-ins of the GPU build's fused kernels (art/megatron/cpu_fused.py:
 RMSNorm, SwiGLU, RoPE; segmented flash attention), so the pricing of those kernels is
 measured. The hybrid geometries (Qwen3.5-style: three Gated DeltaNet layers and one gated
-attention layer, dense and MoE) are a seeded matrix of their own, every recompute policy.
+attention layer, dense and MoE) are a seeded matrix of their own, every recompute policy;
+`--tp 2 --geometries ...` measures them on two torchrun ranks (five policies, the MoE one with
+sequence parallel, which Megatron-Core's MoE layer needs at TP > 1).
 Writes calibration.csv, calibration.md and calibration.png to --out (default
 bench/calibration; TP=1 and TP=2 rows into one --out share one CSV, so keep separate folders
 when running them separately). `--reprice` re-prices both columns of a measured CSV with the
@@ -37,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,7 +64,7 @@ def tp1_cells(args: argparse.Namespace) -> list:
     cells = []
     for family in (DENSE_GEOMETRIES, HYBRID_GEOMETRIES):
         if wanted & set(family):
-            cells += off_grid_matrix(args.seed, rows_per_model=args.rows_per_model,
+            cells += off_grid_matrix(args.seed, rows_per_model=args.rows_per_model or 5,
                                      max_tokens=args.max_tokens, build=args.build,
                                      geometries=family)
     if args.geometries:
@@ -69,15 +74,41 @@ def tp1_cells(args: argparse.Namespace) -> list:
     return cells
 
 
-def tp2_cells(quick: bool, seed: int, build: str = "local") -> list:
-    from _calibration.cells import off_grid_matrix
+TP2_POLICIES = ("none", "selective default", "selective core_attn+mlp", "full uniform 1",
+                "full uniform 2")
+TP2_HYBRID_ROWS = 3  # rows with grad per hybrid model at TP=2 (two shared cores, ~10 min)
 
-    policies = ("none", "selective default", "full uniform 1") if quick else (
-        "none", "selective default", "selective core_attn+mlp", "full uniform 1",
-        "full uniform 2")
-    return off_grid_matrix(seed + 1, rows_per_model=2 if quick else 4, tensor_parallel=2,
-                           geometries=(TP2_GEOMETRY,), policies=policies,
-                           max_tokens=1500 if quick else 3000, build=build)
+
+def tp2_cells(quick: bool, seed: int, build: str = "local",
+              geometries: Sequence[str] | None = None,
+              rows_per_model: int | None = None) -> list:
+    """The TP=2 matrix: the dense subset (TP2_GEOMETRY) without `geometries` or when they
+    name it, and the hybrids they name. Each family is its own seeded matrix, so the dense
+    rows stay those of earlier runs whatever else is measured."""
+    from _calibration.cells import HYBRID_GEOMETRIES, off_grid_matrix
+
+    policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
+    cells = []
+    if not geometries or TP2_GEOMETRY in geometries:
+        cells += off_grid_matrix(seed + 1, rows_per_model=2 if quick else 4,
+                                 tensor_parallel=2, geometries=(TP2_GEOMETRY,),
+                                 policies=policies, max_tokens=1500 if quick else 3000,
+                                 build=build)
+    hybrids = [g for g in HYBRID_GEOMETRIES if g in (geometries or ())]
+    if hybrids:
+        rows = 2 if quick else rows_per_model or TP2_HYBRID_ROWS
+        cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows, tensor_parallel=2,
+                                             geometries=HYBRID_GEOMETRIES, policies=policies,
+                                             max_tokens=1500 if quick else 3000, build=build)
+                  if c.geometry in hybrids]
+    return cells
+
+
+def tp2_wanted(geometries: Sequence[str] | None) -> bool:
+    """Whether the geometries asked for have TP=2 cells (all but the dense ones TP=1 only)."""
+    from _calibration.cells import HYBRID_GEOMETRIES
+
+    return not geometries or bool({TP2_GEOMETRY, *HYBRID_GEOMETRIES} & set(geometries))
 
 
 def worker(args: argparse.Namespace) -> int:
@@ -85,8 +116,10 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from _calibration.harness import run_cells
 
-    cells = tp2_cells(args.quick, args.seed, args.build)
-    results = run_cells(cells, tensor_parallel=2)
+    cells = tp2_cells(args.quick, args.seed, args.build, args.geometries, args.rows_per_model)
+    results = run_cells(cells, tensor_parallel=2,
+                        progress=(lambda m: print(m, flush=True))
+                        if int(os.environ.get("RANK", "0")) == 0 else None)
     rows = [r.row() for r in results]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
@@ -104,7 +137,9 @@ def worker(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_tp2(quick: bool, seed: int, build: str = "local") -> list[dict]:
+def run_tp2(quick: bool, seed: int, build: str = "local",
+            geometries: Sequence[str] | None = None,
+            rows_per_model: int | None = None) -> list[dict]:
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -112,7 +147,9 @@ def run_tp2(quick: bool, seed: int, build: str = "local") -> list[dict]:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
                f"--master_port={free_port()}", "--master_addr=127.0.0.1", __file__,
                "--worker-out", str(out), "--seed", str(seed), "--build", build] + (
-                   ["--quick"] if quick else [])
+                   ["--quick"] if quick else []) + (
+                   ["--geometries", *geometries] if geometries else []) + (
+                   ["--rows-per-model", str(rows_per_model)] if rows_per_model else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -235,10 +272,13 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random packed lengths")
-    parser.add_argument("--rows-per-model", type=int, default=5,
-                        help="seeded rows with grad per model (half as many without)")
+    parser.add_argument("--rows-per-model", type=int,
+                        help="seeded rows with grad per model (half as many without); "
+                             "default 5 at TP=1 and TP2_HYBRID_ROWS for the TP=2 hybrids "
+                             "(the dense TP=2 subset keeps its 4)")
     parser.add_argument("--max-tokens", type=int, default=4096, help="largest packed row")
-    parser.add_argument("--geometries", nargs="*", help="only these geometries (TP=1)")
+    parser.add_argument("--geometries", nargs="*",
+                        help="only these geometries (TP=2: gqa-128 and the hybrids)")
     parser.add_argument("--policies", nargs="*", help="only these recompute policies (TP=1)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
@@ -289,8 +329,9 @@ def main() -> int:
 
     start = time.time()
     rows: list[dict] = []
-    if 2 in args.tp and (not args.geometries or TP2_GEOMETRY in args.geometries):
-        rows += run_tp2(args.quick, args.seed, args.build)
+    if 2 in args.tp and tp2_wanted(args.geometries):
+        rows += run_tp2(args.quick, args.seed, args.build, args.geometries,
+                        args.rows_per_model)
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
         initialize_distributed()

@@ -146,7 +146,7 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
 
     settings = Settings(
         tensor_model_parallel_size=tensor_parallel,
-        sequence_parallel=False,
+        sequence_parallel=calibration_sequence_parallel(geometry, tensor_parallel),
         recompute_granularity=policy.granularity,
         recompute_method=policy.method,
         recompute_num_layers=policy.num_layers,
@@ -157,6 +157,12 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
                       lora_dropout=0.0) if lora_rank else None
     return Provider(geometry, settings=settings, lora=lora, dtype=dtype,
                     implementation=implementation)
+
+
+def calibration_sequence_parallel(geometry: ModelGeometry, tensor_parallel: int) -> bool:
+    """Sequence parallel only where Megatron-Core requires it (MoE layers with TP > 1 refuse to
+    train without it); the dense cells keep the plain TP layout they always measured."""
+    return tensor_parallel > 1 and geometry.is_moe
 
 
 def probe_request(geometry: ModelGeometry, recompute: Any, cells: Sequence[Cell]
@@ -295,7 +301,10 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
         modules=policy.modules, moe_layers=geometry.moe_layers,
         layer_types=geometry.layer_types, norm_fused_into_linear=impl.norm_fused_into_linear,
     )
-    return MemoryModel(geometry, layout=ParallelLayout(tensor_parallel=cell.tensor_parallel),
+    layout = ParallelLayout(tensor_parallel=cell.tensor_parallel,
+                            sequence_parallel=calibration_sequence_parallel(
+                                geometry, cell.tensor_parallel))
+    return MemoryModel(geometry, layout=layout,
                        recompute=recompute, implementation=impl,
                        lora=LoraShape(cell.lora_rank, lora_targets_for(geometry)),
                        dtype=cell.dtype)
