@@ -154,7 +154,7 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=N
             return get_transformer_block_with_experimental_attention_variant_spec(config)
         from art.megatron.specs.hybrid import hybrid_block_spec
 
-        return hybrid_block_spec(geometry, config)
+        return hybrid_block_spec(geometry, config, implementation)
     if implementation.spec == "te":
         return gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(
             num_experts=num_experts, qk_layernorm=geometry.qk_layernorm

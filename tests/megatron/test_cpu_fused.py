@@ -113,3 +113,39 @@ def test_gpu_shaped_build_uses_the_stand_ins_and_equals_the_local_flash_build(me
     for n, p in model.named_parameters():
         torch.testing.assert_close(p.grad, grads[n], atol=1e-6, rtol=1e-5)
     assert kept < local_kept  # fp32 norm rows, silu halves and cos/sin copies are not kept
+
+
+def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
+        megatron_process):
+    """A hybrid (Gated DeltaNet + gated attention) built GPU-shaped takes the fused norms'
+    stand-ins and the segmented flash attention, as the dense local spec does, runs a packed
+    row of several sequences forward and backward, and gives the local build's output."""
+    from _calibration.harness import POLICY_BY_NAME, calibration_geometries, calibration_provider
+
+    from art.megatron import cpu_fused
+    from art.megatron.implementation import Implementation
+    from art.megatron.packed_attention import SegmentedFlashAttention
+    from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
+    from art.trainer_rank.compute.packing import pack_sequences
+
+    geometry = calibration_geometries()["hybrid-128"]
+    generator = torch.Generator().manual_seed(0)
+    sequences = [torch.randint(0, 1024, (n,), generator=generator) for n in (37, 70, 21)]
+    hidden = {}
+    for name, impl in (("local", Implementation.cpu_local()),
+                       ("gpu-shaped", Implementation.cpu_gpu_shaped())):
+        provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=0,
+                                        tensor_parallel=1, dtype="float32", implementation=impl)
+        model = provider.build_model(seed=0)
+        batch = pack_sequences(sequences, implementation=impl, layout=provider.layout,
+                               device=torch.device("cpu"))
+        out = decoder_hidden_states(model, batch)
+        out.pow(2).mean().backward()
+        hidden[name] = out.detach()
+    decoder = unwrap_model(model).decoder
+    attention = decoder.layers[3].self_attention
+    assert isinstance(attention.core_attention, SegmentedFlashAttention)
+    assert isinstance(attention.q_layernorm, cpu_fused.FusedRMSNorm)
+    assert isinstance(decoder.layers[0].pre_mlp_layernorm, cpu_fused.FusedRMSNorm)
+    assert isinstance(decoder.final_layernorm, cpu_fused.FusedRMSNorm)
+    torch.testing.assert_close(hidden["gpu-shaped"], hidden["local"], atol=1e-5, rtol=1e-4)
