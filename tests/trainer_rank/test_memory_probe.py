@@ -467,3 +467,44 @@ def test_moe_checkpoint_units_hold_input_and_gradient_past_their_backward(megatr
     assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
     assert 1.0 <= result.default_ratio <= 1.05, (
         lengths, result.measured_bytes, result.predicted_default_bytes)
+
+
+def test_gdn_no_grad_forward_sets_the_gpu_shaped_peak_priced_from_measurement(
+        megatron_process):
+    """Without grad and with flash attention, a Gated DeltaNet layer's forward sets the row's
+    peak: the CPU rule's working set while it masks the decay, on in_proj's and the conv's
+    outputs and the rule's input copies, before the rule's output exists and with no
+    hidden-sized tensor beside the layer input (its norm sits in in_proj). The default
+    formulas price such rows, one sequence and several, within [1.00, 1.05]."""
+    from _calibration.harness import (
+        POLICY_BY_NAME,
+        Cell,
+        calibration_geometries,
+        calibration_provider,
+        default_memory_model,
+        implementation_for,
+        micro_batch_shape,
+        run_micro_batch,
+    )
+
+    from art.trainer_rank._request import OutputRequest
+
+    cells = [Cell("hybrid-128", "none", 8, 1, (700,), "logprobs", False, build="gpu-shaped"),
+             Cell("hybrid-128", "none", 8, 1, (130, 41, 300), "top_k=20", False,
+                  build="gpu-shaped")]
+    impl = implementation_for("gpu-shaped")
+    provider = calibration_provider(calibration_geometries()["hybrid-128"],
+                                    POLICY_BY_NAME["none"], lora_rank=8, tensor_parallel=1,
+                                    dtype="float32", implementation=impl)
+    model = provider.build_model(seed=0)
+    memory = default_memory_model(cells[0])
+    for cell in cells:
+        outputs = OutputRequest.parse(cell.outputs)
+        measured, _ = run_micro_batch(model, cell.lengths, outputs, False, provider.layout,
+                                      impl, torch.device("cpu"))
+        est = memory.estimate(micro_batch_shape(cell.lengths, outputs, False, provider.layout,
+                                                impl))
+        assert est.peak_at in ("forward: layer 1", "forward: layer 2", "forward: layer 3"), (
+            est.peak_at)
+        predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
+        assert 1.0 <= predicted / measured <= 1.05, (cell.lengths, measured, predicted)

@@ -135,9 +135,15 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             if blk.role is BlockRole.OUTPUT_GATE:
                 gate_live = 0.0
             extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
+            held = x + prev + blk.output
             if blk.role is BlockRole.DELTA_RULE:
                 extra += rule_inputs
-            peak = max(peak, x + prev + blk.output + blk.temp + blk.internal + extra)
+                if d.implementation.device != "cuda":
+                    # The CPU rule peaks masking the decay, before its output exists, and the
+                    # layer holds no hidden-sized tensor beside its input there (its norm sits
+                    # in in_proj, whose normed rows die with the linear).
+                    held = prev
+            peak = max(peak, held + blk.temp + blk.internal + extra)
             prev = blk.output
             if blk.role is BlockRole.QKV:
                 qkv, gate_live = blk.output, gate
