@@ -44,6 +44,11 @@ def padded_chunk_tokens(sequence_lengths_tokens: Iterable[int],
     return sum(-(-int(n) // chunk_tokens) * chunk_tokens for n in sequence_lengths_tokens)
 
 
+def _row_padded(tokens: int, padded: int | None, chunk_tokens: int) -> int:
+    """The row's padded length: `padded`, or one sequence of `tokens` in whole chunks."""
+    return padded if padded is not None else padded_chunk_tokens([tokens], chunk_tokens)
+
+
 def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
                             chunk_tokens: int = GDN_CHUNK_TOKENS) -> int:
     """`padded_chunk_tokens` of the sequences as `pack_sequences` lays them out in one row
@@ -100,8 +105,7 @@ class WithinChunk:
               padded: int | None) -> int:
         """Quantity `name` at `tokens` from its whole-chunk `curve` at the `padded` row
         (None: one sequence of `tokens`)."""
-        whole = padded if padded is not None else padded_chunk_tokens([tokens],
-                                                                      self.chunk_tokens)
+        whole = _row_padded(tokens, padded, self.chunk_tokens)
         return int(round(curve(whole) - getattr(self, name) * (whole - tokens)))
 
 
@@ -148,12 +152,15 @@ class SparseChunks:
     tokens_per_chunk: tuple[int, int]
     quantities: tuple[tuple[str, Fit, Fit], ...]  # (name, at the first fill, at the second)
 
-    def value(self, name: str, tokens: int, padded: int) -> int | None:
+    def value(self, name: str, tokens: int, padded: int | None) -> int | None:
+        """Quantity `name` (None: not measured) at `tokens` in the `padded` row (None: one
+        sequence of `tokens`)."""
+        whole = _row_padded(tokens, padded, self.chunk_tokens)
         for quantity, first, second in self.quantities:
             if quantity != name:
                 continue
-            chunks = padded / self.chunk_tokens
+            chunks = whole / self.chunk_tokens
             low, high = (chunks * n for n in self.tokens_per_chunk)
-            at_low, at_high = first.at(padded), second.at(padded)
+            at_low, at_high = first.at(whole), second.at(whole)
             return int(round(at_low + (at_high - at_low) * (tokens - low) / (high - low)))
         return None

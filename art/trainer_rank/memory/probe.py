@@ -105,12 +105,9 @@ class ProbedLayer:
             if chunk is None:
                 return max(0, fit.at(s))
             value = chunk.value(fit.at, name, s, padded)
-            if self.sparse_chunks is not None:
-                whole = padded if padded is not None else -(-s // chunk.chunk_tokens) * (
-                    chunk.chunk_tokens)
-                sparse = self.sparse_chunks.value(name, s, whole)
-                value = max(value, sparse if sparse is not None else value)
-            return max(0, value)
+            sparse = (self.sparse_chunks.value(name, s, padded)
+                      if self.sparse_chunks is not None else None)
+            return max(0, value if sparse is None else max(value, sparse))
 
         return LayerCost(
             kept=at("kept"), forward=at("forward"), backward=at("backward"),
