@@ -13,6 +13,14 @@ One op classification for both backends (`output_kinds`), per output of an op's 
   since resize_ may have changed it;
 - VIEW: the output aliases an input and nothing was written: skipped.
 
+On CPU a c10d collective runs on copies of its tensors (`_collective_on_copies`). Gloo's worker
+thread keeps references to the tensors it was given for a while after the collective completes,
+and drops them only when the scheduler gets to it, so a storage the model is done with would
+otherwise die at a time that varies from run to run (and from rank to rank). The copies carry
+the worker's references instead, untracked; the values the collective wrote are copied back
+into the caller's tensors, so the live-bytes curve is the one the model's own references make,
+as it is on a GPU, where NCCL works in place.
+
 CPU backend: a TorchDispatchMode sees every op's outputs on the calling thread (forward,
 autograd backward and checkpoint recompute all run their CPU kernels there); FRESH storages are
 counted by `nbytes()` with a weakref finalizer that subtracts them when the storage dies, so the
@@ -39,8 +47,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map
 
 from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT
 
@@ -69,12 +77,47 @@ def output_kinds(func: Any) -> tuple[int, ...]:
     return kinds
 
 
+def _collective_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """Run a c10d collective on copies of its tensors, wait for it, and write back what it
+    changed (see the module docstring); the result names the caller's tensors again."""
+    copies: dict[int, torch.Tensor] = {}  # id(caller's tensor) -> its copy
+    originals: dict[int, torch.Tensor] = {}  # the copy's TensorImpl -> the caller's tensor
+
+    def to_copy(value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        copy = copies.get(id(value))
+        if copy is None:
+            copy = copies[id(value)] = value.detach().clone()
+            originals[copy._cdata] = value
+        return copy
+
+    def to_original(value: Any) -> Any:
+        return originals.get(value._cdata, value) if isinstance(value, torch.Tensor) else value
+
+    with _disable_current_modes(), torch.no_grad():
+        # No mode sees the copies: no meter (this one or an outer one) counts them.
+        result = func(*tree_map(to_copy, args), **tree_map(to_copy, kwargs))
+        for leaf in tree_leaves(result):
+            if isinstance(leaf, torch.ScriptObject):
+                torch.distributed.distributed_c10d.Work.unbox(leaf).wait()
+        for original in originals.values():
+            copy = copies[id(original)]
+            # Only the tensors the collective wrote: an input saved for backward keeps its
+            # values and its version.
+            if not torch.equal(copy, original):
+                original.copy_(copy)
+    return tree_map(to_original, result)
+
+
 class _Observer(TorchDispatchMode):
     def __init__(self, meter: MemoryMeter) -> None:
         super().__init__()
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
+        if self.meter._cuda is None and getattr(func, "namespace", "") == "c10d":
+            return _collective_on_copies(func, args, kwargs or {})
         result = func(*args, **(kwargs or {}))
         kinds = output_kinds(func)
         if len(kinds) == 1:
