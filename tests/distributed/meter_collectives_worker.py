@@ -40,13 +40,20 @@ def collective_values(rank: int) -> dict[str, object]:
         dist.all_to_all_single(exchanged, torch.arange(4.0) + 10 * rank)
         broadcast = torch.full((3,), float(rank))
         dist.broadcast(broadcast, 1)
+        # Point-to-point, both ranks sending first: runs as it is (no early wait).
+        sent, received = torch.full((2,), float(rank)), torch.empty(2)
+        requests = [dist.isend(sent, 1 - rank), dist.irecv(received, 1 - rank)]
+        for request in requests:
+            request.wait()
         dist.barrier()
         live = meter.live_bytes
         expected_live = sum(t.untyped_storage().nbytes() for t in
-                            (x, src, gathered, buffer, scattered, exchanged, broadcast))
+                            (x, src, gathered, buffer, scattered, exchanged, broadcast, sent,
+                             received))
     return {"summed": summed, "summed_async": summed_async, "gathered": gathered.tolist(),
             "gathered_views": buffer.tolist(), "scattered": scattered.tolist(),
             "exchanged": exchanged.tolist(), "broadcast": broadcast.tolist(),
+            "received": received.tolist(),
             "input_version_kept": src._version == src_version,
             "live_bytes": live, "expected_live_bytes": expected_live}
 

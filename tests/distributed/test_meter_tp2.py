@@ -23,6 +23,7 @@ def test_collectives_under_the_meter_keep_their_values_and_storages_die_when_dro
         assert row["scattered"] == ([0.0, 2.0] if rank == 0 else [4.0, 6.0])
         assert row["exchanged"] == [10.0 * r + 2 * rank + i for r in (0, 1) for i in (0, 1)]
         assert row["broadcast"] == [1.0] * 3
+        assert row["received"] == [float(1 - rank)] * 2
         assert row["input_version_kept"]
         assert row["live_bytes"] == row["expected_live_bytes"]
         # Gloo's worker thread drops its references to a collective's tensors some time after

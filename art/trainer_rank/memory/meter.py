@@ -13,13 +13,16 @@ One op classification for both backends (`output_kinds`), per output of an op's 
   since resize_ may have changed it;
 - VIEW: the output aliases an input and nothing was written: skipped.
 
-On CPU a c10d collective runs on copies of its tensors (`_collective_on_copies`). Gloo's worker
-thread keeps references to the tensors it was given for a while after the collective completes,
-and drops them only when the scheduler gets to it, so a storage the model is done with would
-otherwise die at a time that varies from run to run (and from rank to rank). The copies carry
-the worker's references instead, untracked; the values the collective wrote are copied back
-into the caller's tensors, so the live-bytes curve is the one the model's own references make,
-as it is on a GPU, where NCCL works in place.
+On CPU a c10d collective over CPU tensors runs on copies of its tensors
+(`_collective_on_copies`). Gloo's worker thread keeps references to the tensors it was given
+for a while after the collective completes, and drops them only when the scheduler gets to it,
+so a storage the model is done with would otherwise die at a time that varies from run to run
+(and from rank to rank). The copies carry the worker's references instead, untracked; the
+collective is waited for and the values it wrote are copied back into the caller's tensors, so
+the live-bytes curve is the one the model's own references make, as it is on a GPU, where NCCL
+works in place. Only collectives every rank of the group calls together are run this way (an
+early wait is safe for them); point-to-point ops and ops issued while a group is coalescing
+run as they are.
 
 CPU backend: a TorchDispatchMode sees every op's outputs on the calling thread (forward,
 autograd backward and checkpoint recompute all run their CPU kernels there); FRESH storages are
@@ -77,6 +80,28 @@ def output_kinds(func: Any) -> tuple[int, ...]:
     return kinds
 
 
+# c10d ops every rank of the group enters together: waiting for one inside the call cannot
+# deadlock, since every rank has issued it.
+_SYMMETRIC_COLLECTIVES = frozenset({
+    "allreduce_", "allreduce_coalesced_", "_allgather_base_", "allgather_",
+    "allgather_coalesced_", "allgather_into_tensor_coalesced_", "_reduce_scatter_base_",
+    "reduce_scatter_", "reduce_scatter_tensor_coalesced_", "alltoall_base_", "alltoall_",
+    "broadcast_", "reduce_", "gather_", "scatter_",
+})
+
+
+def _runs_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """A symmetric c10d collective over CPU tensors, issued outside any coalescing block."""
+    if getattr(func, "namespace", "") != "c10d":
+        return False
+    if func._schema.name.split("::")[-1] not in _SYMMETRIC_COLLECTIVES:
+        return False
+    if torch.distributed.distributed_c10d._world.pg_coalesce_state:
+        return False
+    return all(t.device.type == "cpu" for t in tree_leaves((args, kwargs))
+               if isinstance(t, torch.Tensor))
+
+
 def _collective_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     """Run a c10d collective on copies of its tensors, wait for it, and write back what it
     changed (see the module docstring); the result names the caller's tensors again."""
@@ -116,7 +141,7 @@ class _Observer(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if self.meter._cuda is None and getattr(func, "namespace", "") == "c10d":
+        if self.meter._cuda is None and _runs_on_copies(func, args, kwargs or {}):
             return _collective_on_copies(func, args, kwargs or {})
         result = func(*args, **(kwargs or {}))
         kinds = output_kinds(func)
