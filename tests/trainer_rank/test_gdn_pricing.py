@@ -82,3 +82,52 @@ def test_chunked_models_get_probe_points_inside_a_chunk_on_every_device():
         assert sum(1 for t in head if t % 64 == 0) == WHOLE_CHUNK_POINTS
         assert any(t % 64 for t in head)
     assert default_probe_tokens("cpu", Implementation.cpu_local(), hybrid) == PROBE_TOKENS
+
+
+@pytest.mark.parametrize("head_dim, rows", [(32, ((20,),)), (128, ((20,), (300,)))])
+def test_rule_forward_is_priced_at_its_highest_moment_whatever_the_head_dims(
+        megatron_process, head_dim, rows):
+    """The CPU rule's forward peaks masking the decay, adding a chunk's output, updating the
+    state or stacking the outputs, depending on the head dims and the chunk count; in grad
+    mode it also runs beside what the layer's frame holds and backward does not keep. A Gated
+    DeltaNet layer's forward, with and without grad, is priced at the measured peak or a few
+    hundred bytes above (one sequence: the conv's per-sequence padding is priced apart)."""
+    import torch
+    from _calibration.cells import POLICY_BY_NAME, lora_targets_for
+    from _calibration.harness import calibration_provider
+
+    from art.megatron.geometry import geometry_from_hf_dict
+    from art.megatron.implementation import Implementation
+    from art.trainer_rank.memory import probe_runs
+    from art.trainer_rank.memory.layer_terms import Dims
+    from art.trainer_rank.memory.layers import price_layer
+    from art.trainer_rank.memory.measure import release_score_buffer
+
+    geometry = geometry_from_hf_dict(dict(
+        model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
+        intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.25), name=f"hybrid-dk{head_dim}")
+    implementation = Implementation.cpu_local()
+    provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=8,
+                                    tensor_parallel=1, dtype="float32",
+                                    implementation=implementation)
+    model = provider.build_model(seed=0)
+    inner = probe_runs.inner_model(model)
+    dims = Dims(geometry, provider.layout, implementation, 4, 8,
+                frozenset(lora_targets_for(geometry)))
+    layer = inner.decoder.layers[0]  # Gated DeltaNet
+    for lengths in rows:
+        inputs = probe_runs.probe_inputs(model, list(lengths), provider.layout,
+                                         implementation, torch.device("cpu"))
+        for grad in (False, True):
+            release_score_buffer()
+            measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
+                                                torch.float32, torch.device("cpu"), grad)
+            priced = price_layer(dims, "linear_attention", frozenset(), sum(lengths),
+                                 grad=grad)
+            over = priced.forward - measured["forward"]
+            assert 0 <= over <= 0.001 * measured["forward"], (lengths, grad, priced.forward,
+                                                               measured["forward"])

@@ -160,11 +160,19 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
     kept = (x if saves_input else 0.0) + sum(parts)  # the input norm keeps the layer input
 
     # Forward: kept so far + this block's full working set (recomputed blocks still run).
+    # A Gated DeltaNet's rule also runs beside what the layer's frame holds though backward
+    # keeps none of it: in_proj's and the conv's outputs (split into the rule's inputs), the
+    # gates' working copies; the CPU rule peaks before its own output exists.
+    frame_held = sum(blk.output for blk in blocks
+                     if blk.role is BlockRole.RULE_INPUT and not blk.output_saved)
+    frame_held += sum(blk.temp for blk in blocks if blk.role is BlockRole.RULE_INPUT_COPIES)
     peak_f = 0.0
     so_far = 0.0
     for idx, (blk, part) in enumerate(zip(blocks, parts)):
         live = (so_far + blk.internal + blk.output + blk.temp
                 + _norm_rebuilt_for(blocks, segments, idx, backward=False))
+        if blk.role is BlockRole.DELTA_RULE:
+            live += frame_held - (blk.output if d.implementation.device != "cuda" else 0.0)
         peak_f = max(peak_f, live)
         so_far += part
 

@@ -55,13 +55,10 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
         delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
         delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
     else:
-        # CPU kernels (cpu_gated_delta): forward peaks in `_outputs` masking the decay: fp32
-        # padded chunk copies of q, k, v, A, w, u, q k^T, the decay's difference, fill and
-        # masked result, g, beta; the identity and causal mask. Backward rebuilds q, k, v, w,
-        # u, the chunk matrix and its inverse under autograd with their gradients.
+        delta_work = cpu_rule_forward_work(chunked, vheads, dk, dv)
+        # Backward rebuilds q, k, v, w, u, the chunk matrix and its inverse under autograd
+        # with their gradients.
         c = GDN_CHUNK_TOKENS
-        delta_work = (chunked * vheads * (3 * dk + 2 * dv + 5 * c + 2) * FP32
-                      + c * c * (FP32 + 1))
         delta_grad = 3 * chunked * vheads * (dk * 3 + dv * 3 + 2 * c) * FP32
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
@@ -77,10 +74,12 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
               rows * 2 * key * b, False, temp=rows * 2 * key * b),
         # q, k repeated to the value heads (new tensors, kept by the rule); v and the output
         # gate made contiguous (kept by the rule and by the gated norm); beta = sigmoid (kept)
-        # and the fp32 softplus input of the decay.
+        # and the fp32 softplus input of the decay. Held by the layer's frame, not kept: the
+        # contiguous alpha and the fp32 decay g (the rule keeps its own chunk-local copy).
         Block("q/k repeat, gates (g, beta)", None,
-              (rows * 2 * value * b if repeated else 0.0) + 2 * out
-              + rows * vheads * (b + FP32), 0.0, False, role=BlockRole.RULE_INPUT_COPIES),
+              (rows * 2 * vheads * dk * b if repeated else 0.0) + 2 * out
+              + rows * vheads * (b + FP32), 0.0, False, temp=rows * vheads * (b + FP32),
+              role=BlockRole.RULE_INPUT_COPIES),
         Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
               grad_temp=delta_grad, role=BlockRole.DELTA_RULE),
         # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
@@ -91,6 +90,31 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
         Block("out_proj", None, lora_saved(d, s, "out_proj"),
               hidden_rows * g.hidden_size * b, False, grad_temp=out),
     ]
+
+
+def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> float:
+    """The CPU rule's (`cpu_gated_delta`) forward working set at its highest moment, all fp32
+    over the padded chunks (P tokens, per value head). Every moment holds the padded chunk
+    copies of q, k, v, g, beta and A, w and u, and the identity; which one is highest depends
+    on the head dims and the chunk count:
+    - masking the decay for the intra-chunk scores: q k^T, the difference, the masked
+      difference and its exp (C wide each), the causal mask;
+    - in the chunk loop (intra scores, the decayed q and k kept for it), at the last chunk:
+      adding a chunk's output (the state, the outputs so far, v_new, both products and the
+      sum: P + 3C of v per head), or updating the state (the old one, its decayed copy, the
+      k^T v_new product and the sum: four states, P + C of v);
+    - stacking the chunk outputs (the outputs and their stacked copy, v_new, the state)."""
+    c, p, f = GDN_CHUNK_TOKENS, float(padded), FP32
+    chunks = p * heads * (2 * dk + dv + 2 + c)  # q, k, v, g, beta, A
+    identity = c * c * f
+    rule = (chunks + p * heads * (dk + dv)) * f + identity  # and w, u
+    decay = rule + p * heads * 4 * c * f + c * c  # the mask: one byte a position
+    loop = rule + p * heads * (2 * dk + c) * f  # decayed q, k to the chunk's end, intra
+    state, per_chunk_v = heads * dk * dv * f, c * heads * dv * f
+    add = loop + state + (p / c + 3) * per_chunk_v
+    update = loop + 4 * state + (p / c + 1) * per_chunk_v
+    stack = loop + state + (2 * p / c + 1) * per_chunk_v
+    return max(decay, add, update, stack)
 
 
 def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int) -> float:
