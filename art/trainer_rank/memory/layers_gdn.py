@@ -56,10 +56,7 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
         delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
     else:
         delta_work = cpu_rule_forward_work(chunked, vheads, dk, dv)
-        # Backward rebuilds q, k, v, w, u, the chunk matrix and its inverse under autograd
-        # with their gradients.
-        c = GDN_CHUNK_TOKENS
-        delta_grad = 3 * chunked * vheads * (dk * 3 + dv * 3 + 2 * c) * FP32
+        delta_grad = cpu_rule_backward_work(chunked, rows, vheads, dk, dv)
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
@@ -74,11 +71,13 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
               rows * 2 * key * b, False, temp=rows * 2 * key * b),
         # q, k repeated to the value heads (new tensors, kept by the rule); v and the output
         # gate made contiguous (kept by the rule and by the gated norm); beta = sigmoid (kept)
-        # and the fp32 softplus input of the decay. Held by the layer's frame, not kept: the
-        # contiguous alpha and the fp32 decay g (the rule keeps its own chunk-local copy).
+        # and the fp32 softplus input of the decay, and -exp(A_log) (one fp32 per head) that
+        # scales it. Held by the layer's frame, not kept: the contiguous alpha and the fp32
+        # decay g (the rule keeps its own chunk-local copy).
         Block("q/k repeat, gates (g, beta)", None,
               (rows * 2 * vheads * dk * b if repeated else 0.0) + 2 * out
-              + rows * vheads * (b + FP32), 0.0, False, temp=rows * vheads * (b + FP32),
+              + rows * vheads * (b + FP32) + vheads * FP32, 0.0, False,
+              temp=rows * vheads * (b + FP32),
               role=BlockRole.RULE_INPUT_COPIES),
         Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
               grad_temp=delta_grad, role=BlockRole.DELTA_RULE),
@@ -115,6 +114,34 @@ def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> floa
     update = loop + 4 * state + (p / c + 1) * per_chunk_v
     stack = loop + state + (2 * p / c + 1) * per_chunk_v
     return max(decay, add, update, stack)
+
+
+def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, dv: int
+                           ) -> float:
+    """What the CPU rule's backward allocates at its highest moment. It rebuilds the forward
+    under autograd from the saved set (fp32 padded chunks) and takes two gradients: through
+    the chunk loop (which keeps every chunk's state), then through the chunk matrix. The
+    counts below are the storages live at each moment (a live-storage snapshot at the peak,
+    head dims 16-128 with dk != dv, 1-25 chunks); which moment is highest depends on the head
+    dims and the chunk count, and the first gradient's moments differ below three chunks.
+    Counted in fp32 tensors of the padded chunks per value head: C-wide (scores, decay,
+    the inverse and their gradients), dk-wide and dv-wide (q, k, w, v, u and gradients), one
+    per chunk and head (g, beta); then the chunk states (dk x dv) and chunk-sized v slices."""
+    c, p, h = GDN_CHUNK_TOKENS, float(padded), float(heads)
+    chunks = p / c
+    ph, state, v_chunk, k_chunk = p * heads, h * dk * dv, c * h * dv, c * h * dk
+    second = ph * (10 * c + 3 * (dk + dv) + 2) + tokens * h  # through the chunk matrix
+    if chunks >= 3:
+        first = ph * 6 + max(
+            ph * (7 * c + 9 * dk + 5 * dv) + chunks * state + (chunks - 1) * v_chunk,
+            ph * (5 * c + 11 * dk + 5 * dv) + chunks * state + (chunks - 1) * v_chunk,
+            ph * (5 * c + 9 * dk + 7 * dv) + (chunks - 1) * state + (chunks - 2) * v_chunk)
+    elif chunks == 2:
+        first = ph * (5 * c + 6 * dk + 4 * dv + 6) + 4 * state + 3 * v_chunk + k_chunk
+    else:
+        first = ph * (4 * c + 6 * dk + 7) + max(ph * 5 * dv + 4 * state, ph * 7 * dv + state)
+    # The causal mask (one byte a position) and per-chunk, per-head scalars.
+    return max(first, second) * FP32 + c * c + 8 * h * chunks
 
 
 def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int) -> float:
