@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -40,3 +41,11 @@ def run_torchrun(
             f"--- stdout ---\n{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-6000:]}"
         )
     return proc
+
+
+def rank_records(out_dir: Path, nproc: int = 2) -> list[dict]:
+    """The JSON record each rank's worker wrote to `out_dir/rank<R>.json`, in rank order."""
+    paths = [Path(out_dir) / f"rank{rank}.json" for rank in range(nproc)]
+    missing = [p.name for p in paths if not p.is_file()]
+    assert not missing, f"ranks wrote no record: {missing} in {out_dir}"
+    return [json.loads(p.read_text()) for p in paths]

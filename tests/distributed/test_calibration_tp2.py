@@ -5,12 +5,11 @@ Each rank probes its own TP-sharded layer and measures its own peak; both must a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("calibration_tp2_worker.py")
 
@@ -18,8 +17,7 @@ WORKER = Path(__file__).with_name("calibration_tp2_worker.py")
 @pytest.mark.torchrun
 def test_tp2_cells_within_target(tmp_path):
     run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=150)
-    ranks = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert len(ranks) == 2
+    ranks = rank_records(tmp_path)
     for rows in ranks:
         assert len(rows) == 4
         for row in rows:

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("tp_loss_worker.py")
 
@@ -16,9 +15,7 @@ def _results(nproc: int, granularity: str, out_dir: Path) -> list[dict]:
     run_dir = out_dir / f"tp{nproc}-{granularity}"
     run_dir.mkdir()
     run_torchrun(WORKER, granularity, str(run_dir), nproc=nproc, timeout_s=150)
-    rows = [json.loads(p.read_text()) for p in sorted(run_dir.glob("rank*.json"))]
-    assert len(rows) == nproc
-    return rows
+    return rank_records(run_dir, nproc)
 
 
 @pytest.mark.torchrun

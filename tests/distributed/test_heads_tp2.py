@@ -3,7 +3,6 @@ TP=1 outputs, full rows on every rank, and the TP=1 gradients, for the same weig
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ from art.trainer_rank.compute.heads import compute_heads
 from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
 
 from _tiny import tiny_dense
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("heads_tp_worker.py")
 TOP_K = 5  # as in the worker
@@ -72,8 +71,7 @@ def test_tp2_and_sequence_parallel_match_tp1(megatron_process, tmp_path):
     reference = tmp_path / "reference.pt"
     _reference(reference)
     run_torchrun(WORKER, str(reference), str(tmp_path), nproc=2, timeout_s=120)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert len(rows) == 2
+    rows = rank_records(tmp_path)
     for rank, row in enumerate(rows):
         for variant in ("tp", "sp"):
             result = row[variant]

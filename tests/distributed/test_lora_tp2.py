@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from art.megatron.lora_peft import export_adapter
 from art.megatron.provider import Provider
 from art.megatron.settings import load_settings
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("lora_tp_worker.py")
 MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
@@ -50,8 +49,7 @@ def test_lora_tp2_matches_tp1(megatron_process, tmp_path):
     out.mkdir()
     run_torchrun(WORKER, str(out), *specs, nproc=2, timeout_s=150,
                  env={"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2", **ENV})
-    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    assert len(ranks) == 2
+    ranks = rank_records(out)
     for name in MODELS:
         ref = reference[name]
         assert any(v != 0.0 for vs in ref["grads"].values() for v in vs)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("meter_collectives_worker.py")
 
@@ -15,8 +14,7 @@ WORKER = Path(__file__).with_name("meter_collectives_worker.py")
 @pytest.mark.torchrun
 def test_collectives_under_the_meter_keep_their_values_and_storages_die_when_dropped(tmp_path):
     run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=120)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
-    assert len(rows) == 2
+    rows = rank_records(tmp_path)
     for rank, row in enumerate(rows):
         assert row["summed"] == [3.0] * 4 and row["summed_async"] == [6.0] * 4
         assert row["gathered"] == row["gathered_views"] == [0.0, 0.0, 1.0, 1.0]

@@ -3,12 +3,11 @@ hang; and the ranks still work together afterwards."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("rank_mismatch_worker.py")
 
@@ -19,7 +18,7 @@ def test_mismatched_inputs_raise_on_every_rank(tmp_path):
     # micro-batches would wait in each other's TP collectives. (DP ranks take the same check,
     # one all_gather over the world.) The subprocess timeout is the "no hang" bound.
     run_torchrun(WORKER, "2", str(tmp_path), nproc=2, timeout_s=240)
-    rows = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]
+    rows = rank_records(tmp_path)
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:
         for phase in ("count_mismatch", "token_mismatch"):

@@ -4,14 +4,13 @@ checked against the same driver at TP=1 in this process."""
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("slots_driver_worker.py")
 ENV = {"ART_TRAINER_RANK_PROBE_LAYERS": "false", "ART_MEGATRON_RANDOM_STATE": "3",
@@ -46,8 +45,7 @@ def test_policy_and_reference_scoring_with_steps_between_under_tp2(
     reference = worker.drive(rank, policy, str(tmp_path / "tp1"))
     run_torchrun(WORKER, str(tmp_path / "tp2"), policy, nproc=2, timeout_s=240,
                  env={"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2", **ENV})
-    ranks = [json.loads(p.read_text()) for p in sorted((tmp_path / "tp2").glob("rank*.json"))]
-    assert len(ranks) == 2
+    ranks = rank_records(tmp_path / "tp2")
     for record in [reference, *ranks]:
         # The snapshot and the base model do not move while the policy trains.
         assert all(r == record["reference"][0] for r in record["reference"])
