@@ -26,8 +26,10 @@ sequence parallel, which Megatron-Core's MoE layer needs at TP > 1).
 Writes calibration.csv, calibration.md and calibration.png to --out (default
 bench/calibration; TP=1 and TP=2 rows into one --out share one CSV, so keep separate folders
 when running them separately). `--reprice` re-prices both columns of a measured CSV with the
-current memory model and the probes stored in <out>/probes under the current probe's key;
-`--reprobe` measures again the probes stored under another key (another probe version).
+current memory model and the probes stored in <out>/probes under the current probe's key
+(TP=2 rows: each rank's probe in <out>/probes/rank<R>, the row priced by the highest of
+them); `--reprobe` measures again the TP=1 probes stored under another key (another probe
+version).
 """
 
 from __future__ import annotations
@@ -112,34 +114,30 @@ def tp2_wanted(geometries: Sequence[str] | None) -> bool:
 
 
 def worker(args: argparse.Namespace) -> int:
-    """Inside torchrun: every rank measures; rank 0 writes the busiest rank's figures."""
+    """Inside torchrun: every rank measures (and stores its probes); rank 0 writes one row
+    per cell (`merge_rank_rows`)."""
     import torch.distributed as dist
-    from _calibration.harness import run_cells
+    from _calibration.harness import merge_rank_rows, run_cells
 
     cells = tp2_cells(args.quick, args.seed, args.build, args.geometries, args.rows_per_model)
+    rank = int(os.environ.get("RANK", "0"))
     results = run_cells(cells, tensor_parallel=2,
-                        progress=(lambda m: print(m, flush=True))
-                        if int(os.environ.get("RANK", "0")) == 0 else None)
+                        progress=(lambda m: print(m, flush=True)) if rank == 0 else None,
+                        store_probe_dir=(str(Path(args.worker_probes) / f"rank{rank}")
+                                         if args.worker_probes else None))
     rows = [r.row() for r in results]
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, rows)
     if dist.get_rank() == 0:
-        merged = []
-        for i in range(len(gathered[0])):
-            per_rank = [g[i] for g in gathered]
-            busiest = max(per_rank, key=lambda r: r["measured_bytes"])
-            merged.append(dict(busiest) | {
-                "ratio": round(busiest["predicted_bytes"] / busiest["measured_bytes"], 4),
-                "default_ratio": round(
-                    busiest["predicted_default_bytes"] / busiest["measured_bytes"], 4),
-            })
-        Path(args.worker_out).write_text(json.dumps(merged))
+        Path(args.worker_out).write_text(json.dumps(merge_rank_rows(gathered)))
     return 0
 
 
 def run_tp2(quick: bool, seed: int, build: str = "local",
             geometries: Sequence[str] | None = None,
-            rows_per_model: int | None = None) -> list[dict]:
+            rows_per_model: int | None = None, probe_dir: str | None = None) -> list[dict]:
+    """The TP=2 cells on two torchrun ranks; each rank's probes are stored under
+    `probe_dir`/rank<R> (for `--reprice`)."""
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,7 +147,8 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
                "--worker-out", str(out), "--seed", str(seed), "--build", build] + (
                    ["--quick"] if quick else []) + (
                    ["--geometries", *geometries] if geometries else []) + (
-                   ["--rows-per-model", str(rows_per_model)] if rows_per_model else [])
+                   ["--rows-per-model", str(rows_per_model)] if rows_per_model else []) + (
+                   ["--worker-probes", probe_dir] if probe_dir else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -294,6 +293,7 @@ def main() -> int:
                              "not stored under the current probe's key, e.g. after a change "
                              "to what the probe measures")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
+    parser.add_argument("--worker-probes", help=argparse.SUPPRESS)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     if args.worker_out:
@@ -331,7 +331,7 @@ def main() -> int:
     rows: list[dict] = []
     if 2 in args.tp and tp2_wanted(args.geometries):
         rows += run_tp2(args.quick, args.seed, args.build, args.geometries,
-                        args.rows_per_model)
+                        args.rows_per_model, probe_dir=str(Path(probe_dir).resolve()))
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
         initialize_distributed()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -247,10 +248,14 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
               progress: Callable[[str], None] | None = None,
               probe_tokens: tuple[int, ...] | None = None,
               probe_dir: str | None = None,
-              on_result: Callable[[CellResult], None] | None = None) -> list[CellResult]:
+              on_result: Callable[[CellResult], None] | None = None,
+              store_probe_dir: str | None = None) -> list[CellResult]:
     """Group cells by model, build each model once, probe it, measure its cells. With
-    `probe_dir` every probe's measured points are kept there as JSON, so `reprice` can
-    re-price both columns after a change to the model without running anything."""
+    `probe_dir` every probe's measured points are kept there as JSON (and a probe found there
+    is used), so `reprice` can re-price both columns after a change to the model without
+    running anything. `store_probe_dir`: every probe is measured and written there, never
+    read: a TP rank's own folder, since the ranks of a TP group must all probe (their layers
+    run collectives together) and each rank's probe prices that rank."""
     cells = list(cells)
     geometries = calibration_geometries()
     groups: dict[tuple[str, str, int, str, str], list[Cell]] = {}
@@ -262,6 +267,10 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
                                  tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
                                  probe_tokens=probe_tokens, probe_dir=probe_dir,
                                  implementation=implementation_for(build))
+        if store_probe_dir is not None:
+            path = Path(store_probe_dir) / f"probe-{model.coefficients.key}.json"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(model.coefficients.to_json())
         for cell in group:
             result = model.measure(cell)
             results.append(result)
@@ -274,6 +283,22 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
                          f"(defaults {result.default_ratio:.3f})")
         del model
     return results
+
+
+def merge_rank_rows(per_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """One row per cell from every TP rank's rows of the same cells: the busiest rank's
+    measurement, priced by the highest estimate any rank's memory model gives (each rank
+    prices itself with its own probe; `reprice_rows` re-prices TP rows the same way)."""
+    merged = []
+    for rows in zip(*per_rank, strict=True):
+        busiest = max(rows, key=lambda r: r["measured_bytes"])
+        predicted = max(r["predicted_bytes"] for r in rows)
+        default = max(r["predicted_default_bytes"] for r in rows)
+        merged.append(dict(busiest) | {
+            "predicted_bytes": predicted, "predicted_default_bytes": default,
+            "ratio": round(predicted / busiest["measured_bytes"], 4),
+            "default_ratio": round(default / busiest["measured_bytes"], 4)})
+    return merged
 
 
 def implementation_for(build: str) -> Implementation | None:
@@ -343,44 +368,52 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     for (geo, policy, rank, dtype, build, tp), indices in groups.items():
         group = [cells[i] for i in indices]
         key = expected_probe_key(group, probe_tokens)
-        path = Path(probe_dir) / f"probe-{key}.json"
+        # TP rows: one probe per rank, each in its rank's folder (see `run_cells`).
+        paths = ([Path(probe_dir) / f"probe-{key}.json"] if tp == 1 else
+                 [Path(probe_dir) / f"rank{r}" / f"probe-{key}.json" for r in range(tp)])
         name = f"{geo} / {policy} / LoRA r{rank} / TP{tp} / {build}"
-        if path.is_file():
-            coefficients = ProbeCoefficients.from_json(path.read_text())
+        if all(p.is_file() for p in paths):
+            per_rank = [ProbeCoefficients.from_json(p.read_text()) for p in paths]
         elif reprobe and tp == 1:
             built = CalibrationModel(calibration_geometries()[geo], POLICY_BY_NAME[policy],
                                      lora_rank=rank, tensor_parallel=tp, dtype=dtype,
                                      cells=group, probe_tokens=probe_tokens,
                                      probe_dir=probe_dir,
                                      implementation=implementation_for(build))
-            coefficients = built.coefficients
+            per_rank = [built.coefficients]
             del built
             if progress:
-                progress(f"re-probed {name}: probe {coefficients.key}")
+                progress(f"re-probed {name}: probe {per_rank[0].key}")
         else:
             old = sorted({str(rows[i].get("probe_key", "")) for i in indices})
             remedy = ("pass --reprobe to measure the probe again (seconds a model; no cell "
                       "is re-run)" if tp == 1 else
-                      "TP>1 probes run on torchrun ranks: re-measure these rows with "
-                      "scripts/calibrate.py --tp 2")
+                      "TP>1 probes run on torchrun ranks and are stored per rank by "
+                      "scripts/calibrate.py --tp 2 (<out>/probes/rank<R>): re-measure these "
+                      "rows with it")
             raise ValueError(
                 f"no stored probe for {name} under key {key} in {probe_dir} (the rows were "
                 f"priced by probe {', '.join(old)}: another probe version or other inputs, "
                 f"or a probe never stored); {remedy}")
-        if coefficients.key != key:
-            raise ValueError(f"{path} holds probe {coefficients.key}, expected {key}: the "
-                             "file was renamed or the probe's key computation changed")
+        for path, coefficients in zip(paths, per_rank, strict=True):
+            if coefficients.key != key:
+                raise ValueError(f"{path} holds probe {coefficients.key}, expected {key}: the "
+                                 "file was renamed or the probe's key computation changed")
         for i in indices:
-            out[i] = _reprice(out[i], cells[i], coefficients)
+            out[i] = _reprice(out[i], cells[i], per_rank)
     return out
 
 
-def _reprice(row: dict[str, Any], cell: Cell, coefficients: Any) -> dict[str, Any]:
+def _reprice(row: dict[str, Any], cell: Cell, per_rank: Sequence[Any]) -> dict[str, Any]:
+    """Both columns of a measured row with the current model; a TP row's probe column is
+    the highest estimate over its ranks' probes (as `merge_rank_rows` prices it)."""
     model = default_memory_model(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
                               model.layout, model.implementation)
     default = model.estimate(batch)
-    est = model.with_coefficients(coefficients).estimate(batch)
+    estimates = [model.with_coefficients(c).estimate(batch) for c in per_rank]
+    est = max(estimates, key=lambda e: max(e.forward_peak_bytes, e.backward_peak_bytes))
+    coefficients = per_rank[estimates.index(est)]
     predicted_default = max(default.forward_peak_bytes, default.backward_peak_bytes)
     predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
     measured = max(1, int(row["measured_bytes"]))

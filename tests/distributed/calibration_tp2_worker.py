@@ -1,4 +1,5 @@
-"""torchrun worker: two calibration cells at TP=2; each rank writes its measured vs predicted."""
+"""torchrun worker: four calibration cells at TP=2; each rank writes its measured vs predicted
+and stores its probe in <out>/probes/rank<R>."""
 
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ def main() -> None:
         Cell("gqa-128", "selective default", 8, 2, (136,), "logits", True),
         Cell("gqa-128", "selective default", 8, 2, (342,), "logits", False),
     ]
-    results = run_cells(cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS)
     rank = int(os.environ["RANK"])
+    results = run_cells(cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS,
+                        store_probe_dir=str(out_dir / "probes" / f"rank{rank}"))
     rows = [r.row() for r in results]
     (out_dir / f"rank{rank}.json").write_text(json.dumps(rows))
 

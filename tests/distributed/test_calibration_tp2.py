@@ -5,19 +5,28 @@ Each rank probes its own TP-sharded layer and measures its own peak; both must a
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
+from calibration_tp2_worker import PROBE_TOKENS
 
 from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("calibration_tp2_worker.py")
 
 
+@pytest.fixture(scope="module")
+def tp2_run(tmp_path_factory) -> Path:
+    """One torchrun run of the worker: rank<R>.json records and probes/rank<R>/ probes."""
+    out = tmp_path_factory.mktemp("calibration-tp2")
+    run_torchrun(WORKER, str(out), nproc=2, timeout_s=150)
+    return out
+
+
 @pytest.mark.torchrun
-def test_tp2_cells_within_target(tmp_path):
-    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=150)
-    ranks = rank_records(tmp_path)
+def test_tp2_cells_within_target(tp2_run):
+    ranks = rank_records(tp2_run)
     for rows in ranks:
         assert len(rows) == 4
         for row in rows:
@@ -28,3 +37,25 @@ def test_tp2_cells_within_target(tmp_path):
     # The two ranks of one cell hold the same shapes: their measured peaks agree closely.
     for a, b in zip(*ranks):
         assert abs(a["measured_bytes"] - b["measured_bytes"]) <= 0.05 * a["measured_bytes"]
+
+
+@pytest.mark.torchrun
+def test_tp2_rows_reprice_from_each_ranks_stored_probe(tp2_run, tmp_path):
+    """`calibrate.py --reprice` on TP=2 rows: each rank's probe is stored in its own folder
+    and the merged row (busiest rank's measurement, highest rank estimate) re-prices to the
+    same bytes without a rank running."""
+    from _calibration.harness import merge_rank_rows, reprice_rows
+
+    merged = merge_rank_rows(rank_records(tp2_run))
+    probes = tmp_path / "probes"
+    shutil.copytree(tp2_run / "probes", probes)
+    assert sorted(p.parent.name for p in probes.glob("rank*/probe-*.json")) == [
+        "rank0", "rank1"]
+    again = reprice_rows(merged, str(probes), probe_tokens=PROBE_TOKENS)
+    for row, repriced in zip(merged, again, strict=True):
+        assert repriced["predicted_bytes"] == row["predicted_bytes"], row["lengths"]
+        assert repriced["predicted_default_bytes"] == row["predicted_default_bytes"]
+    # Without a rank's probe the rows cannot be priced: the error says how to get it.
+    next((probes / "rank1").glob("probe-*.json")).unlink()
+    with pytest.raises(ValueError, match="stored per rank"):
+        reprice_rows(merged, str(probes), probe_tokens=PROBE_TOKENS)
