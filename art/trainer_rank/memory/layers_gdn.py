@@ -126,10 +126,12 @@ def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, 
     dims and the chunk count, and the first gradient's moments differ below three chunks.
     Counted in fp32 tensors of the padded chunks per value head: C-wide (scores, decay,
     the inverse and their gradients), dk-wide and dv-wide (q, k, w, v, u and gradients), one
-    per chunk and head (g, beta); then the chunk states (dk x dv) and chunk-sized v slices."""
+    per chunk and head (g, beta); then the chunk states (dk x dv) and chunk-sized v slices;
+    the second gradient also holds one per token and head (the unchunked gradient of A's
+    rows)."""
     c, p, h = GDN_CHUNK_TOKENS, float(padded), float(heads)
     chunks = p / c
-    ph, state, v_chunk, k_chunk = p * heads, h * dk * dv, c * h * dv, c * h * dk
+    ph, state, v_chunk, k_chunk = p * h, h * dk * dv, c * h * dv, c * h * dk
     second = ph * (10 * c + 3 * (dk + dv) + 2) + tokens * h  # through the chunk matrix
     if chunks >= 3:
         first = ph * 6 + max(
