@@ -127,8 +127,8 @@ def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, 
     Counted in fp32 tensors of the padded chunks per value head: C-wide (scores, decay,
     the inverse and their gradients), dk-wide and dv-wide (q, k, w, v, u and gradients), one
     per chunk and head (g, beta); then the chunk states (dk x dv) and chunk-sized v slices;
-    the second gradient also holds one per token and head (the unchunked gradient of A's
-    rows)."""
+    the second gradient also holds a [tokens, heads] fp32 gradient the first one returned
+    (g's or beta's)."""
     c, p, h = GDN_CHUNK_TOKENS, float(padded), float(heads)
     chunks = p / c
     ph, state, v_chunk, k_chunk = p * h, h * dk * dv, c * h * dv, c * h * dk
