@@ -39,7 +39,7 @@ from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probe import modes_for, probe
+from art.trainer_rank.memory.probe import modes_for, probe, probe_file, store_probe
 
 
 @dataclass
@@ -268,9 +268,7 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
                                  probe_tokens=probe_tokens, probe_dir=probe_dir,
                                  implementation=implementation_for(build))
         if store_probe_dir is not None:
-            path = Path(store_probe_dir) / f"probe-{model.coefficients.key}.json"
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(model.coefficients.to_json())
+            store_probe(model.coefficients, store_probe_dir)
         for cell in group:
             result = model.measure(cell)
             results.append(result)
@@ -355,8 +353,6 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     measures something else. When that file is missing, `reprobe` builds the model and probes
     it again (TP=1; seconds a model, the file is stored for the next re-price); otherwise the
     error says what to do."""
-    from pathlib import Path
-
     from art.trainer_rank.memory.probe import ProbeCoefficients
 
     cells = [cell_of(r) for r in rows]
@@ -369,8 +365,8 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
         group = [cells[i] for i in indices]
         key = expected_probe_key(group, probe_tokens)
         # TP rows: one probe per rank, each in its rank's folder (see `run_cells`).
-        paths = ([Path(probe_dir) / f"probe-{key}.json"] if tp == 1 else
-                 [Path(probe_dir) / f"rank{r}" / f"probe-{key}.json" for r in range(tp)])
+        paths = ([probe_file(probe_dir, key)] if tp == 1 else
+                 [probe_file(Path(probe_dir) / f"rank{r}", key) for r in range(tp)])
         name = f"{geo} / {policy} / LoRA r{rank} / TP{tp} / {build}"
         if all(p.is_file() for p in paths):
             per_rank = [ProbeCoefficients.from_json(p.read_text()) for p in paths]

@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -279,6 +280,22 @@ def _sparse_chunks(rows: dict[tuple[int, int], dict[str, float]], chunk: int
          Fit.fit(padded, [rows[(t, second)][q] for t in padded])) for q in names))
 
 
+
+def probe_file(directory: str | Path, key: str) -> Path:
+    """Where a probe stored under `key` lives in `directory`."""
+    return Path(directory) / f"probe-{key}.json"
+
+
+def store_probe(coefficients: ProbeCoefficients, directory: str | Path) -> Path:
+    """Write `coefficients` to its file in `directory` whole: through a temporary file of this
+    process, so a reader (another rank, another run) never sees part of one."""
+    path = probe_file(directory, coefficients.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(coefficients.to_json())
+    tmp.replace(path)
+    return path
+
 def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
           dtype: str, lora_rank: int,
           modes: Iterable[LayerMode],
@@ -309,7 +326,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         raise ValueError(f"grad_tokens {points[True]} must be a subset of tokens {tokens}")
     if key in _CACHE:
         return _CACHE[key]
-    path = Path(cache_dir) / f"probe-{key}.json" if cache_dir else None
+    path = probe_file(cache_dir, key) if cache_dir else None
     if path is not None and path.is_file():
         coefficients = ProbeCoefficients.from_json(path.read_text())
         _CACHE[key] = coefficients
@@ -382,11 +399,8 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     coefficients = ProbeCoefficients(key, tuple(tokens), tuple(fitted_layers),
                                      tuple(fitted_tails))
     _CACHE[key] = coefficients
-    if path is not None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(coefficients.to_json())
-        tmp.replace(path)
+    if cache_dir:
+        store_probe(coefficients, cache_dir)
     return coefficients
 
 

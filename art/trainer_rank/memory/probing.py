@@ -20,7 +20,6 @@ ever price the same micro-batch differently.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -200,7 +199,7 @@ class TrainerProbe:
             # Several ranks run the probe's layers together (TP collectives): all of them probe
             # or none does. A cached copy counts only when every rank of the replica has one.
             key = self._key(modes, outputs, tokens, grad_tokens)
-            path = self.cache_dir / f"probe-{key}.json" if self.cache_dir else None
+            path = probe_module.probe_file(self.cache_dir, key) if self.cache_dir else None
             cached = key in probe_module._CACHE or (path is not None and path.is_file())
             if _agree.min_over_replica(int(cached)):
                 mine = run(self.cache_dir)
@@ -217,10 +216,5 @@ class TrainerProbe:
         what it found in this process's cache), from the replica root only."""
         if self.cache_dir is None or not _agree.is_replica_root():
             return
-        path = self.cache_dir / f"probe-{coefficients.key}.json"
-        if path.is_file():
-            return
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(coefficients.to_json())
-        tmp.replace(path)
+        if not probe_module.probe_file(self.cache_dir, coefficients.key).is_file():
+            probe_module.store_probe(coefficients, self.cache_dir)
