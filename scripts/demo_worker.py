@@ -167,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     micro_batches: list[MicroBatch] = []
     declined_error: TrainerRankMemoryError | None = None
     started = time.perf_counter()
+    recorded = len(trainer.stats_history)
     progress = _Progress(len(items), enabled=rank0)
     with progress:
         try:
@@ -186,6 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         except torch.OutOfMemoryError as exc:
             problems.append(f"an OutOfMemoryError escaped forward_micro_batches: {exc}")
     elapsed = time.perf_counter() - started
+    # The trainer's records of the yielded stats carry the peak measured through the loss and
+    # backward (known only once the loop moved on); one per micro-batch that ran.
+    ran = [mb for mb in micro_batches if mb.indices]
+    micro_batches = [replace(mb, stats=record) for mb, record in
+                     zip(ran, trainer.stats_history[recorded:])]
 
     problems += _check_coverage(len(items), seen, declined_error,
                                 {o.index for o in oversized if o.expect == DECLINED})

@@ -93,7 +93,7 @@ def _model_source(model: str | None) -> tuple[str, str]:
 
 def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
     """Build, train `args.steps` steps; returns (report, trainer)."""
-    from art.megatron.train import build_training_runtime
+    from art.megatron import train as megatron_train
     from art.trainer_rank import AdamParams, TrainerRank
 
     for name in ("TENSOR_MODEL", "CONTEXT", "PIPELINE_MODEL"):
@@ -109,7 +109,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         provider.num_layers = args.num_layers
 
     model, initialization = _model_source(args.model)
-    runtime = build_training_runtime(
+    runtime = megatron_train.build_training_runtime(
         model_identifier=model, provider_configure=provider_configure,
         print_env=world_rank == 0, model_initialization=initialization,
         provider_torch_dtype=DTYPES[args.dtype],
@@ -121,6 +121,9 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
 
             shutil.rmtree(model, ignore_errors=True)
     rank = TrainerRank(runtime)
+    data_parallel = megatron_train.ps.get_data_parallel_world_size()
+    if world_rank == 0:
+        print(f"TrainerRank ready: dp={data_parallel} device={rank.device}", flush=True)
     inputs = fixed_batch(runtime.provider.vocab_size, args.items, args.max_tokens, args.seed,
                          rank.device)
     named = list(rank.model.named_parameters())
@@ -157,6 +160,7 @@ def train(args: argparse.Namespace) -> tuple[dict[str, Any], Any]:
         "rank": world_rank,
         "world_size": dist.get_world_size(),
         "tensor_parallel": runtime.provider.tensor_model_parallel_size,
+        "data_parallel": data_parallel,
         "model_initialization": initialization,
         "losses": losses,
         "steps": steps,

@@ -15,10 +15,22 @@ from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
+from megatron.core import parallel_state as ps  # noqa: F401 - upstream drivers read train.ps
 from pydantic import BaseModel, ConfigDict
 
 from art.megatron import cpu_runtime
 from art.megatron.provider import Provider, get_provider
+
+# Module-level names a driver written against upstream's train module reaches.
+__all__ = [
+    "DEFAULT_MODEL_IDENTIFIER",
+    "TrainingRuntime",
+    "build_training_runtime",
+    "freeze_model",
+    "get_provider",
+    "print0",
+    "ps",
+]
 
 DEFAULT_MODEL_IDENTIFIER = "Qwen/Qwen3-0.6B"
 ENV_MODEL_IDENTIFIER = "MODEL_IDENTIFIER"
@@ -55,6 +67,21 @@ class TrainingRuntime(BaseModel):
         rank = dist.get_rank() if dist.is_initialized() else 0
         world = dist.get_world_size() if dist.is_initialized() else 1
         return cls(provider=provider, model=[model], rank=rank, world_size=world, **fields)
+
+
+def print0(rank: int, *values: Any) -> None:
+    """print on global rank 0 only (upstream's helper)."""
+    if rank == 0:
+        print(*values)
+
+
+def freeze_model(model_chunks: list[Any]) -> list[Any]:
+    """Every parameter of the chunks frozen (requires_grad False); returns the chunks, so it
+    can serve as a pre-wrap hook as upstream's does."""
+    for chunk in model_chunks:
+        for param in chunk.parameters():
+            param.requires_grad = False
+    return model_chunks
 
 
 def random_state_from_env() -> int | None:

@@ -34,17 +34,18 @@ from art.trainer_rank.compute.execute import detached_output, pack_leaves, run_s
 from art.trainer_rank.compute.forward import language_model
 from art.trainer_rank.compute.items import (
     Item,
-    deal_to_ranks,
     fingerprint,
     make_items,
     rebuild,
 )
-from art.trainer_rank.decide.admission import AdmissionPolicy, Plan
+from art.trainer_rank.decide.admission import AdmissionPolicy, Plan, PlanMode
 from art.trainer_rank.decide.escalation import full_recompute
+from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.outcome import (
+    CallOutcome,
     caller_oom_not_retried,
-    combine_declined,
     declined_after_retries,
+    partial_execution,
     plan_stats,
     record_oom,
     too_many_ooms,
@@ -63,7 +64,7 @@ from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
 from art.trainer_rank.ranks import agree as _agree
-from art.trainer_rank.ranks.lockstep import in_lockstep
+from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
 from art.trainer_rank.ranks.phases import (
     CALLER_BACKWARD,
     OOM,
@@ -169,16 +170,6 @@ class TrainerRank(SlotMethods):
             usable -= self.slots.resident_bytes() + held_bytes
         return _agree.min_over_replica(usable)
 
-    def _plan(self, pending: list[Item], grad: bool, usable: int) -> Plan:
-        """Admission's plan at `usable`; a head tail probed on first use while pricing it
-        measures only at sizes that fit `usable`."""
-        if self.probe is not None:
-            self.probe.usable_bytes = usable
-        gradients = unallocated_gradients(self.model, self.provider.geometry.num_layers)
-        self.admission.unallocated_gradients = gradients if grad else None
-        self.admission.unallocated_gradient_bytes = gradients.total_bytes if grad else 0
-        return self.admission.plan_next(pending, grad, usable)
-
     def _meter(self, usable: int) -> MemoryMeter:
         limit = self.options.test_memory_limit_bytes
         return MemoryMeter(limit_bytes=None if limit is None else usable, device=self.device,
@@ -189,14 +180,16 @@ class TrainerRank(SlotMethods):
     def forward_micro_batches(
         self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
     ) -> Iterator[MicroBatch]:
-        """Yield micro-batches of whole top-level items (this DP rank's share).
+        """Yield micro-batches of whole top-level items (this DP rank's share of each wave).
 
         `inputs`: any iterable (read once) of ForwardInputs or nested groups of them (up to four
         levels; a group is indivisible and its outputs come back in its nesting); every DP rank
-        passes the same items. `no_grad=None` inherits `torch.is_grad_enabled()`; an input's own
-        `no_grad` / `checkpoint` override the call's. Every DP rank yields the same number of
-        micro-batches (a rank with nothing left gets an empty one), so a collective in the
-        loop body cannot hang.
+        passes the same items. They are dealt in contiguous waves `[start, start + width)`, rank
+        r of D taking `start + r, start + r + D, ...` (`stats.global_start` / `global_stop`);
+        the width is the widest every rank's share fits in. `no_grad=None` inherits
+        `torch.is_grad_enabled()`; an input's own `no_grad` / `checkpoint` override the call's.
+        Every DP rank yields the same number of micro-batches (a rank with nothing left in a
+        wave gets an empty one), so a collective in the loop body cannot hang.
 
         Compute the loss and run backward before asking for the next micro-batch: that peak is
         measured and learned too. If your backward raises torch.OutOfMemoryError, catch it,
@@ -212,33 +205,42 @@ class TrainerRank(SlotMethods):
             _agree.check_same_call("forward_micro_batches", (
                 *fingerprint(items), sum(1 for item in items if item.grad)))
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
-        local = deal_to_ranks(items, dp_size)[dp_rank]
-        yield from in_lockstep(self._by_grad_mode(local), self._empty_micro_batch,
-                               finish=self._merge_profiles_over_data_parallel,
-                               guard=lambda: self.phases.collectives(PLAN, None))
+        call = CallOutcome(self._next_call())
+
+        def run_share(wave: Wave) -> Iterator[MicroBatch]:
+            share = [items[i] for i in wave.share(dp_rank, dp_size)]
+            return self._by_grad_mode(share, call, wave, PlanMode.WAVE)
+
+        def finish() -> None:
+            self._merge_profiles_over_data_parallel()
+            self._save_profiles()
+
+        yield from in_waves(
+            len(items),
+            lambda start: self._propose_wave(items, start, dp_rank, dp_size),
+            run_share, self._empty_micro_batch, finish=finish,
+            guard=lambda: self.phases.collectives(PLAN, None))
+        call.raise_declined()
 
     def dp_rank_forward(
         self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
     ) -> list[Any]:
-        """Run already-DP-local inputs in one call; outputs mirror `inputs`. Without grad the
-        items may run as several sub-forwards; with grad everything is retained until the
-        caller's backward, so the grad part is admitted (or escalated, or declined) as one."""
+        """Run already-DP-local inputs in one call; outputs mirror `inputs`. With grad every
+        graph stays live until the caller's backward: the grad items run whole when they fit,
+        else as 2, 4, ... sub-forwards of whole items priced with all their graphs held
+        together (`TrainerRankPartialExecutionError` if one fails after others ran), else the
+        call is declined with TrainerRankMemoryError before anything runs. Without grad the
+        items run as several micro-batches as needed."""
         items = self._items(inputs, checkpoint, no_grad)
-        grad_items = [item for item in items if item.grad]
-        queue = [item for item in items if not item.grad]
-        if grad_items:
-            queue.append(Item(index=-1, value=[item.value for item in grad_items],
-                              leaves=tuple(leaf for it in grad_items for leaf in it.leaves),
-                              no_grad_leaves=tuple(
-                                  f for it in grad_items for f in it.no_grad_leaves),
-                              checkpoints=tuple(c for it in grad_items for c in it.checkpoints)))
+        call = CallOutcome(self._next_call())
         results: dict[int, Any] = {}
         # With grad the caller's backward comes after this call returns: not measurable here.
-        for mb in self._by_grad_mode(queue, measure_caller=False):
+        for mb in self._by_grad_mode(items, call, Wave(0, len(items)), PlanMode.CALL,
+                                     measure_caller=False):
             for index, out in zip(mb.indices, mb.outputs):
                 results[index] = out
-        for item, out in zip(grad_items, results.pop(-1, [])):
-            results[item.index] = out
+        self._save_profiles()
+        call.raise_declined()
         return [results[item.index] for item in items]
 
     # -- inputs -------------------------------------------------------------------------------
@@ -256,34 +258,44 @@ class TrainerRank(SlotMethods):
             self._check_training_mode(item.grad)
         return items
 
-    def _by_grad_mode(
-        self, local: list[Item], *, measure_caller: bool = True
-    ) -> Iterator[MicroBatch]:
-        # measure_caller applies to grad micro-batches; without grad nothing of the caller's
-        # can add to the peak, so those are always measured.
-        """Grad items first, then no-grad ones; one autograd mode per micro-batch. Declines of
-        either part are raised together once both ran."""
-        errors: list[TrainerRankMemoryError] = []
+    def _next_call(self) -> int:
+        self._calls += 1
+        return self._calls
+
+    def _propose_wave(self, items: list[Item], start: int, dp_rank: int, dp_size: int) -> int:
+        """The widest wave from `start` whose share on this rank fits: its grad items as one
+        micro-batch and its no-grad items as another (agreed over the replica's ranks)."""
+        mine = items[start + dp_rank::dp_size]
+        if not mine:
+            return len(items) - start
+        release_score_buffer()
+        with self.phases.collectives(PLAN, None):
+            usable = {grad: self.usable_limit_bytes(GradSnapshot.expected_bytes(self.model)
+                                                    if grad else 0)
+                      for grad in {item.grad for item in mine}}
+            for grad, limit in usable.items():
+                self._prepare_admission(grad, limit)
+            fitting = self.admission.fitting_prefix(mine, usable.__getitem__)
+        return widest_wave(start, len(items), dp_rank, dp_size, fitting, len(mine))
+
+    def _by_grad_mode(self, local: list[Item], call: CallOutcome, wave: Wave, mode: PlanMode, *,
+                      measure_caller: bool = True) -> Iterator[MicroBatch]:
+        """Grad items first, then no-grad ones; one autograd mode per micro-batch. Declined
+        items are kept in `call`, raised once the call ran everything else.
+        `measure_caller` applies to grad micro-batches; without grad nothing of the caller's
+        can add to the peak, so those are always measured."""
         for grad in (True, False):
             queue = [item for item in local if item.grad == grad]
-            if not queue:
-                continue
-            try:
-                yield from self._micro_batches(
-                    queue, grad, measure_caller=measure_caller or not grad)
-            except TrainerRankMemoryError as error:
-                if error.indices_not_run and all(
-                        i in {item.index for item in queue} for i in error.indices_not_run):
-                    errors.append(error)
-                    continue
-                raise
-        if errors:
-            raise combine_declined(errors)
+            if queue:
+                yield from self._micro_batches(queue, grad, call, wave, mode,
+                                               measure_caller=measure_caller or not grad)
 
-    def _empty_micro_batch(self) -> MicroBatch:
+    def _empty_micro_batch(self, wave: Wave) -> MicroBatch:
         return MicroBatch(inputs=[], outputs=[], indices=[], stats=MicroBatchStats(
-            decision=EMPTY, available_bytes=self.usable_limit_bytes(),
-            note="this DP rank had no items left in this wave"))
+            global_start=wave.start, global_stop=wave.stop, global_count=wave.width,
+            local_count=0, packed_tokens=0, logical_tokens=0, estimated_required_bytes=0,
+            available_bytes=self.usable_limit_bytes(), rejected_candidates=0, cold_start=False,
+            decision=EMPTY, note="this DP rank had no items left in this wave"))
 
     def _check_training_mode(self, grad: bool) -> None:
         # Megatron applies recompute (selective and full, hence escalation) only in training
@@ -297,12 +309,12 @@ class TrainerRank(SlotMethods):
 
     # -- the loop -----------------------------------------------------------------------------
 
-    def _micro_batches(
-        self, local: list[Item], grad: bool, *, measure_caller: bool = True
-    ) -> Iterator[MicroBatch]:
-        self._calls += 1
+    def _micro_batches(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
+                       mode: PlanMode, *, measure_caller: bool = True
+                       ) -> Iterator[MicroBatch]:
         try:
-            yield from self._micro_batch_loop(local, grad, measure_caller=measure_caller)
+            yield from self._micro_batch_loop(local, grad, call, wave, mode,
+                                              measure_caller=measure_caller)
         except TrainerRankMemoryError:
             fault = self.phases.fault
             if fault is not None and fault.kind == OOM and fault.context is not None:
@@ -313,15 +325,18 @@ class TrainerRank(SlotMethods):
                 self._save_profiles()
             raise
 
-    def _micro_batch_loop(
-        self, local: list[Item], grad: bool, *, measure_caller: bool
-    ) -> Iterator[MicroBatch]:
+    def _planned(self, pending: list[Item], grad: bool, usable: int, mode: PlanMode) -> Plan:
+        """The next plan for `pending`: a wave's share as one micro-batch when it fits (else as
+        admission takes it, e.g. after a run-time OOM), or a whole call."""
+        if mode == PlanMode.CALL and grad:
+            return plan_call(self.admission, pending, grad, usable)
+        if mode == PlanMode.WAVE:
+            return self.admission.plan_group(pending, grad, usable)
+        return self.admission.plan_next(pending, grad, usable)
+
+    def _micro_batch_loop(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
+                          mode: PlanMode, *, measure_caller: bool) -> Iterator[MicroBatch]:
         pending = list(local)
-        declined: list[TrainerRankMemoryError] = []
-        retries: dict[int, int] = {}
-        last_oom: BaseException | None = None
-        oom_count = 0
-        micro_batch = 0
         while pending:
             self.phases.check()  # a fault on any rank of the job ends the call here
             # Megatron's unfused-attention score buffer is priced inside every micro-batch:
@@ -336,13 +351,15 @@ class TrainerRank(SlotMethods):
             with self.phases.collectives(PLAN, None):
                 usable = self.usable_limit_bytes(held)
                 probed = len(self.probe.probed_tails) if self.probe is not None else 0
-                plan = self._plan(pending, grad, usable)
+                self._prepare_admission(grad, usable)
+                plan = self._planned(pending, grad, usable, mode)
                 if self.probe is not None and len(self.probe.probed_tails) != probed:
                     # A head tail was probed on first use while planning (below the limit
                     # read before it): read the limit again after it and plan with that.
                     release_memory()
                     usable = self.usable_limit_bytes(held)
-                    plan = self._plan(pending, grad, usable)
+                    self._prepare_admission(grad, usable)
+                    plan = self._planned(pending, grad, usable, mode)
                 _agree.check_same_plan(
                     f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
                     f"escalate={plan.escalate} usable={usable}"
@@ -353,44 +370,52 @@ class TrainerRank(SlotMethods):
                 snapshot = None
                 assert plan.error is not None
                 error = plan.error
-                attempts = max((retries.get(i, 0) for i in plan.indices), default=0)
+                attempts = max((call.retries.get(i, 0) for i in plan.indices), default=0)
                 if attempts:
                     error = declined_after_retries(error, plan.indices, attempts)
                 logger.warning("%s", error)
-                declined.append(error)
+                call.declined.append(error)
                 continue
             if plan.escalate:
                 logger.warning("escalating to full recompute: %s", plan.note)
             context = MicroBatchContext(
-                call=self._calls, micro_batch=micro_batch, items=tuple(plan.indices),
+                call=call.number, micro_batch=call.micro_batches, items=tuple(plan.indices),
                 signature=plan.signature, packed_tokens=plan.shape.packed_tokens,
                 usable_bytes=usable, predicted_bytes=plan.pricing.dynamic_bytes,
                 recompute_summary=plan.pricing.recompute.summary,
                 model_bytes=plan.pricing.model_peak_bytes,
             )
-            micro_batch += 1
+            call.micro_batches += 1
             outcome = yield from self._run_plan(
-                plan, grad, usable, retries, context, snapshot, measure_caller=measure_caller
+                plan, grad, usable, call, wave, context, snapshot, measure_caller=measure_caller
             )
             if outcome is not None:  # an OOM: the items go back to the queue, smaller next time
-                oom_count += 1
-                last_oom = outcome
-                if oom_count > self.options.max_oom_retries:
-                    raise too_many_ooms(plan, usable, oom_count, self.options.max_oom_retries,
-                                        sorted(chosen), [i.index for i in pending]) from outcome
+                call.oom_count += 1
+                call.last_oom = outcome
+                if call.oom_count > self.options.max_oom_retries:
+                    raise too_many_ooms(plan, usable, call.oom_count,
+                                        self.options.max_oom_retries, sorted(chosen),
+                                        [i.index for i in pending]) from outcome
                 for index in chosen:
-                    retries[index] = retries.get(index, 0) + 1
+                    call.retries[index] = call.retries.get(index, 0) + 1
                 pending = sorted([*plan.items, *pending], key=lambda it: it.index)
-        self._save_profiles()
-        if declined:
-            raise combine_declined(declined) from last_oom
+
+    def _prepare_admission(self, grad: bool, usable: int) -> None:
+        """What admission reads beside the items: the usable limit a head tail probed on first
+        use must measure below, and the trainable gradients not allocated yet."""
+        if self.probe is not None:
+            self.probe.usable_bytes = usable
+        gradients = unallocated_gradients(self.model, self.provider.geometry.num_layers)
+        self.admission.unallocated_gradients = gradients if grad else None
+        self.admission.unallocated_gradient_bytes = gradients.total_bytes if grad else 0
 
     def _run_plan(
         self,
         plan: Plan,
         grad: bool,
         usable: int,
-        retries: dict[int, int],
+        call: CallOutcome,
+        wave: Wave,
         context: MicroBatchContext,
         snapshot: GradSnapshot | None,
         *,
@@ -414,6 +439,7 @@ class TrainerRank(SlotMethods):
                 release_memory()
                 return outcome
             failed_sub: tuple[int, ...] | None = None
+            ran = 0  # sub-forwards completed
             try:
                 leaf_outputs: list[ForwardOutput] = []
                 with torch.set_grad_enabled(grad), self.phases.compute(context, replica):
@@ -432,6 +458,7 @@ class TrainerRank(SlotMethods):
                             ),
                             adapter_key=self.slots.adapter_key,
                         ))
+                        ran += 1
                 if grad:
                     flags = [f for item in plan.items for f in item.no_grad_leaves]
                     self._grad_slots.update(
@@ -444,8 +471,12 @@ class TrainerRank(SlotMethods):
                 if snapshot is not None:
                     snapshot.restore()
                 release_memory()
+                if grad and ran > 0:
+                    # Sub-forwards whose graphs the caller's backward was to use already ran:
+                    # the call cannot be re-planned behind the caller's back.
+                    raise partial_execution(plan, ran, usable, exc) from exc
                 return exc
-            stats = plan_stats(self.admission, plan, usable, grad, retries)
+            stats = plan_stats(self.admission, plan, usable, grad, call.retries, wave)
             if grad:
                 flags = [f for item in plan.items for f in item.no_grad_leaves]
                 leaf_outputs = [detached_output(out) if no_grad else out
@@ -493,8 +524,7 @@ class TrainerRank(SlotMethods):
             snapshot.restore()
             release_memory()
             return exc
-        stats.measured_peak_bytes = measured
-        self.stats_history.append(stats)
+        self.stats_history.append(replace(stats, measured_peak_bytes=measured))
         if measure_caller:
             # A split's signature and size are its largest sub-forward's: nothing is kept
             # between sub-forwards without grad, so the measured peak is that one's.

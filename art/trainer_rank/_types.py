@@ -7,7 +7,7 @@ runs unchanged; fields of ours come after upstream's, always with defaults.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
 
 import torch
@@ -187,22 +187,26 @@ class ForwardOutput:
     no_grad: bool = False
 
 
-@dataclass
+@dataclass(frozen=True)
 class MicroBatchStats:
-    """One yielded micro-batch: upstream's fields first, then what admission predicted and what
-    was measured. `estimated_required_bytes` is the dynamic peak compared with
-    `available_bytes` (the usable limit agreed over the replica)."""
+    """One yielded micro-batch: upstream's fields first (required, as upstream has them), then
+    what admission predicted. `global_start` / `global_stop` are the data-parallel wave the
+    micro-batch belongs to (every index lies in it), `global_count` its width.
+    `estimated_required_bytes` is the dynamic peak compared with `available_bytes` (the usable
+    limit agreed over the replica). The peak measured through the caller's backward is known
+    only after the caller hands control back: `TrainerRank.stats_history` holds these records
+    with `measured_peak_bytes` filled in."""
 
-    global_start: int = 0
-    global_stop: int = 0
-    global_count: int = 0
-    local_count: int = 0
-    packed_tokens: int = 0
-    logical_tokens: int = 0
-    estimated_required_bytes: int = 0
-    available_bytes: int = 0
-    rejected_candidates: int = 0
-    cold_start: bool = False
+    global_start: int
+    global_stop: int
+    global_count: int
+    local_count: int
+    packed_tokens: int
+    logical_tokens: int
+    estimated_required_bytes: int
+    available_bytes: int
+    rejected_candidates: int
+    cold_start: bool
     subforward_count: int = 1
     # ours
     decision: str = ADMITTED
@@ -211,7 +215,9 @@ class MicroBatchStats:
     grad_enabled: bool = True
     term_table: str = ""  # the memory model's itemised estimate
     predicted_source: str = "model"  # "model" or "model x profile correction"
-    measured_peak_bytes: int | None = None  # dynamic peak, forward through caller backward
+    # The dynamic peak from the forward through the caller's backward: None in the record the
+    # caller receives, filled in the copy kept in TrainerRank.stats_history.
+    measured_peak_bytes: int | None = None
     retries: int = 0  # how many times these items were re-run after an OOM
     note: str = ""
 
@@ -248,7 +254,7 @@ class MicroBatch:
     inputs: Sequence[Any]
     outputs: Sequence[Any]
     indices: Sequence[int]
-    stats: MicroBatchStats = field(default_factory=MicroBatchStats)
+    stats: MicroBatchStats
 
     def select(self, xs: Sequence[T]) -> list[T]:
         """The entries of a per-input list of the caller's that belong to this micro-batch."""

@@ -64,9 +64,11 @@ def test_demo_checks_catch_missing_outputs_repeats_and_unhandled_oversized_items
     demo = _demo_worker()
     seq = ForwardInput(input_tokens=torch.tensor([1, 2, 3]), target_tokens=torch.tensor([2, 3,
                                                                                           -100]))
-    stats = MicroBatchStats(decision="admitted", packed_tokens=3, logical_tokens=3,
-                            predicted_peak_bytes=10, estimated_required_bytes=10,
-                            available_bytes=100, recompute_summary="x", grad_enabled=True)
+    stats = MicroBatchStats(global_start=0, global_stop=1, global_count=1, local_count=1,
+                            packed_tokens=3, logical_tokens=3, estimated_required_bytes=10,
+                            available_bytes=100, rejected_candidates=0, cold_start=False,
+                            decision="admitted", predicted_peak_bytes=10,
+                            recompute_summary="x", grad_enabled=True)
     good = ForwardOutput(target_logprobs=torch.tensor([-1.0, -2.0, 0.0]))
     ok = MicroBatch(inputs=[[seq]], outputs=[[good]], indices=[0], stats=stats)
     assert demo._check_outputs(ok) == []

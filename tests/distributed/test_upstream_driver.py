@@ -1,7 +1,9 @@
 """scripts/upstream_driver.py under torchrun (2 ranks, one launch): TP=2 and TP=1 x DP=2 train
 the same adapter on the same fixed batch, so their steps must agree to fp32 rounding (the
 clipped grad norm counts the TP-sharded LoRA factors on every rank); the loss goes down, the
-adapter moves, the base does not. Then DP lockstep: skewed shares, a collective in the loop."""
+adapter moves, the base does not; the driver reads the DP size through `train.ps` as upstream's
+does. Then upstream's DP waves: contiguous, dealt round-robin, in lockstep, with a collective in
+the loop."""
 
 from __future__ import annotations
 
@@ -58,9 +60,30 @@ def test_tp2_steps_equal_tp1_steps(reports):
     assert reports[1]["dp2"]["adapter"] == dp2["adapter"]
 
 
-def test_dp_ranks_yield_in_lockstep(reports):
-    a, b = reports[0]["lockstep"], reports[1]["lockstep"]
-    assert len(a["decisions"]) == len(b["decisions"])
+def test_driver_reads_the_data_parallel_size_through_train_ps(reports):
+    assert reports[0]["tp2"]["data_parallel"] == 1 and reports[0]["dp2"]["data_parallel"] == 2
+
+
+def test_dp_ranks_take_upstream_waves_in_lockstep(reports):
+    a, b = reports[0]["waves"], reports[1]["waves"]
+    assert (a["dp_rank"], b["dp_rank"], a["dp_size"]) == (0, 1, 2)
+    assert len(a["rows"]) == len(b["rows"])  # the same number of micro-batches on every rank
     assert all(total == 2 for total in a["totals"] + b["totals"])
-    assert "empty" in a["decisions"] + b["decisions"]  # the shares really were skewed
-    assert sorted(a["indices"] + b["indices"]) == list(range(7))
+    waves = []
+    for ra, rb in zip(a["rows"], b["rows"]):
+        # Both ranks' micro-batches of one step belong to the same wave.
+        wave = (ra["global_start"], ra["global_stop"])
+        assert wave == (rb["global_start"], rb["global_stop"])
+        assert ra["global_count"] == rb["global_count"] == wave[1] - wave[0]
+        for report, row in ((a, ra), (b, rb)):
+            start, stop = wave
+            assert set(row["indices"]) <= set(range(start + report["dp_rank"], stop, 2)), row
+            assert row["local_count"] == len(row["indices"])
+        if not waves or waves[-1] != wave:
+            waves.append(wave)
+    # Contiguous waves over every item, each run once.
+    assert waves[0][0] == 0 and waves[-1][1] == a["items"]
+    assert all(w[1] == v[0] for w, v in zip(waves, waves[1:]))
+    assert len(waves) > 1  # the cold cap and the limit really did narrow them
+    assert sorted(i for r in a["rows"] + b["rows"] for i in r["indices"]) == list(range(7))
+    assert "empty" in [r["decision"] for r in a["rows"] + b["rows"]]

@@ -1,7 +1,8 @@
 """Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
-rebuilt in between), then data-parallel lockstep with skewed items and a collective inside
-the caller's loop. Each phase's report and the gathered adapter go to OUT_DIR/rank<r>.json."""
+rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
+inside the caller's loop. Each phase's report and the gathered adapter go to
+OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -33,9 +34,11 @@ def _adapter(trainer) -> dict[str, list]:
     return {k: v.flatten().tolist() for k, v in sorted(state.items())}
 
 
-def _lockstep(trainer) -> dict:
-    """Rank 0's share is one long item, rank 1's many short ones (the deal is largest first),
-    so without lockstep the ranks yield different numbers of micro-batches."""
+def _waves(trainer) -> dict:
+    """Upstream's DP waves: one long item first, then short ones, an output mix no profile
+    has seen (its first wave is cold-capped) and a limit that admits the long item alone, so
+    the waves have different widths and some shares run out before others (empty
+    micro-batches); the caller runs a collective of its own every iteration."""
     from megatron.core import parallel_state
 
     from art.trainer_rank import ForwardInput
@@ -44,27 +47,29 @@ def _lockstep(trainer) -> dict:
     lengths = [60, 6, 6, 6, 6, 6, 6]
     inputs = [ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
                            target_tokens=torch.randint(0, 256, (n,), generator=g),
-                           top_k=2)  # an output mix no profile has seen yet: cold-capped
+                           top_k=2)
               for n in lengths]
-    # A limit that admits the long item alone: a signature's first micro-batch is capped at a
-    # fraction of what the limit admits, so rank 1 runs its short items in several.
     from art.trainer_rank.compute.items import make_items
 
     long_item = make_items(inputs[:1])[0]
     price = trainer.admission.price(long_item.leaves, True)[0].dynamic_bytes
     trainer.options = replace(trainer.options, test_memory_limit_bytes=int(price * 1.5))
     group = parallel_state.get_data_parallel_group()
-    decisions, indices, totals = [], [], []
+    rows, totals = [], []
     for micro in trainer.forward_micro_batches(inputs):
         count = torch.ones(1)
         dist.all_reduce(count, group=group)  # the caller's own collective, every iteration
         totals.append(int(count))
-        decisions.append(micro.stats.decision)
-        indices.extend(micro.indices)
+        s = micro.stats
+        rows.append({"decision": s.decision, "indices": list(micro.indices),
+                     "global_start": s.global_start, "global_stop": s.global_stop,
+                     "global_count": s.global_count, "local_count": s.local_count})
         if micro.outputs:
             sum(-o.target_logprobs.sum() for o in micro.outputs).backward()
     trainer.zero_grad()
-    return {"decisions": decisions, "indices": indices, "totals": totals}
+    return {"rows": rows, "totals": totals, "items": len(inputs),
+            "dp_rank": parallel_state.get_data_parallel_rank(),
+            "dp_size": parallel_state.get_data_parallel_world_size()}
 
 
 def main() -> None:
@@ -82,10 +87,10 @@ def main() -> None:
     os.environ["ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"] = "1"
     dp2, trainer = driver.train(args)
     dp2["adapter"] = _adapter(trainer)
-    lockstep = _lockstep(trainer)
+    waves = _waves(trainer)
     rank = dist.get_rank()
     with open(out_dir / f"rank{rank}.json", "w") as f:
-        json.dump({"tp2": tp2, "dp2": dp2, "lockstep": lockstep}, f)
+        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -15,7 +15,8 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
     format_stats_table,
 )
-from art.trainer_rank.compute.items import deal_to_ranks, make_items, outputs_union, rebuild
+from art.trainer_rank.compute.items import make_items, outputs_union, rebuild
+from art.trainer_rank.ranks.lockstep import Wave, widest_wave
 
 
 def fi(n: int, **kw) -> ForwardInput:
@@ -72,15 +73,20 @@ def test_per_input_no_grad_overrides_the_call_and_any_iterable_is_read_once():
         make_items([[[[[fi(1)]]]]])
 
 
-def test_deal_is_deterministic_balanced_and_whole():
-    items = make_items([fi(n) for n in (50, 10, 40, 30, 20, 5)])
-    dealt = deal_to_ranks(items, 2)
-    assert sorted(i.index for b in dealt for i in b) == list(range(6))
-    loads = [sum(i.num_tokens for i in b) for b in dealt]
-    assert abs(loads[0] - loads[1]) <= 10
-    assert deal_to_ranks(items, 2) == dealt
-    assert all([i.index for i in b] == sorted(i.index for i in b) for b in dealt)
-    assert [len(b) for b in deal_to_ranks(items[:1], 3)] == [1, 0, 0]
+def test_waves_deal_contiguous_items_round_robin_as_upstream():
+    wave = Wave(start=4, stop=11)
+    assert wave.width == 7
+    assert [list(wave.share(r, 3)) for r in range(3)] == [[4, 7, 10], [5, 8], [6, 9]]
+    assert sorted(i for r in range(3) for i in wave.share(r, 3)) == list(range(4, 11))
+    # Rank 1 of 3 fits its first 2 items (5 and 8) of 4 from start 4: the wave may reach
+    # item 10, not its third item, 11 (width 7).
+    assert widest_wave(4, 20, 1, 3, fitting=2, share_size=4) == 7
+    assert list(Wave(4, 4 + 7).share(1, 3)) == [5, 8]
+    assert list(Wave(4, 4 + 8).share(1, 3)) == [5, 8, 11]
+    assert widest_wave(4, 20, 1, 3, fitting=4, share_size=4) == 16  # all of it: to the end
+    # A rank always takes at least its first item, and a wave never runs past the items.
+    assert widest_wave(0, 2, 0, 4, fitting=0, share_size=1) == 2
+    assert widest_wave(0, 9, 0, 4, fitting=0, share_size=3) == 4
 
 
 def test_memory_error_pickles_with_its_fields():
@@ -96,19 +102,24 @@ def test_memory_error_pickles_with_its_fields():
     assert back.recompute_summary.startswith("selective") and str(back) == "too big"
 
 
+UPSTREAM_FIELDS = dict(global_start=0, global_stop=2, global_count=2, local_count=1,
+                       packed_tokens=64, logical_tokens=60, estimated_required_bytes=2 << 20,
+                       available_bytes=8 << 20, rejected_candidates=0, cold_start=False)
+
+
 def test_stats_table_renders_rows():
-    s = MicroBatchStats(
-        decision=ADMITTED, packed_tokens=64, logical_tokens=60, predicted_peak_bytes=3 << 20,
-        estimated_required_bytes=2 << 20, available_bytes=8 << 20,
-        recompute_summary="no recompute", grad_enabled=True, measured_peak_bytes=1 << 20,
-    )
+    s = MicroBatchStats(**{
+        **UPSTREAM_FIELDS,
+        "decision": ADMITTED, "predicted_peak_bytes": 3 << 20, "recompute_summary": "no recompute",
+        "grad_enabled": True, "measured_peak_bytes": 1 << 20,
+    })
     assert (s.predicted_dynamic_bytes, s.usable_limit_bytes) == (2 << 20, 8 << 20)
     table = format_stats_table([s, s])
     lines = table.splitlines()
     assert len(lines) == 4 and "decision" in lines[0]
     assert "0.500" in lines[2] and "2.00" in lines[2]
     with pytest.raises(ValueError, match="decision must be one of"):
-        MicroBatchStats(decision="maybe", packed_tokens=1, logical_tokens=1)
+        MicroBatchStats(**UPSTREAM_FIELDS, decision="maybe")
 
 
 def test_options_from_env_validate_and_suggest():

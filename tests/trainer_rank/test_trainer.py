@@ -4,6 +4,8 @@ and run-time OOM retries do not change results, lose nothing and duplicate nothi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from _trainer_helpers import (
@@ -168,7 +170,10 @@ def test_runtime_oom_is_retried_smaller_without_loss_or_duplication(built):
         roomy = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,
                             trainer_options=TrainerRankOptions(test_memory_limit_bytes=16 * 2**20)))
         (mb,) = list(roomy.forward_micro_batches(xs[:n], no_grad=True))
-        peaks[n] = mb.stats.measured_peak_bytes
+        assert mb.stats.measured_peak_bytes is None  # measured after the caller's turn
+        (record,) = roomy.stats_history
+        assert record == replace(mb.stats, measured_peak_bytes=record.measured_peak_bytes)
+        peaks[n] = record.measured_peak_bytes
     assert peaks[4] > peaks[1]
     limit = (peaks[1] + peaks[4]) // 2
     tight = TrainerRank(TrainingRuntime.for_model(model, p, memory_model=priced,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+from dataclasses import MISSING
 
 import pytest
 import torch
@@ -59,6 +60,45 @@ def test_signatures_match_upstream():
     assert forward["no_grad"].default is None
     names = [f.name for f in fields(MicroBatchStats)]
     assert tuple(names[: len(UPSTREAM_STATS_FIELDS)]) == UPSTREAM_STATS_FIELDS
+    # As upstream: every field but subforward_count is required; ours come after, defaulted.
+    required = [f.name for f in fields(MicroBatchStats) if f.default is MISSING
+                and f.default_factory is MISSING]
+    assert tuple(required) == UPSTREAM_STATS_FIELDS[:-1]
+    assert fields(MicroBatchStats)[len(UPSTREAM_STATS_FIELDS) - 1].default == 1
+
+
+def test_micro_batch_stats_are_frozen_and_micro_batch_needs_them():
+    from dataclasses import FrozenInstanceError
+
+    from art.trainer_rank import MicroBatch, MicroBatchStats
+
+    stats = MicroBatchStats(global_start=0, global_stop=2, global_count=2, local_count=1,
+                            packed_tokens=5, logical_tokens=5, estimated_required_bytes=1,
+                            available_bytes=2, rejected_candidates=0, cold_start=True)
+    assert stats.subforward_count == 1
+    with pytest.raises(FrozenInstanceError):
+        stats.global_start = 1  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        MicroBatchStats(global_start=0)  # type: ignore[call-arg]
+    with pytest.raises(TypeError):
+        MicroBatch(inputs=[], outputs=[], indices=[])  # type: ignore[call-arg]
+
+
+def test_train_and_provider_modules_have_the_names_upstream_drivers_reach():
+    """ART's dev driver prints `megatron_train.ps.get_data_parallel_world_size()`; its train
+    module also offers print0 and freeze_model, and the provider module get_provider."""
+    from megatron.core import parallel_state
+
+    from art.megatron import provider, train
+
+    assert train.ps is parallel_state
+    for name in ("build_training_runtime", "TrainingRuntime", "DEFAULT_MODEL_IDENTIFIER",
+                 "print0", "freeze_model", "get_provider", "ps"):
+        assert hasattr(train, name), name
+    assert callable(provider.get_provider)
+    layer = torch.nn.Linear(2, 2)
+    assert train.freeze_model([layer]) == [layer]
+    assert not any(p.requires_grad for p in layer.parameters())
 
 
 def test_value_types_behave_like_upstream():
@@ -81,7 +121,7 @@ def test_value_types_behave_like_upstream():
     with pytest.raises(FrozenInstanceError):
         TopK(torch.zeros(1), torch.zeros(1)).tokens = None  # type: ignore[misc]
     assert out.checkpoint is None and out.no_grad is False
-    mb = MicroBatch(inputs=["b", "d"], outputs=[], indices=[1, 3])
+    mb = MicroBatch(inputs=["b", "d"], outputs=[], indices=[1, 3], stats=None)  # type: ignore
     assert mb.select(["a", "b", "c", "d"]) == ["b", "d"]
     assert repr(Unset) == "Unset" and Unset is type(Unset)()
     assert AdamParams(learning_rate=1e-5).beta2 == 0.99

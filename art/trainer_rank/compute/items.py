@@ -1,9 +1,9 @@
-"""Top-level items: flattening nested groups of ForwardInputs, rebuilding the nesting, and
-dealing items to data-parallel ranks deterministically."""
+"""Top-level items: flattening nested groups of ForwardInputs and rebuilding the nesting (the
+data-parallel waves that deal them are ranks/lockstep.py's)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,26 +140,6 @@ def rebuild(value: Any, leaf_outputs: Sequence[Any]) -> Any:
     if next(it, None) is not None:
         raise ValueError("rebuild: more outputs than sequences in the item")
     return out
-
-
-def deal_to_ranks(
-    items: Sequence[Item], data_parallel_size: int, cost: Callable[[Item], int] | None = None
-) -> list[list[Item]]:
-    """Deal whole items to DP ranks: largest first, each to the least-loaded rank (ties to the
-    lower rank). Deterministic from the items alone, so every rank computes the same deal.
-    Each rank's items keep the caller's order."""
-    if data_parallel_size < 1:
-        raise ValueError(f"data_parallel_size must be >= 1, got {data_parallel_size}")
-    cost = cost or (lambda item: item.num_tokens)
-    loads = [0] * data_parallel_size
-    dealt: list[list[Item]] = [[] for _ in range(data_parallel_size)]
-    for item in sorted(items, key=lambda it: (-cost(it), it.index)):
-        rank = min(range(data_parallel_size), key=lambda r: (loads[r], r))
-        loads[rank] += cost(item)
-        dealt[rank].append(item)
-    for bucket in dealt:
-        bucket.sort(key=lambda it: it.index)
-    return dealt
 
 
 def fingerprint(items: Sequence[Item]) -> tuple[int, int, int]:

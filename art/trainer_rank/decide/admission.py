@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from enum import StrEnum
+from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
@@ -25,18 +26,12 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
+from art.trainer_rank.decide.decline import decline_error
+from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8
-
-
-class MemoryModelLike(Protocol):
-    def estimate(self, batch: MicroBatchShape) -> Any: ...
-    def with_recompute(self, recompute: EffectiveRecompute) -> MemoryModelLike: ...
-    def max_tokens_that_fit(
-        self, usable_bytes: int, *, outputs: OutputRequest, grad_enabled: bool, sequences: int = 1
-    ) -> int: ...
 
 
 def _union(requests: Iterable[OutputRequest]) -> OutputRequest:
@@ -52,66 +47,13 @@ def _union(requests: Iterable[OutputRequest]) -> OutputRequest:
                          hidden_states=hidden)
 
 
-def gib(n: int) -> str:
-    """Bytes for messages: GiB at real scale, MiB/KiB for the small models tests run."""
-    if abs(n) >= 2**30:
-        return f"{n / 2**30:.3f} GiB"
-    if abs(n) >= 2**20:
-        return f"{n / 2**20:.2f} MiB"
-    return f"{n / 2**10:.1f} KiB"
+class PlanMode(StrEnum):
+    """How the trainer asks for its next plan: greedily from a queue (`next`), exactly a
+    data-parallel wave's share (`wave`), or every grad item of one call at once (`call`)."""
 
-
-@dataclass(frozen=True)
-class Pricing:
-    """One candidate priced: the memory model's estimate and the profile's prediction."""
-
-    estimate: Any  # the memory model's Estimate
-    # The model's dynamic peak corrected by the profile + the allocator reserve; None when
-    # the profile has nothing to say for this row.
-    profile_dynamic_bytes: int | None
-    recompute: EffectiveRecompute
-    # Outputs of earlier sub-forwards of a split, still held while this one runs.
-    held_bytes: int = 0
-    # Gradients of trainable parameters that are not allocated yet: the estimate prices them
-    # as resident, but this micro-batch's backward allocates them (0 once they exist).
-    first_gradient_allocation_bytes: int = 0
-
-    @property
-    def model_dynamic_bytes(self) -> int:
-        return (int(self.estimate.dynamic_bytes) + self.held_bytes
-                + self.first_gradient_allocation_bytes)
-
-    @property
-    def model_peak_bytes(self) -> int:
-        """The model's dynamic peak without the allocator reserve: what a profile corrects."""
-        return (int(self.estimate.dynamic_bytes) - int(self.estimate.reserve_bytes)
-                + self.held_bytes + self.first_gradient_allocation_bytes)
-
-    @property
-    def dynamic_bytes(self) -> int:
-        if self.profile_dynamic_bytes is None:
-            return self.model_dynamic_bytes
-        return self.profile_dynamic_bytes + self.held_bytes + self.first_gradient_allocation_bytes
-
-    def table(self) -> str:
-        """The estimate's term table, with the terms this pricing adds to it."""
-        lines = [self.estimate.table()]
-        for name, value, note in (
-            ("held outputs of earlier sub-forwards", self.held_bytes, "split"),
-            ("first_gradient_allocation_bytes", self.first_gradient_allocation_bytes,
-             "trainable gradients not allocated yet; this backward allocates them"),
-        ):
-            if value:
-                lines.append(f"{'dynamic':<9} {name:<44} {gib(value):>10}  {note}")
-        return "\n".join(lines)
-
-    @property
-    def source(self) -> str:
-        return "model" if self.profile_dynamic_bytes is None else "model x profile correction"
-
-    @property
-    def peak_bytes(self) -> int:
-        return int(self.estimate.resident_bytes) + self.dynamic_bytes
+    NEXT = "next"
+    WAVE = "wave"
+    CALL = "call"
 
 
 @dataclass(frozen=True)
@@ -128,6 +70,8 @@ class Plan:
     escalate: bool = False
     error: TrainerRankMemoryError | None = None
     note: str = ""
+    # Larger candidates admission priced and turned down on the way to this plan.
+    rejected_candidates: int = 0
 
     @property
     def leaves(self) -> tuple[ForwardInput, ...]:
@@ -254,7 +198,7 @@ class Admission:
         key = (id(recompute), grad, lengths, outputs, shared_tokens)
         hit = self._priced.get(key)
         if hit is None:
-            model = self._model_for(recompute)
+            model = self.model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
                                     grad_enabled=grad,
                                     padded_tokens=self.packed_length(lengths, shared_tokens))
@@ -276,7 +220,7 @@ class Admission:
         return Pricing(estimate, profile_dynamic, recompute,
                        first_gradient_allocation_bytes=first_gradients), shape, sig
 
-    def _model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
+    def model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
         if recompute is self.recompute:
             return self.memory_model
         model = self._models.get(id(recompute))
@@ -350,7 +294,7 @@ class Admission:
         lengths = first.sequence_lengths_tokens
         outputs = first.outputs
         shared = first.shared_tokens
-        misfits = 0
+        misfits = rejected = 0
         for item in queue[1:]:
             cand_lengths = lengths + item.sequence_lengths_tokens
             cand_shared = shared + item.shared_tokens
@@ -364,6 +308,7 @@ class Admission:
                 too_big = candidate.dynamic_bytes > usable_bytes
             if too_big:
                 misfits += 1
+                rejected += 1
                 if misfits >= MAX_MISFITS_SCANNED:
                     break
                 continue
@@ -371,8 +316,12 @@ class Admission:
             chosen.append(item)
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = candidate, cand_shape, cand_sig
-        chosen.sort(key=lambda it: it.index)
-        leaves_count = sum(len(it.leaves) for it in chosen)
+        return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected)
+
+    def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
+                  sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0) -> Plan:
+        """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note."""
+        chosen = sorted(chosen, key=lambda it: it.index)
         note = ""
         if cold:
             note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
@@ -384,10 +333,58 @@ class Admission:
             items=tuple(chosen),
             pricing=pricing,
             shape=shape,
-            sub_forwards=(tuple(range(leaves_count)),),
+            sub_forwards=(tuple(range(sum(len(it.leaves) for it in chosen))),),
             signature=sig,
             note=note,
+            rejected_candidates=rejected,
         )
+
+    # -- a given set of items as one micro-batch (a data-parallel wave's share) ---------------
+
+    def _cap(self, items: Sequence[Item], grad: bool, usable_bytes: int, sig: str,
+             outputs: OutputRequest) -> tuple[bool, int | None]:
+        """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
+        of what the memory model alone admits (at least its smallest item); a profile that saw
+        the model under-predict grows only to the edge of its trust window."""
+        if not self.profiles.has_profile(sig):
+            smallest = min(items, key=lambda it: (it.num_tokens, it.index))
+            model_max = self._model_max_tokens(usable_bytes, smallest.outputs, grad,
+                                               start_tokens=smallest.num_tokens)
+            return True, max(smallest.num_tokens,
+                             int(self.policy.cold_start_fraction * model_max))
+        return False, self._growth_cap(sig, grad, outputs)
+
+    def fits_together(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> bool:
+        """Whether `items` run as one micro-batch under the recompute in force. One item always
+        has a plan of its own (admitted, split, escalated or declined)."""
+        if len(items) <= 1:
+            return True
+        pricing, shape, sig = self.price_items(items, grad)
+        if pricing.dynamic_bytes > usable_bytes:
+            return False
+        _, cap = self._cap(items, grad, usable_bytes, sig, shape.outputs)
+        return cap is None or shape.packed_tokens <= cap
+
+    def fitting_prefix(self, items: Sequence[Item], usable_bytes: Callable[[bool], int]) -> int:
+        """How many leading `items` run together: their grad items as one micro-batch and
+        their no-grad items as another, each fitting (`usable_bytes(grad)`)."""
+        parts: dict[bool, list[Item]] = {True: [], False: []}
+        for count, item in enumerate(items):
+            part = [*parts[item.grad], item]
+            if not self.fits_together(part, item.grad, usable_bytes(item.grad)):
+                return count
+            parts[item.grad] = part
+        return len(items)
+
+    def plan_group(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> Plan:
+        """The plan that runs exactly `items` (which fit together) as one micro-batch; one item
+        is planned as `plan_next` plans it."""
+        if len(items) == 1 or not self.fits_together(items, grad, usable_bytes):
+            return self.plan_next(items, grad, usable_bytes)
+        chosen = sorted(items, key=lambda it: it.index)
+        pricing, shape, sig = self.price_items(chosen, grad)
+        cold, cap = self._cap(chosen, grad, usable_bytes, sig, shape.outputs)
+        return self._admitted(chosen, pricing, shape, sig, cold, cap)
 
     def _growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
         """Where the profile has seen the memory model under-predict, sizes may grow only to
@@ -441,7 +438,7 @@ class Admission:
                     note=f"{self.recompute.summary} needs {gib(pricing.dynamic_bytes)}; "
                     f"escalated to {full.summary}",
                 )
-        error = self.decline_error(item, grad, usable_bytes, pricing, shape, full_pricing)
+        error = decline_error(self, item, grad, usable_bytes, pricing, shape, full_pricing)
         return Plan(
             decision=DECLINED,
             items=(item,),
@@ -494,104 +491,3 @@ class Admission:
         close_group()
         assert worst is not None
         return (tuple(groups), *worst)
-
-    # -- the message --------------------------------------------------------------------------
-
-    def _next_tp_dynamic(self, model: MemoryModelLike, shape: MicroBatchShape
-                         ) -> tuple[int, str]:
-        """The next TP size's dynamic peak for `shape`, priced like the decision: its default
-        formulas scaled by the ratio of this TP size's price (the decision's coefficients) to
-        this TP size's default formulas for the same shape. Without a probe the ratio is 1.
-        Returns the bytes and a note for the message."""
-        estimate = model.estimate(shape)
-        reserve = int(estimate.reserve_bytes)
-        if self.default_memory_model is None:
-            return int(estimate.dynamic_bytes), ""
-        here = self._model_for(self.recompute).estimate(shape)
-        formulas = self.default_memory_model.estimate(shape)
-        formulas_model = int(formulas.dynamic_bytes) - int(formulas.reserve_bytes)
-        if formulas_model <= 0:
-            return int(estimate.dynamic_bytes), ""
-        ratio = (int(here.dynamic_bytes) - int(here.reserve_bytes)) / formulas_model
-        needed = int(round((int(estimate.dynamic_bytes) - reserve) * ratio)) + reserve
-        return needed, f" (its formulas x{ratio:.3f}, the probe's ratio to them here)"
-
-    def decline_error(
-        self,
-        item: Item,
-        grad: bool,
-        usable_bytes: int,
-        pricing: Pricing,
-        shape: MicroBatchShape,
-        full_pricing: Pricing | None,
-        *,
-        cause: str = "declined before running",
-    ) -> TrainerRankMemoryError:
-        """The recompute-aware error: the mode in force, predicted vs limit, and the same item
-        priced under full recompute and at the next TP size, with which of them would fit."""
-        what = (
-            f"item {item.index} ({len(item.leaves)} sequence(s), {shape.logical_tokens} logical / "
-            f"{shape.packed_tokens} packed tokens, {'grad' if grad else 'no-grad'}, outputs "
-            f"{shape.outputs.key})"
-        )
-        lines = [
-            f"forward_micro_batches: {what} {cause}: under {self.recompute.summary} the predicted "
-            f"dynamic peak is {gib(pricing.dynamic_bytes)} ({pricing.source}; peak with resident "
-            f"{gib(pricing.peak_bytes)}) against a usable limit of {gib(usable_bytes)}."
-        ]
-        remedies: list[str] = []
-        full = self.full_recompute
-        if grad and full is not None and full.key != self.recompute.key:
-            if full_pricing is None:
-                full_pricing, _, _ = self.price(item.leaves, grad, full)
-            fits = full_pricing.dynamic_bytes <= usable_bytes
-            lines.append(
-                f"Under {full.summary} it would need {gib(full_pricing.dynamic_bytes)}: "
-                f"{'fits' if fits else 'does not fit'}."
-            )
-            if fits:
-                remedies.append(
-                    "switch to full recompute (ART_MEGATRON_RECOMPUTE_GRANULARITY=full, "
-                    "ART_MEGATRON_RECOMPUTE_METHOD=uniform, ART_MEGATRON_RECOMPUTE_NUM_LAYERS=1)"
-                    + ("" if self.policy.escalate_to_full_recompute else
-                       " or enable escalate_to_full_recompute")
-                )
-        elif not grad:
-            lines.append(
-                "Without grad no activations are retained, so recompute cannot help; "
-                f"{'its sequences are run one per sub-forward at best' if len(item.leaves) > 1 else 'a single sequence cannot be split'}."  # noqa: E501
-            )
-        elif full is not None:
-            lines.append(f"{self.recompute.summary} is already the most frugal recompute policy.")
-        if self.next_tp_model is not None:
-            try:
-                next_tp = self.next_tp_model()
-            except ValueError as exc:
-                next_tp, reason = None, str(exc)
-            else:
-                reason = "no larger TP size is possible for this model"
-            if next_tp is None:
-                lines.append(f"A larger TP size: not priced ({reason}).")
-            else:
-                tp, model = next_tp
-                needed, how = self._next_tp_dynamic(model, shape)
-                fits = needed <= usable_bytes
-                lines.append(
-                    f"At TP={tp} (same recompute) it would need {gib(needed)} per rank{how}: "
-                    f"{'fits' if fits else 'does not fit'} (if the per-rank limit is the same)."
-                )
-                if fits:
-                    remedies.append(f"set ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE={tp}")
-        if len(item.leaves) > 1:
-            remedies.append("pass the group's sequences as separate top-level items")
-        remedies.append("shorten the sequences or request fewer outputs")
-        suggestion = "; or ".join(remedies)
-        lines.append(f"Remedy: {suggestion}.")
-        return TrainerRankMemoryError(
-            " ".join(lines),
-            predicted_peak_bytes=pricing.dynamic_bytes,
-            usable_limit_bytes=usable_bytes,
-            recompute_summary=self.recompute.summary,
-            suggestion=suggestion,
-            indices_not_run=(item.index,),
-        )

@@ -7,18 +7,47 @@ from __future__ import annotations
 
 import logging
 import traceback
+from dataclasses import dataclass, field
 
-from art.trainer_rank._types import COLD_CAPPED, MicroBatchStats, TrainerRankMemoryError
+from art.trainer_rank._types import (
+    COLD_CAPPED,
+    MicroBatchStats,
+    TrainerRankMemoryError,
+    TrainerRankPartialExecutionError,
+)
 from art.trainer_rank.compute.items import group_shared_tokens
 from art.trainer_rank.decide.admission import Admission, Plan
+from art.trainer_rank.decide.priced import gib
 from art.trainer_rank.decide.profiles import ProfileStore
+from art.trainer_rank.ranks.lockstep import Wave
 
 logger = logging.getLogger("art.trainer_rank")
 
 
+@dataclass
+class CallOutcome:
+    """What one public call has run into so far, across its waves and micro-batches: the
+    declined items' errors (raised together once everything else ran), run-time OOMs (bounded
+    per call) and the retries of each item."""
+
+    number: int
+    micro_batches: int = 0
+    declined: list[TrainerRankMemoryError] = field(default_factory=list)
+    retries: dict[int, int] = field(default_factory=dict)
+    oom_count: int = 0
+    last_oom: BaseException | None = None
+
+    def raise_declined(self) -> None:
+        if self.declined:
+            raise combine_declined(self.declined) from self.last_oom
+
+
 def plan_stats(admission: Admission, plan: Plan, usable: int, grad: bool,
-               retries: dict[int, int]) -> MicroBatchStats:
+               retries: dict[int, int], wave: Wave) -> MicroBatchStats:
     return MicroBatchStats(
+        global_start=wave.start,
+        global_stop=wave.stop,
+        global_count=wave.width,
         local_count=len(plan.items),
         # A split reports every sub-forward's packed tokens; its prices are its largest's.
         packed_tokens=sum(
@@ -32,6 +61,7 @@ def plan_stats(admission: Admission, plan: Plan, usable: int, grad: bool,
         logical_tokens=sum(leaf.num_tokens for leaf in plan.leaves),
         estimated_required_bytes=plan.pricing.dynamic_bytes,
         available_bytes=usable,
+        rejected_candidates=plan.rejected_candidates,
         cold_start=plan.decision == COLD_CAPPED,
         subforward_count=len(plan.sub_forwards),
         decision=plan.decision,
@@ -43,6 +73,21 @@ def plan_stats(admission: Admission, plan: Plan, usable: int, grad: bool,
         retries=max((retries.get(i, 0) for i in plan.indices), default=0),
         note=plan.note,
     )
+
+
+def partial_execution(plan: Plan, ran: int, usable: int, exc: BaseException
+                      ) -> TrainerRankPartialExecutionError:
+    """A held split ran out of memory after `ran` of its sub-forwards completed."""
+    count = len(plan.sub_forwards)
+    return TrainerRankPartialExecutionError(
+        f"dp_rank_forward: sub-forward {ran + 1} of {count} ran out of memory after sub-forwards "
+        f"1-{ran} had run (items {plan.indices}, predicted {gib(plan.pricing.dynamic_bytes)} "
+        f"against a usable limit of {gib(usable)}): {exc}. Their graphs and outputs are "
+        "dropped; the miss is recorded, so the call planned again is split further",
+        predicted_peak_bytes=plan.pricing.dynamic_bytes, usable_limit_bytes=usable,
+        recompute_summary=plan.pricing.recompute.summary,
+        suggestion="call dp_rank_forward again (the planner now admits less), or with fewer "
+        "items", indices_not_run=tuple(plan.indices))
 
 
 def combine_declined(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryError:

@@ -130,6 +130,16 @@ class GradSnapshot:
         return sum(g.untyped_storage().nbytes() for _, _, g in self.saved if g is not None)
 
     @staticmethod
+    def expected_bytes(model: Any) -> int:
+        """What a snapshot taken now would hold (0 when the gradients are too large to
+        snapshot), without taking it."""
+        if not GradSnapshot.affordable(model):
+            return 0
+        return sum(g.untyped_storage().nbytes() for p in model.parameters() if p.requires_grad
+                   for g in (getattr(p, "grad", None), getattr(p, "main_grad", None))
+                   if g is not None)
+
+    @staticmethod
     def affordable(model: Any) -> bool:
         total = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         return total <= GRAD_SNAPSHOT_MAX_BYTES

@@ -39,6 +39,15 @@ class Estimate:
     # The first layer (index) of the layer or full-recompute unit whose backward sets the
     # backward peak; None: the head's backward (or no grad).
     backward_peak_layer: int | None = None
+    # With grad: what the forward leaves live when it returns, until its backward (the inputs
+    # and buffers before the decoder, every layer's kept activations, the decoder output and
+    # the requested outputs); of it, the requested outputs, which the caller still holds after
+    # the backward. Several sub-forwards of one call hold these for each other.
+    retained_after_forward_bytes: int = 0
+    outputs_bytes: int = 0
+    # Megatron's unfused-attention score buffer: one per process, kept at the largest size
+    # any forward asked for, so sub-forwards share it (not part of what each one retains).
+    score_buffer_bytes: int = 0
 
     @property
     def dynamic_bytes(self) -> int:

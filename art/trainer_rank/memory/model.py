@@ -42,6 +42,7 @@ from art.trainer_rank.memory.layers import layer_kind, price_layer
 from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
 from art.trainer_rank.memory.passes import (
     BUFFERS_OF_ATTENTION,
+    SCORE_BUFFER,
     backward_terms,
     forward_pass,
     forward_terms,
@@ -129,6 +130,13 @@ class MemoryModel:
 
     def with_coefficients(self, coefficients: Coefficients | None) -> MemoryModel:
         return replace(self, coefficients=coefficients)
+
+    def allocator_reserve_bytes(self, dynamic_peak_bytes: int, largest_allocation_bytes: int
+                                ) -> int:
+        """The allocator reserve for a dynamic peak priced outside one estimate (several
+        sub-forwards held together)."""
+        return AllocatorReserve(self.implementation.device, self.alloc_conf).reserve_bytes(
+            dynamic_peak_bytes, largest_allocation_bytes)
 
     # ------------------------------------------------------------------ sizes
     @property
@@ -297,6 +305,7 @@ class MemoryModel:
             source = f"probe:{self.coefficients.key}"
             if self.coefficients.partial_for(self.geometry):
                 source += " (+defaults for unprobed layer kinds)"
+        score_buffer = sum(t.bytes for t in pre if t.name == SCORE_BUFFER)
         peak_at = (f"forward: {forward_where}" if forward_peak >= backward_peak
                    else f"backward: {backward_where}")
         return Estimate(
@@ -312,6 +321,11 @@ class MemoryModel:
             batch=batch,
             peak_at=peak_at,
             backward_peak_layer=backward_layer,
+            retained_after_forward_bytes=int(
+                sum(t.bytes for t in pre) - score_buffer + fp.kept_total + fp.output
+                + tail.kept + tail.saved) if grad else 0,
+            outputs_bytes=int(tail.kept),
+            score_buffer_bytes=int(score_buffer),
         )
 
     def _tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:
@@ -325,7 +339,11 @@ class MemoryModel:
                 kept += CALLER_LOSS_SCALARS_BYTES if batch.grad_enabled else 0
                 # The probe measured the gather inside its forward: shown as its own term.
                 gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
-                return TailCost(kept, forward - gathered, backward, "probe", gathered), True
+                # What the head keeps for its own backward is not among the probe's curves:
+                # the formulas' (a few bytes per token).
+                saved = default_tail(self, batch, s).saved
+                return TailCost(kept, forward - gathered, backward, "probe", gathered,
+                                saved), True
         return default_tail(self, batch, s), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,

@@ -15,6 +15,8 @@ from art.trainer_rank.memory.layer_terms import FP32, LayerCost
 from art.trainer_rank.memory.tail import INT64, TailCost
 
 INT32 = 4
+# Megatron's global buffer for unfused attention scores (one per process, reused).
+SCORE_BUFFER = "attention score buffer"
 
 # (layer index, selective modules, tokens, grad) -> (cost, whether the probe measured it)
 LayerPricer = Callable[[int, frozenset[str], int, bool], tuple[LayerCost, bool]]
@@ -75,7 +77,7 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
         pre.append(Term("packed attention mask", int(s * S), "forward",
                         f"bool [{s}, {S}] block-diagonal causal (local spec)"))
         heads = g.num_attention_heads // tp
-        pre.append(Term("attention score buffer", int(heads * s * S * b), "forward",
+        pre.append(Term(SCORE_BUFFER, int(heads * s * S * b), "forward",
                         f"Megatron global memory buffer [{heads} x {s} x {S}] x {b} B; "
                         "persists at the largest size seen, priced as new"))
     if "attention" in g.layer_types:
@@ -231,7 +233,7 @@ def _gather_terms(tail: TailCost) -> list[Term]:
 
 
 # Pre-decoder terms the first attention layer's call allocates.
-BUFFERS_OF_ATTENTION = ("attention score buffer", "checkpointed attention mask-type tensors")
+BUFFERS_OF_ATTENTION = (SCORE_BUFFER, "checkpointed attention mask-type tensors")
 
 
 def live_after_decoder(pre: list[Term]) -> list[Term]:

@@ -34,13 +34,16 @@ class TailCost:
     """`kept`: what stays live through the layers' backward (the hidden row the caller's frame
     holds, the requested outputs); `forward` / `backward`: peaks above the decoder output;
     `gathered_logits`: the TP all-gather of one logits chunk, live at the forward peak on top
-    of `forward` (a term of its own)."""
+    of `forward` (a term of its own); `saved`: what the head and final norm keep for their own
+    backward beside `kept` (the log-normaliser, the norm's inverse rms), live from the
+    forward's return until the head's backward."""
 
     kept: float
     forward: float
     backward: float
     note: str
     gathered_logits: float = 0.0
+    saved: float = 0.0
 
 
 def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) -> float:
@@ -118,7 +121,8 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
         grads = hidden_row + bookkeeping + top_k_grads
         backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
     return TailCost(kept=held, forward=forward, backward=backward, note=note,
-                    gathered_logits=gathered_logits_bytes(model, batch, rows))
+                    gathered_logits=gathered_logits_bytes(model, batch, rows),
+                    saved=saved_head + (norm_internal if grad else 0.0))
 
 
 def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:

@@ -1,1 +1,1 @@
-"""Ranks in step: the agreeing collectives, the per-phase protocol, data-parallel lockstep."""
+"""Ranks in step: the agreeing collectives, the per-phase protocol, data-parallel waves."""

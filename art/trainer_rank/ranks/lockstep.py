@@ -1,14 +1,22 @@
-"""Data-parallel lockstep: every DP rank yields the same number of micro-batches per call.
+"""Data-parallel waves in lockstep, as upstream deals them.
 
-Each rank plans its own share; before every yield the ranks of the data-parallel group sum
-(has a micro-batch, items in it). A rank that is done yields an empty micro-batch while any
-other still has one, so a collective in the caller's loop body always meets its partners.
-The same sum gives upstream's global progress fields (global_start / global_stop / count).
-An exception on one rank is held until every rank is done, then raised there; `finish` runs
-on every rank once all are done (before a held exception is raised), e.g. to exchange what
-each rank learned in the call. `guard` wraps the step's all-reduce (the phase protocol: a
-peer's published fault becomes the agreed error); a rank holding an exception raises it when
-that all-reduce fails (its groups were closed by the fault it holds).
+A call's top-level items are taken in contiguous waves `[start, start + width)`; rank r of D
+runs items `start + r, start + r + D, ...` of the wave. Every rank proposes the widest wave
+its share fits in (one micro-batch per autograd mode), and the wave is the narrowest
+proposal, so every rank's share fits and the ranks cover the items in order.
+
+The ranks step together: before every yield they all-reduce (has a micro-batch, its proposal
+for the next wave). While any rank has a micro-batch of the current wave, every rank yields
+one (an empty one when its share is done, or was empty), so a collective in the caller's loop
+body always meets its partners; once none has, the next wave starts at the narrowest proposal.
+A share may yield more than one micro-batch (a re-plan after a run-time OOM, grad and no-grad
+items); all of them report the wave in their stats.
+
+An exception on one rank is held: that rank stops taking shares and stops constraining the
+wave, the others finish the call, then it is raised there. `finish` runs on every rank once
+all are done (before a held exception is raised); `guard` wraps each step's all-reduce (the
+phase protocol: a peer's published fault becomes the agreed error), and a rank holding an
+exception raises it when that all-reduce fails (its groups were closed by the fault it holds).
 """
 
 from __future__ import annotations
@@ -16,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +33,33 @@ import torch.distributed as dist
 from art.trainer_rank._types import MicroBatch
 
 logger = logging.getLogger("art.trainer_rank")
+
+# A proposal that constrains nothing (a busy rank, or one that holds an exception).
+NO_LIMIT = 1 << 62
+
+
+@dataclass(frozen=True)
+class Wave:
+    """Top-level items [start, stop) of the call, dealt round-robin over the DP ranks."""
+
+    start: int
+    stop: int
+
+    @property
+    def width(self) -> int:
+        return self.stop - self.start
+
+    def share(self, dp_rank: int, dp_size: int) -> range:
+        return range(self.start + dp_rank, self.stop, dp_size)
+
+
+def widest_wave(start: int, total: int, dp_rank: int, dp_size: int, fitting: int,
+                share_size: int) -> int:
+    """The widest wave from `start` in which this rank's share is its first `fitting` items
+    of `share_size` (rank r's k-th item is start + r + k * D)."""
+    if fitting >= share_size:
+        return total - start
+    return min(total - start, dp_rank + max(1, fitting) * dp_size)
 
 
 def _data_parallel_group() -> Any | None:
@@ -35,51 +71,65 @@ def _data_parallel_group() -> Any | None:
     return group if dist.get_world_size(group) > 1 else None
 
 
-def in_lockstep(
-    micro_batches: Iterator[MicroBatch], empty: Callable[[], MicroBatch],
+def in_waves(
+    total: int,
+    propose: Callable[[int], int],
+    run_share: Callable[[Wave], Iterator[MicroBatch]],
+    empty: Callable[[Wave], MicroBatch],
     finish: Callable[[], None] | None = None,
     guard: Callable[[], contextlib.AbstractContextManager[None]] | None = None,
 ) -> Iterator[MicroBatch]:
+    """Yield this rank's micro-batches of `total` items, wave by wave. `propose(start)`: the
+    widest wave from `start` this rank's share fits in; `run_share(wave)`: this rank's
+    micro-batches of that wave."""
     group = _data_parallel_group()
     device = torch.device("cuda", torch.cuda.current_device()) if (
         group is not None and dist.get_backend(group) == "nccl") else torch.device("cpu")
     held: BaseException | None = None
-    done = False
-    started = 0
+    start = 0
+    wave = Wave(0, 0)
+    share: Iterator[MicroBatch] | None = None
+    proposal: tuple[int, int] | None = None  # (start, width), kept while this rank waits
     try:
         while True:
             micro_batch: MicroBatch | None = None
-            if not done:
+            if share is not None:
                 try:
-                    micro_batch = next(micro_batches)
+                    micro_batch = next(share)
                 except StopIteration:
-                    done = True
+                    share = None
                 except Exception as exc:  # noqa: BLE001 - re-raised once every rank is done
-                    held, done = exc, True
-            local = 0 if micro_batch is None else len(micro_batch.indices)
-            counts = torch.tensor([int(micro_batch is not None), local], dtype=torch.long,
-                                  device=device)
+                    held, share = exc, None
+            width = NO_LIMIT
+            if micro_batch is None and held is None and start < total:
+                if proposal is None or proposal[0] != start:
+                    try:
+                        proposal = (start, max(1, min(total - start, propose(start))))
+                    except Exception as exc:  # noqa: BLE001 - as above
+                        held, proposal = exc, None
+                if proposal is not None:
+                    width = proposal[1]
+            step = torch.tensor([int(micro_batch is not None), -width], dtype=torch.long,
+                                device=device)
             if group is not None:
                 try:
                     with guard() if guard is not None else contextlib.nullcontext():
-                        dist.all_reduce(counts, group=group)
+                        dist.all_reduce(step, op=dist.ReduceOp.MAX, group=group)
                 except Exception:
                     if held is not None:
                         raise held from None
                     raise
-            if int(counts[0]) == 0:
+            if int(step[0]):
+                yield micro_batch if micro_batch is not None else empty(wave)
+                continue
+            agreed = -int(step[1])
+            if start >= total or agreed >= NO_LIMIT:
                 break
-            if micro_batch is None:
-                micro_batch = empty()
-            count = int(counts[1])
-            stats = micro_batch.stats
-            stats.global_start, stats.global_count = started, count
-            stats.global_stop = started + count
-            stats.local_count = len(micro_batch.indices)
-            started += count
-            yield micro_batch
+            wave = Wave(start, start + agreed)
+            start = wave.stop
+            share = run_share(wave) if held is None else None
     finally:
-        close = getattr(micro_batches, "close", None)
+        close = getattr(share, "close", None)
         if close is not None:
             close()
     if finish is not None:
