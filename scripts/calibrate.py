@@ -54,7 +54,13 @@ TP2_GEOMETRY = "gqa-128"  # the TP=2 subset's model
 
 
 def tp1_cells(args: argparse.Namespace) -> list:
-    from _calibration.cells import DENSE_GEOMETRIES, HYBRID_GEOMETRIES, off_grid_matrix
+    from _calibration.cells import (
+        DENSE_GEOMETRIES,
+        HYBRID_GEOMETRIES,
+        POLICY_BY_NAME,
+        off_grid_matrix,
+        shared_prefix_cells,
+    )
 
     if args.quick:
         return off_grid_matrix(args.seed, rows_per_model=2, geometries=("gqa-128",),
@@ -69,6 +75,11 @@ def tp1_cells(args: argparse.Namespace) -> list:
             cells += off_grid_matrix(args.seed, rows_per_model=args.rows_per_model or 5,
                                      max_tokens=args.max_tokens, build=args.build,
                                      geometries=family)
+    if wanted & set(HYBRID_GEOMETRIES):
+        # Groups sharing a prompt through the Gated DeltaNet layers' prefix-tree path.
+        cells += shared_prefix_cells(args.seed, geometries=HYBRID_GEOMETRIES,
+                                     policies=tuple(POLICY_BY_NAME), rows=2,
+                                     max_tokens=args.max_tokens, build=args.build)
     if args.geometries:
         cells = [c for c in cells if c.geometry in args.geometries]
     if args.policies:
@@ -227,9 +238,14 @@ def summarize(rows: list[dict]) -> str:
 
 
 def _lengths(row: dict) -> str:
-    """A packed row as 'N tok' (one sequence) or 'N tok in k seqs'."""
+    """A packed row as 'N tok' (one sequence), 'N tok in k seqs', or for a group sharing a
+    prompt 'N tok in k seqs sharing P (+D)' (N: the packed row, prompt once)."""
     parts = str(row["lengths"]).split("+")
     total = sum(int(p) for p in parts)
+    shared, deeper = int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0)
+    if shared:
+        more = f" (+{deeper} by two)" if deeper else ""
+        return f"{int(row['packed_tokens'])} tok in {len(parts)} seqs sharing {shared}{more}"
     return f"{total} tok" if len(parts) == 1 else f"{total} tok in {len(parts)} seqs"
 
 

@@ -38,6 +38,15 @@ CASES = (
     Case(4, 8, (2, 10), 3, deeper=True),
     Case(16, 6, (1, 7), 4),
 )
+# For recurrent (Gated DeltaNet) layers, whose kernels work in 64-token chunks: prefixes of one
+# token, of more than one chunk and of most of the sequence; children shorter than a chunk and
+# longer than several; a deeper shared part (depth 3), a duplicate, 16 children.
+HYBRID_CASES = (
+    Case(2, 1, (70, 140), 10),
+    Case(3, 130, (1, 3), 11),
+    Case(4, 66, (60, 200), 12, deeper=True),
+    Case(16, 6, (1, 7), 13),
+)
 
 
 def group(case: Case, vocab: int) -> list[ForwardInput]:

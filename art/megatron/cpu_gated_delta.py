@@ -12,7 +12,9 @@ compute the same thing in plain torch and save exactly fla's set, in fla's dtype
   beta, and the per-chunk inverse `A = (I + L)^-1` of the WY representation in k's dtype,
   as `ChunkGatedDeltaRuleFunction.forward` in fla-core 0.6
   (`fla/ops/gated_delta_rule/chunk.py`: `ctx.save_for_backward(q, q_rstd, k, k_rstd, v, g,
-  beta, A, initial_state, cu_seqlens)`, with the rstds None when the l2norm runs outside).
+  beta, A, initial_state, cu_seqlens)`, with the rstds None when the l2norm runs outside);
+  per-sequence initial states in and final states out, [sequences, heads, dk, dv] fp32, in
+  varlen mode.
   Everything else (w, u, the per-chunk states, v_new) is rebuilt in backward, as fla's
   `chunk_gated_delta_rule_bwd` rebuilds it.
 
@@ -22,11 +24,7 @@ tokens. Arithmetic in fp32; A is rounded to k's dtype before use, as fla uses it
 
 from __future__ import annotations
 
-import itertools
 import math
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,13 +61,13 @@ class _Chunking:
         return sum(self.chunks(n) for n in self.lengths)
 
     @property
-    def first_chunks(self) -> frozenset[int]:
-        """The chunk index where each sequence starts (its recurrent state starts at zero)."""
+    def first_chunk_of_sequence(self) -> tuple[int, ...]:
+        """The chunk index where each sequence starts (its recurrent state starts over)."""
         firsts, cursor = [], 0
         for n in self.lengths:
             firsts.append(cursor)
             cursor += self.chunks(n)
-        return frozenset(firsts)
+        return tuple(firsts)
 
 
 def _pad_tokens(x: torch.Tensor, total: int, edge: bool) -> torch.Tensor:
@@ -134,11 +132,13 @@ def _strict_kkt(k: torch.Tensor, beta: torch.Tensor, g: torch.Tensor) -> torch.T
 
 
 def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor, a: torch.Tensor, scale: float, first_chunks: frozenset[int],
-             want_final_state: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+             beta: torch.Tensor, a: torch.Tensor, scale: float, layout: _Chunking,
+             initial_state: torch.Tensor | None = None, want_final_state: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked gated delta rule from the WY inverse `a`; all [B, H, N, C, ...] fp32.
-    The recurrent state starts at zero at each of `first_chunks` (a sequence's first chunk).
-    Differentiable in every input (backward rebuilds through it)."""
+    Each sequence of `layout` starts from its `initial_state` ([sequences, H, dk, dv] fp32;
+    zero without one); the final states come back in the same layout. Differentiable in
+    every input (backward rebuilds through it)."""
     b, h, n, _, dk = k.shape
     dv = v.shape[-1]
     w = a @ (k * (beta * g.exp()).unsqueeze(-1))
@@ -147,25 +147,39 @@ def _outputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
     q_decayed = q * (g.exp() * scale).unsqueeze(-1)
     g_last = g[..., -1]
     k_to_end = k * (g_last.unsqueeze(-1) - g).exp().unsqueeze(-1)
+    starts = layout.first_chunk_of_sequence
+    last = {start + layout.chunks(length) - 1: index
+            for index, (start, length) in enumerate(zip(starts, layout.lengths))}
+    first = {start: index for index, start in enumerate(starts)}
     state = q.new_zeros(b, h, dk, dv)
-    outs = []
+    outs, finals = [], []
     for i in range(n):
-        if i and i in first_chunks:
-            # Zeroed by a product rather than replaced: the graph, and with it what backward
-            # allocates, stays the one of a single sequence over the same chunks, whatever
-            # the split of the row into sequences.
-            state = state * 0.0
+        if i in first:
+            if i:
+                # Zeroed by a product rather than replaced: the graph, and with it what
+                # backward allocates, stays the one of a single sequence over the same
+                # chunks, whatever the split of the row into sequences.
+                state = state * 0.0
+            if initial_state is not None:
+                state = state + initial_state[first[i]].unsqueeze(0)
         v_new = u[:, :, i] - w[:, :, i] @ state
         outs.append(q_decayed[:, :, i] @ state + intra[:, :, i] @ v_new)
         state = state * g_last[:, :, i, None, None].exp() + k_to_end[:, :, i].transpose(
             -1, -2) @ v_new
-    return torch.stack(outs, dim=2), (state if want_final_state else None)
+        if want_final_state and i in last:
+            finals.append(state)
+    final = None
+    if want_final_state:
+        # [sequences, H, dk, dv] as fla returns them in varlen mode (batch 1), else [B, ...].
+        final = torch.cat(finals, dim=0) if b == 1 else finals[-1]
+    return torch.stack(outs, dim=2), final
 
 
 class _ChunkGatedDeltaRule(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, scale: float, output_final_state: bool, layout: _Chunking
+                beta: torch.Tensor, initial_state: torch.Tensor | None, scale: float,
+                output_final_state: bool, layout: _Chunking
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         g_cum = _chunked(g, layout).cumsum(-1)  # chunk-local cumulative decay, fp32
         k_c, beta_c = _chunked(k, layout), _chunked(beta, layout)
@@ -177,10 +191,13 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         a_saved = _compact(_unchunked(inverse, layout).to(k.dtype))
         del inverse
         a_c = _chunked(a_saved, layout)
+        h0 = None if initial_state is None else initial_state.float()
         out, final = _outputs(_chunked(q, layout), k_c, _chunked(v, layout), g_cum, beta_c,
-                              a_c, scale, layout.first_chunks, output_final_state)
+                              a_c, scale, layout, h0, output_final_state)
         g_saved = _compact(_unchunked(g_cum, layout))
-        ctx.save_for_backward(q, k, v, g_saved, beta, a_saved)
+        # fla keeps the initial state for backward too (ctx.save_for_backward(..., A,
+        # initial_state, cu_seqlens)).
+        ctx.save_for_backward(q, k, v, g_saved, beta, a_saved, initial_state)
         ctx.scale = scale
         ctx.layout = layout
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, g.dtype, beta.dtype)
@@ -188,23 +205,27 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, d_out: torch.Tensor, d_final: torch.Tensor | None) -> tuple:
-        q, k, v, g_cum, beta, a_saved = ctx.saved_tensors
+        q, k, v, g_cum, beta, a_saved, initial_state = ctx.saved_tensors
         layout = ctx.layout
         with torch.enable_grad():
             # Rebuilt in fp32 from the saved set, as leaves; chunking happens under autograd.
             leaves = [x.detach().float().requires_grad_(True)
                       for x in (q, k, v, g_cum, beta, a_saved)]
+            h0 = (None if initial_state is None
+                  else initial_state.detach().float().requires_grad_(True))
             q_l, k_l, v_l, g_l, beta_l, a_l = leaves
             a_c = _chunked(a_l, layout)
             out, final = _outputs(
                 _chunked(q_l, layout), _chunked(k_l, layout), _chunked(v_l, layout),
                 _chunked(g_l, layout, edge=True), _chunked(beta_l, layout), a_c, ctx.scale,
-                layout.first_chunks, d_final is not None)
+                layout, h0, d_final is not None)
             roots, grads = [out], [_chunked(d_out, layout)]
             if d_final is not None and final is not None:
                 roots.append(final)
                 grads.append(d_final.float())
-            dq, dk, dv, dg, dbeta, da = torch.autograd.grad(roots, leaves, grads)
+            inputs = leaves + ([h0] if h0 is not None else [])
+            dq, dk, dv, dg, dbeta, da, *dh0 = torch.autograd.grad(
+                roots, inputs, grads, allow_unused=True)
             # A = (I + L)^-1, so dL = -A^T dA A^T on L's strictly lower part.
             a_det, da_c = a_c.detach(), _chunked(da, layout)
             d_lower = -(a_det.transpose(-1, -2) @ da_c @ a_det.transpose(-1, -2)).tril(-1)
@@ -216,8 +237,11 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
         dg = _chunked(dg, layout).flip(-1).cumsum(-1).flip(-1)
         dg = _unchunked(dg, layout)
         q_t, k_t, v_t, g_t, b_t = ctx.dtypes
-        return (dq.to(q_t), dk.to(k_t), dv.to(v_t), dg.to(g_t), dbeta.to(b_t), None, None,
-                None)
+        d_initial = None
+        if initial_state is not None and dh0 and dh0[0] is not None:
+            d_initial = dh0[0].to(initial_state.dtype)
+        return (dq.to(q_t), dk.to(k_t), dv.to(v_t), dg.to(g_t), dbeta.to(b_t), d_initial,
+                None, None, None)
 
 
 def chunk_gated_delta_rule(
@@ -226,29 +250,32 @@ def chunk_gated_delta_rule(
     output_final_state: bool = False, use_qk_l2norm_in_kernel: bool = False,
     cu_seqlens: torch.Tensor | None = None, head_first: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """fla's `chunk_gated_delta_rule` signature: the subset Megatron-Core 0.16.1 uses, and
-    `cu_seqlens` (fla's varlen mode: batch 1, one recurrence per sequence of the row; also
-    taken from `packed_sequences` when the caller passes none)."""
-    if initial_state is not None or head_first:
-        raise ValueError(
-            "the CPU gated delta rule supports what Megatron-Core 0.16.1's GatedDeltaNet "
-            "passes: no initial_state, tokens-first layout"
-        )
-    if cu_seqlens is None:
-        cu_seqlens = _packed_cu_seqlens(q.shape[1], q.device)
-    if cu_seqlens is not None and (q.shape[0] != 1 or output_final_state):
-        raise ValueError(
-            f"cu_seqlens (packed sequences) needs batch 1 and no final state, got batch "
-            f"{q.shape[0]}, output_final_state={output_final_state}")
+    """fla's `chunk_gated_delta_rule` (fla-core's order and defaults): q, k [B, T, H, dk],
+    v [B, T, H, dv], g and beta [B, T, H]; `cu_seqlens` (varlen mode: batch 1, one
+    recurrence per sequence of the row); `initial_state` [sequences, H, dk, dv] (varlen) or
+    [B, H, dk, dv], and with `output_final_state` the final states in that layout, fp32."""
+    if head_first:
+        raise ValueError("head_first=True: the CPU gated delta rule takes fla's [B, T, H, D]")
     if use_qk_l2norm_in_kernel:
         raise ValueError(
             "use_qk_l2norm_in_kernel=True: Megatron normalises q and k before the call; "
             "apply l2norm first"
         )
+    layout = _Chunking.of(q.shape[1], cu_seqlens)
+    if cu_seqlens is not None and q.shape[0] != 1:
+        raise ValueError(f"cu_seqlens (packed sequences) needs batch 1, got batch {q.shape[0]}")
+    states = len(layout.lengths) if cu_seqlens is not None else q.shape[0]
+    if cu_seqlens is None and q.shape[0] != 1 and (initial_state is not None
+                                                   or output_final_state):
+        raise ValueError("the CPU gated delta rule takes states for batch 1 (or varlen) rows")
+    want = (states, k.shape[2], k.shape[3], v.shape[3])
+    if initial_state is not None and tuple(initial_state.shape) != want:
+        raise ValueError(f"initial_state must be [sequences, heads, dk, dv] = {list(want)}, "
+                         f"got {list(initial_state.shape)}")
     if scale is None:
         scale = k.shape[-1] ** -0.5
-    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, float(scale), output_final_state,
-                                      _Chunking.of(q.shape[1], cu_seqlens))
+    return _ChunkGatedDeltaRule.apply(q, k, v, g, beta, initial_state, float(scale),
+                                      output_final_state, layout)
 
 
 class _L2Norm(torch.autograd.Function):
@@ -313,58 +340,3 @@ def apply_gated_norm(module: Any, x: torch.Tensor, gate: torch.Tensor) -> torch.
     weight = norm.tp_weight() if hasattr(norm, "tp_weight") else norm.weight
     rows = x.reshape(-1, x.shape[-1])
     return _GatedRMSNorm.apply(rows, gate.reshape(-1, gate.shape[-1]), weight, eps)
-
-
-# The sequence lengths of the packed row the running Gated DeltaNet layer works on (None: one
-# sequence). Megatron-Core 0.16.1's GatedDeltaNet takes no cu_seqlens (it refuses
-# packed_seq_params), so the layer sets this around its forward and the two kernels that carry
-# state along the row read it: the causal conv (causal_conv1d's seq_idx on a GPU) and the
-# delta rule (fla's cu_seqlens).
-_PACKED_LENGTHS: ContextVar[tuple[int, ...] | None] = ContextVar("gdn_packed_lengths",
-                                                                 default=None)
-
-
-@contextmanager
-def packed_sequences(lengths: Sequence[int] | None) -> Iterator[None]:
-    """Run the enclosed Gated DeltaNet kernels one recurrence per sequence of the row."""
-    token = _PACKED_LENGTHS.set(tuple(lengths) if lengths is not None and len(lengths) > 1
-                                else None)
-    try:
-        yield
-    finally:
-        _PACKED_LENGTHS.reset(token)
-
-
-def _packed_cu_seqlens(tokens: int, device: torch.device) -> torch.Tensor | None:
-    lengths = _PACKED_LENGTHS.get()
-    if lengths is None:
-        return None
-    if sum(lengths) != tokens:
-        raise ValueError(
-            f"the packed sequences add up to {sum(lengths)} tokens but the row holds {tokens}")
-    return torch.tensor([0, *itertools.accumulate(lengths)], device=device)
-
-
-class SegmentedCausalConv1d(torch.nn.Conv1d):
-    """The layer's depthwise causal conv; inside `packed_sequences`, each sequence gets its own
-    causal left padding, so no output mixes two sequences (what causal_conv1d's seq_idx does).
-    Returns the row's own length there (the caller's [..., :seq_len] keeps all of it)."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        lengths = _PACKED_LENGTHS.get()
-        if lengths is None:
-            return super().forward(x)
-        if sum(lengths) != x.shape[-1]:
-            raise ValueError(f"the packed sequences add up to {sum(lengths)} tokens but the "
-                             f"conv input holds {x.shape[-1]}")
-        width = self.kernel_size[0] - 1
-        pad = x.new_zeros(*x.shape[:-1], width)
-        pieces, spans, start, cursor = [], [], 0, 0
-        for n in lengths:
-            pieces += [pad, x[..., start:start + n]]
-            spans.append((cursor, n))  # where sequence's outputs start in y
-            start += n
-            cursor += width + n
-        y = torch.nn.functional.conv1d(torch.cat(pieces, dim=-1), self.weight, self.bias,
-                                       groups=self.groups)
-        return torch.cat([y[..., o:o + n] for o, n in spans], dim=-1)

@@ -151,7 +151,11 @@ def layer_spec(geometry: ModelGeometry, implementation: Implementation, config=N
                 get_transformer_block_with_experimental_attention_variant_spec,
             )
 
-            return get_transformer_block_with_experimental_attention_variant_spec(config)
+            from art.megatron.specs.gated_delta_net import with_packed_gated_delta_net
+
+            # Megatron's own GatedDeltaNet refuses packed rows: its mixers are ours.
+            return with_packed_gated_delta_net(
+                get_transformer_block_with_experimental_attention_variant_spec(config))
         from art.megatron.specs.hybrid import hybrid_block_spec
 
         return hybrid_block_spec(geometry, config, implementation)

@@ -16,6 +16,7 @@ __all__ = [
     "LoraShape",
     "MicroBatchShape",
     "OutputRequest",
+    "RecurrentRow",
     "ParallelLayout",
 ]
 
@@ -80,6 +81,29 @@ class LoraShape:
 
 
 @dataclass(frozen=True)
+class RecurrentRow:
+    """How a row with shared prefixes runs through recurrent (Gated DeltaNet) layers: the
+    segment lengths of each varlen call (one per depth of the row's prefix trees; every
+    sequence alone is a root), the first call's segments starting from zero states and every
+    later one's from its parent's final state."""
+
+    calls: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not self.calls or any(not call or min(call) < 1 for call in self.calls):
+            raise ValueError(f"a recurrent row needs calls of segments >= 1 token, got "
+                             f"{self.calls}")
+
+    @property
+    def segment_lengths_tokens(self) -> tuple[int, ...]:
+        return tuple(n for call in self.calls for n in call)
+
+    @property
+    def continued_segments(self) -> int:
+        return sum(len(call) for call in self.calls[1:])
+
+
+@dataclass(frozen=True)
 class MicroBatchShape:
     """One candidate micro-batch: the sequences packed into one row."""
 
@@ -88,6 +112,9 @@ class MicroBatchShape:
     grad_enabled: bool = True
     # Tokens in the packed row (after TP/SP/CP padding, or after prefix sharing); 0 = the sum.
     padded_tokens: int = 0
+    # With shared prefixes: the row's segments as a recurrent layer runs them; None: one
+    # segment per sequence.
+    recurrent: RecurrentRow | None = None
 
     def __post_init__(self) -> None:
         if not self.sequence_lengths_tokens or min(self.sequence_lengths_tokens) < 1:

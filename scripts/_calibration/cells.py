@@ -102,6 +102,15 @@ class Cell:
     # attention); "gpu-shaped": the CPU stand-ins that keep what a GPU build's fused kernels
     # keep (art/megatron/cpu_fused.py) with the segmented flash attention.
     build: str = "local"
+    # One group sharing a prompt of this many tokens (its first `shared_prefix` tokens;
+    # `lengths` are the sequences' full lengths), laid out once as a prefix tree; `deeper`:
+    # tokens the first two sequences also share after the prompt (a tree of depth 3).
+    shared_prefix: int = 0
+    deeper: int = 0
+
+    @property
+    def logical_tokens(self) -> int:
+        return sum(self.lengths)
 
 
 def off_probe_points(total: int, probe_tokens: tuple[int, ...] = PROBE_TOKENS) -> bool:
@@ -160,6 +169,40 @@ def off_grid_matrix(seed: int = 0, *, rows_per_model: int = 6, tensor_parallel: 
                     outputs = NOGRAD_OUTPUTS[rng.randrange(len(NOGRAD_OUTPUTS))]
                     cells.append(Cell(geo, policy, rank, tensor_parallel, lengths, outputs,
                                       False, build=build))
+    return cells
+
+
+def shared_prefix_cells(seed: int, *, geometries: tuple[str, ...], policies: tuple[str, ...],
+                        rows: int, tensor_parallel: int = 1, max_tokens: int = MAX_TOKENS,
+                        build: str = "local") -> list[Cell]:
+    """Seeded groups sharing a prompt, per geometry and policy: `rows` with grad and half as
+    many without. 2-16 sequences; prompts from one token to most of the sequence; completions
+    from one token to several 64-token chunks; some with a deeper shared part. The packed row
+    (prompt once) stays off the probe points. Its own generator: the rest of a matrix is the
+    same with or without these rows."""
+    rng = random.Random(seed + 1000)
+    cells: list[Cell] = []
+    for geo in geometries:
+        for policy in policies:
+            for i in range(rows + rows // 2):
+                grad = i < rows
+                while True:
+                    n = rng.choice((2, 2, 3, 4, 8, 16))
+                    prompt = rng.choice((1, rng.randint(2, 63), rng.randint(64, 900)))
+                    deeper = rng.randint(3, 80) if n > 2 and rng.random() < 0.4 else 0
+                    tails = [max(1, int(round(rng.choice((1.5, 40.0, 400.0))
+                                              * rng.random()))) for _ in range(n)]
+                    lengths = tuple(prompt + (deeper if k < 2 else 0) + t
+                                    for k, t in enumerate(tails))
+                    packed = sum(lengths) - prompt * (n - 1) - (deeper if deeper else 0)
+                    if MIN_TOKENS <= packed <= max_tokens and off_probe_points(packed) and (
+                            packed % tensor_parallel == 0):
+                        break
+                outputs = (GRAD_OUTPUTS if grad else NOGRAD_OUTPUTS)[
+                    rng.randrange(len(GRAD_OUTPUTS if grad else NOGRAD_OUTPUTS))]
+                loss = LOSSES[i % 2] if grad and "logprobs" in outputs else "synthetic"
+                cells.append(Cell(geo, policy, 8, tensor_parallel, lengths, outputs, grad,
+                                  loss=loss, build=build, shared_prefix=prompt, deeper=deeper))
     return cells
 
 

@@ -16,6 +16,7 @@ prediction of allocated bytes; it is reported alongside).
 from __future__ import annotations
 
 import time
+import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -65,7 +66,10 @@ class CellResult:
     def row(self) -> dict[str, Any]:
         c = asdict(self.cell)
         c["lengths"] = "+".join(str(n) for n in self.cell.lengths)
-        c["packed_tokens"] = sum(self.cell.lengths)
+        c["packed_tokens"] = (sum(self.cell.lengths) if not self.cell.shared_prefix else
+                              sum(self.cell.lengths)
+                              - self.cell.shared_prefix * (len(self.cell.lengths) - 1)
+                              - self.cell.deeper)
         return c | {
             "measured_bytes": self.measured_bytes,
             "measured_forward_bytes": self.measured_forward_bytes,
@@ -119,11 +123,12 @@ class CalibrationModel:
         outputs = OutputRequest.parse(cell.outputs)
         start = time.perf_counter()
         torch.manual_seed(seed)
+        sequences = cell_sequences(cell, self.geometry.vocab_size, self.device)
         measured, measured_forward = run_micro_batch(
             self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
-            self.device, loss_name=cell.loss)
+            self.device, loss_name=cell.loss, sequences=sequences)
         batch = micro_batch_shape(cell.lengths, outputs, cell.grad, self.layout,
-                                  self.implementation)
+                                  self.implementation, sequences)
         est = self.memory.estimate(batch)
         default = self.memory_default.estimate(batch)
         return CellResult(
@@ -196,33 +201,74 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
                      device=implementation.device, tokens=probe_tokens)
 
 
-def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool,
-                      layout: ParallelLayout, implementation: Implementation) -> MicroBatchShape:
-    from art.trainer_rank.compute.packing import row_multiple_tokens
+def cell_sequences(cell: Cell, vocab: int, device: torch.device | str = "cpu"
+                   ) -> list[torch.Tensor] | None:
+    """A shared-prefix cell's sequences, the same on every call (a generator seeded by the
+    cell): the prompt, the deeper part for the first two, then each one's own tokens, whose
+    first token differs from every other's, so the tree is the one the cell describes. None
+    for a cell without a shared prefix (its tokens do not change its memory)."""
+    if not cell.shared_prefix:
+        return None
+    g = torch.Generator().manual_seed(zlib.crc32(repr(cell).encode()))
+    prompt = torch.randint(1, vocab, (cell.shared_prefix,), generator=g)
+    deeper = torch.randint(1, vocab, (cell.deeper,), generator=g)
+    if cell.deeper:
+        deeper[0] = 0  # no sequence's own part starts with token 0
+    sequences = []
+    for k, n in enumerate(cell.lengths):
+        before = cell.shared_prefix + (cell.deeper if k < 2 else 0)
+        own = torch.randint(1, vocab, (n - before,), generator=g)
+        own[0] = 1 + k % (vocab - 1)
+        parts = [prompt, deeper, own] if k < 2 and cell.deeper else [prompt, own]
+        sequences.append(torch.cat(parts).to(device))
+    return sequences
 
+
+def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool,
+                      layout: ParallelLayout, implementation: Implementation,
+                      sequences: Sequence[torch.Tensor] | None = None) -> MicroBatchShape:
+    """The shape the trainer's admission prices; with `sequences` (one group sharing their
+    prefixes) its packed row and recurrent segments as the packer lays them out."""
+    from art.trainer_rank._request import RecurrentRow
+    from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefixes
+    from art.trainer_rank.compute.prefix_tree import tree_shape
+
+    recurrent = None
+    shared = 0
+    if sequences is not None and shares_prefixes(implementation, layout):
+        tree = tree_shape(list(sequences))
+        shared = sum(lengths) - sum(tree.segment_lengths_tokens)
+        if tree.continued_segments:
+            recurrent = RecurrentRow(tree.levels)
     total = sum(lengths)
-    multiple = row_multiple_tokens(layout)
-    padded = -(-total // multiple) * multiple
+    padded = packed_length_tokens(lengths, layout, shared)
     return MicroBatchShape(tuple(lengths), outputs=outputs, grad_enabled=grad,
-                           padded_tokens=padded if padded != total else 0)
+                           padded_tokens=padded if padded != total else 0, recurrent=recurrent)
 
 
 def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, grad: bool,
                     layout: ParallelLayout, implementation: Implementation,
-                    device: torch.device, loss_name: str = "synthetic") -> tuple[int, int]:
-    """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path."""
+                    device: torch.device, loss_name: str = "synthetic",
+                    sequences: Sequence[torch.Tensor] | None = None) -> tuple[int, int]:
+    """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path;
+    `sequences`: one group whose shared prefixes are laid out once (else random tokens of
+    `lengths`, each sequence alone)."""
     from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
     from art.trainer_rank.compute.heads import HeadOutputs, compute_heads
 
     inner = unwrap_model(model)
-    sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
+    groups = None
+    if sequences is None:
+        sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
+    else:
+        groups = [len(sequences)]
     release_score_buffer()
     meter = MemoryMeter(device=device)
     with meter:
         from art.trainer_rank.compute.packing import pack_sequences
 
         batch = pack_sequences(sequences, implementation=implementation, layout=layout,
-                               device=device)
+                               device=device, groups=groups)
         targets = batch.tokens[0].roll(-1)
         with torch.set_grad_enabled(grad):
             hidden = decoder_hidden_states(model, batch)
@@ -339,7 +385,8 @@ def cell_of(row: dict[str, Any]) -> Cell:
                 int(row["tensor_parallel"]),
                 tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
                 str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
-                row.get("loss") or "synthetic", row.get("build") or "local")
+                row.get("loss") or "synthetic", row.get("build") or "local",
+                int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0))
 
 
 def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
@@ -405,7 +452,8 @@ def _reprice(row: dict[str, Any], cell: Cell, per_rank: Sequence[Any]) -> dict[s
     the highest estimate over its ranks' probes (as `merge_rank_rows` prices it)."""
     model = default_memory_model(cell)
     batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
-                              model.layout, model.implementation)
+                              model.layout, model.implementation,
+                              cell_sequences(cell, model.geometry.vocab_size))
     default = model.estimate(batch)
     estimates = [model.with_coefficients(c).estimate(batch) for c in per_rank]
     est = max(estimates, key=lambda e: max(e.forward_peak_bytes, e.backward_peak_bytes))

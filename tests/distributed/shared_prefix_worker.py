@@ -1,8 +1,8 @@
 """torchrun worker: shared-prefix packing at TP = WORLD_SIZE equals the unshared forward.
 
 For each attention implementation (segmented flash, unfused with a dense tree mask) and with
-and without sequence parallel, every case of tests/_shared_prefix.py runs shared and unshared
-on this rank's shard of one model. argv: out_dir; writes out_dir/rank<R>.json.
+and without sequence parallel, on a dense model and on a Gated DeltaNet hybrid, the cases of
+tests/_shared_prefix.py run shared and unshared on this rank's shard of one model. argv: out_dir; writes out_dir/rank<R>.json.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
 
-from _shared_prefix import CASES, compare, group
+from art.megatron.geometry import load_geometry
+
+from _shared_prefix import CASES, HYBRID_CASES, compare, group
 from _tiny import tiny_dense
 
 
@@ -25,11 +27,14 @@ def main() -> None:
     tp = int(os.environ["WORLD_SIZE"])
     initialize_distributed(tensor_parallel=tp)
     rank = int(os.environ["RANK"])
-    geometry = tiny_dense(num_layers=2)
+    dense, hybrid = tiny_dense(num_layers=2), load_geometry("tiny-qwen3_5")
     results = []
-    variants = [("flash", True, CASES), ("flash", False, CASES[2:3]),
-                ("unfused", True, CASES[3:4])]
-    for attention, sequence_parallel, cases in variants:
+    # The hybrid's Gated DeltaNet layers hand each child segment its parent's state (their
+    # heads split over TP) and its conv window (its channels split over TP).
+    variants = [(dense, "flash", True, CASES), (dense, "flash", False, CASES[2:3]),
+                (dense, "unfused", True, CASES[3:4]), (hybrid, "flash", True, HYBRID_CASES),
+                (hybrid, "unfused", False, HYBRID_CASES[2:3])]
+    for geometry, attention, sequence_parallel, cases in variants:
         implementation = Implementation.cpu_local(attention)
         layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sequence_parallel)
         config = build_transformer_config(
@@ -39,7 +44,8 @@ def main() -> None:
         model = build_gpt_model(geometry, config, implementation=implementation, seed=0)
         for case in cases:
             diffs = compare(model, group(case, geometry.vocab_size), implementation, layout)
-            results.append({"attention": attention, "sequence_parallel": sequence_parallel,
+            results.append({"geometry": geometry.name, "attention": attention,
+                            "sequence_parallel": sequence_parallel,
                             "rollouts": case.rollouts, "prompt": case.prompt_tokens, **diffs})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)

@@ -1,13 +1,14 @@
 """TP=2 under torchrun (one launch): a group packed as a prefix tree gives the same outputs
 and gradient shards as its sequences run alone, with segmented flash attention (with and
-without sequence parallel) and with the unfused dense tree mask."""
+without sequence parallel) and with the unfused dense tree mask, on a dense model and on a
+Gated DeltaNet hybrid (trees of depth 1-3, up to 16 children, across 64-token chunks)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from _shared_prefix import CASES
+from _shared_prefix import CASES, HYBRID_CASES
 from _torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("shared_prefix_worker.py")
@@ -17,7 +18,8 @@ def test_shared_prefix_equals_unshared_at_tp2(tmp_path):
     run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=300)
     for rank in (0, 1):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(results) == len(CASES) + 2
+        assert len(results) == len(CASES) + 2 + len(HYBRID_CASES) + 1
+        assert {r["geometry"] for r in results} == {"tiny-dense-2x64", "tiny-qwen3_5"}
         assert any(r["shared_tokens"] > 0 for r in results)
         for r in results:
             label = f"rank {rank} {r}"

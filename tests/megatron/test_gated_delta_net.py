@@ -11,12 +11,12 @@ from megatron.core.ssm.gated_delta_net import torch_chunk_gated_delta_rule
 
 from art.megatron.cpu_gated_delta import (
     CHUNK_TOKENS,
-    SegmentedCausalConv1d,
     apply_gated_norm,
     chunk_gated_delta_rule,
     l2norm,
-    packed_sequences,
 )
+from art.megatron.gated_delta_rows import segmented_causal_conv
+from art.megatron.recurrent_layout import RecurrentLayout
 
 
 def _delta_inputs(dtype: torch.dtype, decay: float, tokens: int = 150, heads: int = 3,
@@ -91,9 +91,6 @@ def test_packed_sequences_run_one_recurrence_each():
     one, _ = _saved(lambda *a: chunk_gated_delta_rule(*a)[0], *_delta_inputs(torch.float32, 0.5))
     for t in saved + one:
         assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), t.shape
-    with packed_sequences(lengths):  # how the layer hands the lengths to the kernel
-        out_ctx, _ = chunk_gated_delta_rule(*(x.detach() for x in packed))
-    torch.testing.assert_close(out_ctx, out.detach())
     expected = torch.cat([chunk_gated_delta_rule(*xs)[0] for xs in alone], dim=1)
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
     weight = torch.randn_like(out)
@@ -102,13 +99,52 @@ def test_packed_sequences_run_one_recurrence_each():
     for i, name in enumerate("qkvgb"):
         torch.testing.assert_close(packed[i].grad, torch.cat([xs[i].grad for xs in alone], 1),
                                    rtol=1e-4, atol=1e-5, msg=name)
-    conv = SegmentedCausalConv1d(6, 6, 4, groups=6, padding=3)
+    conv = torch.nn.Conv1d(6, 6, 4, groups=6, padding=3)
     x = torch.randn(1, 6, sum(lengths))
-    with packed_sequences(lengths):
-        y = conv(x)
+    y = segmented_causal_conv(x, conv.weight, conv.bias, RecurrentLayout.sequences(lengths))
     expected_conv = torch.cat([conv(x[..., a:a + n])[..., :n]
                                for a, n in zip((0, 70, 134), lengths)], dim=-1)
     torch.testing.assert_close(y, expected_conv)
+
+
+@pytest.mark.parametrize("cut", [64, 70, 1, 149])
+def test_a_sequence_continued_from_its_final_state_equals_the_whole(cut):
+    """fla's contract for initial and final states: a sequence run as two pieces, the second
+    from the first's final state, gives the whole sequence's outputs and final state, and the
+    gradients reach the first piece through the handed-over state. In varlen mode each
+    sequence has its own [heads, dk, dv] state."""
+    whole = _delta_inputs(torch.float32, 0.5)
+    pieces = [[x.detach()[:, a:b].clone().requires_grad_(True) for x in whole]
+              for a, b in ((0, cut), (cut, 150))]
+    out, final = chunk_gated_delta_rule(*whole, output_final_state=True)
+    first, state = chunk_gated_delta_rule(*pieces[0], output_final_state=True)
+    second, end = chunk_gated_delta_rule(*pieces[1], initial_state=state,
+                                         output_final_state=True)
+    assert state.shape == (1, 3, 16, 8) and state.dtype == torch.float32
+    torch.testing.assert_close(torch.cat([first, second], 1), out, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(end, final, rtol=1e-5, atol=1e-6)
+    weight = torch.randn_like(out)
+    ((out * weight).sum() + final.sum()).backward()
+    ((torch.cat([first, second], 1) * weight).sum() + end.sum()).backward()
+    for i, name in enumerate("qkvgb"):
+        torch.testing.assert_close(whole[i].grad,
+                                   torch.cat([pieces[0][i].grad, pieces[1][i].grad], 1),
+                                   rtol=1e-4, atol=1e-5, msg=name)
+    # Varlen: two sequences, each continued from its own state.
+    h0 = torch.randn(2, 3, 16, 8, requires_grad=True)
+    xs = _delta_inputs(torch.float32, 0.5, tokens=100, seed=3)
+    cu = torch.tensor([0, 30, 100])
+    out, finals = chunk_gated_delta_rule(*xs, initial_state=h0, output_final_state=True,
+                                         cu_seqlens=cu)
+    for n, (a, b) in enumerate(((0, 30), (30, 100))):
+        alone, end = chunk_gated_delta_rule(*(x[:, a:b] for x in xs), initial_state=h0[n:n + 1],
+                                            output_final_state=True)
+        torch.testing.assert_close(out[:, a:b], alone, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(finals[n:n + 1], end, rtol=1e-5, atol=1e-6)
+    finals.sum().backward()
+    assert h0.grad is not None and torch.isfinite(h0.grad).all()
+    with pytest.raises(ValueError, match="initial_state must be"):
+        chunk_gated_delta_rule(*xs, initial_state=h0[:1], cu_seqlens=cu)
 
 
 def _backward_peak_bytes(lengths: tuple[int, ...]) -> int:

@@ -177,11 +177,13 @@ def test_deeper_shared_parts_nest_and_targets_on_shared_rows_are_kept_per_sequen
     sequences = _group([5, 6], [1, 2, 3], [1, 2, 4], [7])
     batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(),
                            groups=[3])
-    assert batch.tokens.tolist() == [[5, 6, 1, 2, 3, 4, 7]]
-    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 4, 4, 2]]
+    # Depth by depth: the prompt, then the deeper part and the third sequence's own token,
+    # then the two tokens after the deeper part.
+    assert batch.tokens.tolist() == [[5, 6, 1, 2, 7, 3, 4]]
+    assert batch.position_ids.tolist() == [[0, 1, 2, 3, 2, 4, 4]]
     segments = batch.attention_layout.segments
     assert [(s.start, s.length, [(c.start, c.length) for c in s.context]) for s in segments] == [
-        (0, 2, []), (2, 2, [(0, 2)]), (4, 1, [(0, 4)]), (5, 1, [(0, 4)]), (6, 1, [(0, 2)])
+        (0, 2, []), (2, 2, [(0, 2)]), (4, 1, [(0, 2)]), (5, 1, [(0, 4)]), (6, 1, [(0, 4)])
     ]
     targets = pack_targets([torch.tensor(s[1:].tolist() + [IGNORE_INDEX]) for s in sequences],
                            batch)

@@ -22,7 +22,9 @@ from megatron.core.ssm.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmod
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.spec_utils import ModuleSpec
 
-from art.megatron.cpu_gated_delta import SegmentedCausalConv1d, packed_sequences
+from art.megatron.attention_layout import AttentionLayout
+from art.megatron.gated_delta_rows import causal_conv, delta_rule_over_row
+from art.megatron.recurrent_layout import RecurrentLayout
 
 
 class NormColumnParallelLinear(ColumnParallelLinear):
@@ -87,26 +89,71 @@ class GatedDeltaNetTP(GatedDeltaNet):
                  **kwargs: Any) -> None:
         state = torch.get_rng_state()
         super().__init__(config, submodules, *args, **kwargs)
-        # Same module and parameters; its forward keeps packed sequences apart.
-        self.conv1d.__class__ = SegmentedCausalConv1d
         if config.use_cpu_initialization and config.perform_initialization:
             torch.set_rng_state(state)
             self._initialise_full_size()
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                *args: Any, packed_seq_params: Any = None, **kwargs: Any) -> Any:
-        """Megatron's forward, one recurrence per sequence of a packed row.
+                key_value_states: Any = None, inference_context: Any = None,
+                attention_bias: Any = None, packed_seq_params: Any = None,
+                sequence_len_offset: Any = None, *, inference_params: Any = None,
+                **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """Megatron-Core 0.16.1's GatedDeltaNet forward, one recurrence per path of the packed
+        row (sequences, or a group's prefix tree), on whatever kernels are installed.
 
-        Megatron-Core 0.16.1 runs the row as one sequence (and refuses `packed_seq_params`):
-        the conv and the recurrent state would carry one sequence into the next. The
-        sequences are read from the row's attention layout or mask and handed to the kernels
-        (`packed_sequences`)."""
-        lengths = packed_sequence_lengths(attention_mask, packed_seq_params)
-        if lengths is not None and len(lengths) > 1:
-            _check_segment_kernels()
-        with packed_sequences(lengths):
-            return super().forward(hidden_states, attention_mask, *args,
-                                   packed_seq_params=None, **kwargs)
+        Megatron's own forward refuses `packed_seq_params` and runs the row as one sequence,
+        carrying the conv and the state from one sequence into the next; here the row's
+        recurrent layout (from its attention layout, THD cu_seqlens or dense mask) drives the
+        conv and fla's varlen delta rule (gated_delta_rows.py). Every other step is Megatron's,
+        in the same order and dtypes, so the layer keeps what Megatron's keeps."""
+        from megatron.core.ssm import gated_delta_net as megatron_gdn
+
+        if inference_context is not None or inference_params is not None:
+            raise ValueError("the packed Gated DeltaNet layer runs training and scoring "
+                             "forwards, not Megatron's inference contexts")
+        seq_len, batch, _ = hidden_states.shape
+        seq_len = seq_len * self.sp_size
+        layout = recurrent_layout_of(attention_mask, packed_seq_params, seq_len)
+        if batch != 1 and len(layout.segments) > 1:
+            raise ValueError(f"a packed row has batch 1; got batch {batch}")
+
+        qkvzba, _ = self.in_proj(hidden_states)
+        qkvzba = qkvzba.transpose(0, 1)  # [s, b, x] -> [b, s, x]
+        tp = self.tp_size
+        qkv, gate, beta, alpha = torch.split(
+            qkvzba, [(self.qk_dim * 2 + self.v_dim) // tp, self.v_dim // tp,
+                     self.num_value_heads // tp, self.num_value_heads // tp], dim=-1)
+        gate = gate.reshape(batch, seq_len, -1, self.value_head_dim)
+        beta = beta.reshape(batch, seq_len, -1)
+        alpha = alpha.reshape(batch, seq_len, -1)
+
+        qkv = qkv.transpose(1, 2).contiguous()  # [b, s, d] -> [b, d, s]
+        conv_fn = None if self.config.deterministic_mode else megatron_gdn.causal_conv1d_fn
+        qkv = causal_conv(self.conv1d, qkv, layout, self.activation, self.act_fn, conv_fn)
+        qkv = qkv.transpose(1, 2)  # [b, d, s] -> [b, s, d]
+        query, key, value = torch.split(
+            qkv, [self.qk_dim // tp, self.qk_dim // tp, self.v_dim // tp], dim=-1)
+        query = query.reshape(batch, seq_len, -1, self.key_head_dim)
+        key = key.reshape(batch, seq_len, -1, self.key_head_dim)
+        value = value.reshape(batch, seq_len, -1, self.value_head_dim)
+        if self.use_qk_l2norm:
+            query = megatron_gdn.l2norm(query.contiguous())
+            key = megatron_gdn.l2norm(key.contiguous())
+        if self.num_value_heads // self.num_key_heads > 1:
+            repeats = self.num_value_heads // self.num_key_heads
+            query = query.repeat_interleave(repeats, dim=2)
+            key = key.repeat_interleave(repeats, dim=2)
+        query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        gate, beta, alpha = gate.contiguous(), beta.contiguous(), alpha.contiguous()
+
+        g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)
+        beta = beta.sigmoid()
+        core = delta_rule_over_row(megatron_gdn.chunk_gated_delta_rule, query, key, value, g,
+                                   beta, layout)
+
+        norm_out = self._apply_gated_norm(core, gate)
+        norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
+        return self.out_proj(norm_out)
 
     @torch.no_grad()
     def _initialise_full_size(self) -> None:
@@ -127,56 +174,38 @@ class GatedDeltaNetTP(GatedDeltaNet):
         self.out_proj.weight.copy_(out.chunk(tp, dim=1)[rank])
 
 
-def packed_sequence_lengths(attention_mask: torch.Tensor | None, packed_seq_params: Any
-                            ) -> tuple[int, ...] | None:
-    """The lengths of the sequences packed in the row (None: one sequence, no mask).
-
-    From the attention layout when one is passed (segmented attention, THD cu_seqlens), else
-    from the block-diagonal causal mask (True = masked): a sequence starts where a token may
-    not see the one before it. A row whose tokens see more than their own sequence (a shared
-    prefix) is refused: each continuation would need the prefix's recurrent state."""
-    segments = getattr(packed_seq_params, "segments", None)
-    if segments is not None:
-        if any(segment.context for segment in segments):
-            raise ValueError(
-                "a Gated DeltaNet layer got a row with a shared prefix (a segment attends to "
-                "another's tokens); it runs one recurrence per sequence, so pack hybrid models "
-                "without shared prefixes")
-        return tuple(segment.length for segment in segments)
-    cu_seqlens = getattr(packed_seq_params, "cu_seqlens_q", None)
-    if cu_seqlens is not None:
-        bounds = cu_seqlens.tolist()
-        return tuple(b - a for a, b in zip(bounds, bounds[1:]))
-    if attention_mask is None:
-        return None
-    mask = attention_mask.reshape(attention_mask.shape[-2], attention_mask.shape[-1])
-    rows = mask.shape[0]
-    starts = torch.zeros(rows, dtype=torch.bool, device=mask.device)
-    starts[0] = True
-    starts[1:] = mask.diagonal(-1)
-    index = torch.arange(rows, device=mask.device)
-    first = torch.cummax(torch.where(starts, index, 0), 0).values
-    if not torch.equal((~mask).sum(-1), index - first + 1):
-        raise ValueError(
-            "a Gated DeltaNet layer got an attention mask that is not block-diagonal causal "
-            "(some token sees beyond its own sequence, e.g. a shared prefix); it runs one "
-            "recurrence per sequence, so pack hybrid models without shared prefixes")
-    bounds = [*torch.nonzero(starts).flatten().tolist(), rows]
-    return tuple(b - a for a, b in zip(bounds, bounds[1:]))
+def recurrent_layout_of(attention_mask: torch.Tensor | None, packed_seq_params: Any,
+                        tokens: int) -> RecurrentLayout:
+    """The row's recurrent layout from what the layer is called with: the attention layout
+    (segmented attention; sequences or a prefix tree), THD cu_seqlens (sequences), the dense
+    causal mask of Megatron's unfused attention (read token by token), or one sequence."""
+    if isinstance(packed_seq_params, AttentionLayout):
+        layout = RecurrentLayout.from_attention(packed_seq_params)
+    elif getattr(packed_seq_params, "cu_seqlens_q", None) is not None:
+        bounds = packed_seq_params.cu_seqlens_q.tolist()
+        layout = RecurrentLayout.sequences([b - a for a, b in zip(bounds, bounds[1:])])
+    elif attention_mask is not None:
+        layout = RecurrentLayout.from_mask(attention_mask)
+    else:
+        layout = RecurrentLayout.sequences([tokens])
+    if layout.total_tokens != tokens:
+        raise ValueError(f"the row's layout covers {layout.total_tokens} tokens but the Gated "
+                         f"DeltaNet layer got {tokens}; pack the row and its layout together")
+    return layout
 
 
-def _check_segment_kernels() -> None:
-    from megatron.core.ssm import gated_delta_net
+def with_packed_gated_delta_net(block_spec: Any) -> Any:
+    """A block spec (e.g. Megatron's Transformer Engine hybrid spec) with every Gated DeltaNet
+    mixer built as `GatedDeltaNetTP`, whose forward takes packed rows and prefix trees; the
+    submodules (TE's fused in_proj, its norms) stay as the spec has them."""
+    import copy
 
-    from art.megatron import cpu_gated_delta
-
-    if (gated_delta_net.chunk_gated_delta_rule is not cpu_gated_delta.chunk_gated_delta_rule
-            or gated_delta_net.causal_conv1d_fn is not None):
-        raise ValueError(
-            "several sequences packed in one row reach a Gated DeltaNet layer whose kernels "
-            "(fla / causal_conv1d) Megatron-Core 0.16.1 calls without cu_seqlens or seq_idx; "
-            "only the CPU kernels (cpu_gated_delta) keep the sequences apart. Pack one sequence "
-            "per row")
+    block_spec = copy.deepcopy(block_spec)
+    for layer in getattr(block_spec, "layer_specs", None) or []:
+        mixer = getattr(layer.submodules, "self_attention", None)
+        if isinstance(mixer, ModuleSpec) and mixer.module is GatedDeltaNet:
+            mixer.module = GatedDeltaNetTP
+    return block_spec
 
 
 def gated_delta_net_spec() -> ModuleSpec:

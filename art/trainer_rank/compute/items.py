@@ -11,7 +11,7 @@ import torch
 
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank._types import ForwardInput
-from art.trainer_rank.compute.prefix_tree import shared_tokens
+from art.trainer_rank.compute.prefix_tree import TreeShape, shared_tokens, tree_shape
 
 MAX_NESTING_LEVELS = 4  # the top-level list plus up to three levels of groups, as upstream
 
@@ -50,6 +50,15 @@ class Item:
             cached = shared_tokens([leaf.input_tokens for leaf in self.leaves]) if len(
                 self.leaves) > 1 else 0
             object.__setattr__(self, "_shared_tokens", cached)
+        return cached
+
+    @property
+    def tree(self) -> TreeShape:
+        """Its sequences' prefix tree as the packer lays it out (computed on first use)."""
+        cached = self.__dict__.get("_tree")
+        if cached is None:
+            cached = tree_shape([leaf.input_tokens for leaf in self.leaves])
+            object.__setattr__(self, "_tree", cached)
         return cached
 
     @property

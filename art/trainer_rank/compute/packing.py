@@ -27,7 +27,7 @@ from torch import Tensor
 from art.megatron.attention_layout import AttentionLayout, AttentionSegment, KeySpan
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank.compute.prefix_tree import build_prefix_tree, validate_group
+from art.trainer_rank.compute.prefix_tree import TreeNode, build_prefix_tree, validate_group
 
 IGNORE_INDEX = -100  # target value that produces no log-probability (0.0) and no gradient
 PAD_TOKEN_ID = 0  # padding is masked away from every real token, so its id does not matter
@@ -153,31 +153,25 @@ def pack_sequences(
     segments: list[AttentionSegment] = []
     pieces: list[list[KeySpan]] = [[] for _ in sequences]
     cursor = 0
-    first = 0
     shared = 0
-    for size in sizes:
-        members = [s.to(device=device, dtype=torch.long) for s in sequences[first:first + size]]
-        roots = build_prefix_tree(members) if share and size > 1 else [None] * size
-        if roots and roots[0] is None:
-            for offset, sequence in enumerate(members):
-                length = int(sequence.numel())
-                padded = _round_up(length, per_sequence)
-                tokens.append(sequence)
-                positions.append(torch.arange(length, device=device))
-                if padded > length:
-                    # CP pads inside the sequence's own block: TE's THD kernels see these
-                    # tokens through cu_seqlens_*_padded and skip them.
-                    tokens.append(torch.full((padded - length,), PAD_TOKEN_ID, device=device))
-                    positions.append(torch.arange(length, padded, device=device))
-                segments.append(AttentionSegment(cursor, padded))
-                pieces[first + offset].append(KeySpan(cursor, length))
-                cursor += padded
-        else:
-            start = cursor
-            cursor = _lay_out_tree(roots, members, first, cursor, device, tokens, positions,
-                                   segments, pieces)
-            shared += sum(int(m.numel()) for m in members) - (cursor - start)
-        first += size
+    if share:
+        cursor, shared = _lay_out_trees(sequences, sizes, device, tokens, positions, segments,
+                                        pieces)
+    else:
+        for index, sequence in enumerate(sequences):
+            sequence = sequence.to(device=device, dtype=torch.long)
+            length = int(sequence.numel())
+            padded = _round_up(length, per_sequence)
+            tokens.append(sequence)
+            positions.append(torch.arange(length, device=device))
+            if padded > length:
+                # CP pads inside the sequence's own block: TE's THD kernels see these tokens
+                # through cu_seqlens_*_padded and skip them.
+                tokens.append(torch.full((padded - length,), PAD_TOKEN_ID, device=device))
+                positions.append(torch.arange(length, padded, device=device))
+            segments.append(AttentionSegment(cursor, padded))
+            pieces[index].append(KeySpan(cursor, length))
+            cursor += padded
     real_end = cursor
     total = _round_up(cursor, row_multiple_tokens(layout))
     if total > cursor:
@@ -221,25 +215,41 @@ def _merge_spans(spans: Sequence[KeySpan]) -> tuple[KeySpan, ...]:
     return tuple(out)
 
 
-def _lay_out_tree(roots, members, first, cursor, device, tokens, positions, segments,
-                  pieces) -> int:  # type: ignore[no-untyped-def]
-    """Nodes in preorder; each node's segment sees its ancestors' spans (merged when
-    adjacent) and itself causally; positions continue from the node's depth."""
-    context: dict[int, tuple[KeySpan, ...]] = {}
-    stack = [(root, ()) for root in reversed(roots)]
-    while stack:
-        node, ancestors = stack.pop()
-        span = KeySpan(cursor, node.length)
-        source = members[node.source]
-        tokens.append(source[node.depth:node.depth + node.length])
-        positions.append(torch.arange(node.depth, node.depth + node.length, device=device))
-        segments.append(AttentionSegment(cursor, node.length, ancestors))
-        for m in node.members:
-            pieces[first + m].append(span)
-        context[id(node)] = _merge_spans((*ancestors, span))
-        stack.extend((child, context[id(node)]) for child in reversed(node.children))
-        cursor += node.length
-    return cursor
+def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: torch.device,
+                   tokens: list[Tensor], positions: list[Tensor],
+                   segments: list[AttentionSegment], pieces: list[list[KeySpan]]
+                   ) -> tuple[int, int]:
+    """Every group's prefix tree (a sequence alone is a tree of one node) laid out depth by
+    depth over the whole row: all roots in group order, then all their children in their
+    parents' order, and so on. Each node's segment sees its ancestors' spans and itself
+    causally; positions continue from the node's depth. Depth-major order keeps the segments
+    of one depth contiguous, so a recurrent layer runs each depth as one varlen call over a
+    slice of the row. Returns (rows laid out, logical tokens saved)."""
+    level: list[tuple[TreeNode, list[Tensor], int, tuple[KeySpan, ...]]] = []
+    first = 0
+    for size in sizes:
+        members = [s.to(device=device, dtype=torch.long) for s in sequences[first:first + size]]
+        roots = (build_prefix_tree(members) if size > 1 else
+                 [TreeNode(0, int(members[0].numel()), (0,))])
+        level.extend((root, members, first, ()) for root in roots)
+        first += size
+    cursor = 0
+    while level:
+        below: list[tuple[TreeNode, list[Tensor], int, tuple[KeySpan, ...]]] = []
+        for node, members, offset, ancestors in level:
+            span = KeySpan(cursor, node.length)
+            source = members[node.source]
+            tokens.append(source[node.depth:node.depth + node.length])
+            positions.append(torch.arange(node.depth, node.depth + node.length, device=device))
+            segments.append(AttentionSegment(cursor, node.length, ancestors))
+            for m in node.members:
+                pieces[offset + m].append(span)
+            context = _merge_spans((*ancestors, span))
+            below.extend((child, members, offset, context) for child in node.children)
+            cursor += node.length
+        level = below
+    return cursor, sum(int(s.numel()) for s in sequences) - cursor
+
 
 def _thd_params(
     lengths: Sequence[int],

@@ -87,6 +87,46 @@ def shared_tokens(sequences: Sequence[Tensor]) -> int:
     return logical - sum(node.length for node in walk(build_prefix_tree(sequences)))
 
 
+@dataclass(frozen=True)
+class TreeShape:
+    """A group's tree as the packer lays it out, depth by depth: the lengths of the nodes at
+    each depth (a sequence alone: one root)."""
+
+    levels: tuple[tuple[int, ...], ...]
+
+    @property
+    def segment_lengths_tokens(self) -> tuple[int, ...]:
+        return tuple(n for level in self.levels for n in level)
+
+    @property
+    def continued_segments(self) -> int:
+        """Nodes that continue from a parent (every node below the roots)."""
+        return sum(len(level) for level in self.levels[1:])
+
+    @classmethod
+    def sequences(cls, lengths: Sequence[int]) -> TreeShape:
+        """Sequences that share nothing: all roots."""
+        return cls((tuple(int(n) for n in lengths),))
+
+
+def tree_shape(sequences: Sequence[Tensor]) -> TreeShape:
+    if len(sequences) == 1:
+        return TreeShape.sequences([int(sequences[0].numel())])
+    level, levels = build_prefix_tree(sequences), []
+    while level:
+        levels.append(tuple(node.length for node in level))
+        level = [child for node in level for child in node.children]
+    return TreeShape(tuple(levels))
+
+
+def row_levels(shapes: Sequence[TreeShape]) -> tuple[tuple[int, ...], ...]:
+    """The segment lengths at each depth of a row holding these trees: the packer lays the
+    row out depth by depth, and a recurrent layer runs each depth as one varlen call."""
+    depth = max(len(shape.levels) for shape in shapes)
+    return tuple(tuple(n for shape in shapes if d < len(shape.levels) for n in shape.levels[d])
+                 for d in range(depth))
+
+
 def walk(roots: Sequence[TreeNode]) -> list[TreeNode]:
     """Preorder: a node, then its subtrees in order (the packed row's order)."""
     out: list[TreeNode] = []

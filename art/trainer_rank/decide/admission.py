@@ -15,7 +15,7 @@ from enum import StrEnum
 from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
-from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank._request import MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank._types import (
     ADMITTED,
     COLD_CAPPED,
@@ -26,6 +26,7 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
+from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
@@ -132,6 +133,9 @@ class Admission:
     # The same per decoder layer (memory/device.UnallocatedGradients): a backward allocates
     # only the gradients of the layers above its peak by then. None: all of them count.
     unallocated_gradients: Any = None
+    # Whether the packer lays a group's shared prefixes out once (the built attention takes a
+    # tree): then a hybrid's recurrent layers run the row's prefix trees, priced as such.
+    shares_prefixes: bool = False
 
     def __post_init__(self) -> None:
         self.clear_caches()
@@ -164,12 +168,25 @@ class Admission:
 
     def shape(self, leaves: Sequence[ForwardInput], grad: bool) -> MicroBatchShape:
         lengths = tuple(leaf.num_tokens for leaf in leaves)
+        shared = group_shared_tokens(leaves)
         return MicroBatchShape(
             sequence_lengths_tokens=lengths,
             outputs=outputs_union(leaves),
             grad_enabled=grad,
-            padded_tokens=self.packed_length(lengths, group_shared_tokens(leaves)),
+            padded_tokens=self.packed_length(lengths, shared),
+            recurrent=self._recurrent([self._tree(leaves, shared)]),
         )
+
+    def _tree(self, leaves: Sequence[ForwardInput], shared: int) -> TreeShape:
+        if not shared:
+            return TreeShape.sequences([leaf.num_tokens for leaf in leaves])
+        return tree_shape([leaf.input_tokens for leaf in leaves])
+
+    def _recurrent(self, trees: Sequence[TreeShape]) -> RecurrentRow | None:
+        """The row's recurrent calls when some prefix is laid out once, else None."""
+        if not self.shares_prefixes or not any(t.continued_segments for t in trees):
+            return None
+        return RecurrentRow(row_levels(trees))
 
     def price(
         self,
@@ -178,9 +195,11 @@ class Admission:
         recompute: EffectiveRecompute | None = None,
     ) -> tuple[Pricing, MicroBatchShape, str]:
         """`leaves`: sequences of one item (a split's sub-forward shares their prefixes)."""
+        shared = group_shared_tokens(leaves)
         return self.price_lengths(tuple(leaf.num_tokens for leaf in leaves),
                                   outputs_union(leaves), grad, recompute,
-                                  shared_tokens=group_shared_tokens(leaves))
+                                  shared_tokens=shared,
+                                  recurrent=self._recurrent([self._tree(leaves, shared)]))
 
     def price_items(self, items: Sequence[Item], grad: bool,
                     recompute: EffectiveRecompute | None = None
@@ -188,20 +207,32 @@ class Admission:
         lengths: tuple[int, ...] = ()
         for item in items:
             lengths += item.sequence_lengths_tokens
+        shared = sum(it.shared_tokens for it in items)
+        recurrent = None
+        if shared and self.shares_prefixes:
+            recurrent = self._recurrent([self._item_tree(it) for it in items])
         return self.price_lengths(lengths, _union(it.outputs for it in items), grad, recompute,
-                                  shared_tokens=sum(it.shared_tokens for it in items))
+                                  shared_tokens=shared, recurrent=recurrent)
+
+    @staticmethod
+    def _item_tree(item: Item) -> TreeShape:
+        if not item.shared_tokens:
+            return TreeShape.sequences(item.sequence_lengths_tokens)
+        return item.tree
 
     def price_lengths(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
                       recompute: EffectiveRecompute | None = None, shared_tokens: int = 0,
+                      recurrent: RecurrentRow | None = None,
                       ) -> tuple[Pricing, MicroBatchShape, str]:
         recompute = recompute or self.recompute
-        key = (id(recompute), grad, lengths, outputs, shared_tokens)
+        key = (id(recompute), grad, lengths, outputs, shared_tokens, recurrent)
         hit = self._priced.get(key)
         if hit is None:
             model = self.model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
                                     grad_enabled=grad,
-                                    padded_tokens=self.packed_length(lengths, shared_tokens))
+                                    padded_tokens=self.packed_length(lengths, shared_tokens),
+                                    recurrent=recurrent)
             if len(self._priced) > 8192:  # an Estimate holds its terms: bound the memory
                 self._priced.clear()
             hit = self._priced[key] = (model.estimate(shape), shape,
@@ -303,8 +334,11 @@ class Admission:
                 too_big = True
             else:
                 cand_outputs = _union((outputs, item.outputs))
+                recurrent = (self._recurrent([self._item_tree(it) for it in (*chosen, item)])
+                             if cand_shared and self.shares_prefixes else None)
                 candidate, cand_shape, cand_sig = self.price_lengths(
-                    cand_lengths, cand_outputs, grad, shared_tokens=cand_shared)
+                    cand_lengths, cand_outputs, grad, shared_tokens=cand_shared,
+                    recurrent=recurrent)
                 too_big = candidate.dynamic_bytes > usable_bytes
             if too_big:
                 misfits += 1

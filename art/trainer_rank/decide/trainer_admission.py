@@ -30,10 +30,9 @@ def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileS
                       ) -> tuple[Admission, bool]:
     """The Admission, and whether this trainer packs shared prefixes once."""
     layout = provider.layout
-    # Gated DeltaNet layers run one recurrence per sequence: a shared prefix laid out once
-    # would need its final state handed to each continuation, which they cannot take.
-    share = (shares_prefixes(provider.implementation, layout)
-             and "linear_attention" not in provider.geometry.layer_types)
+    # Gated DeltaNet layers take a tree too: each child segment continues from its parent's
+    # final state and conv window (megatron/gated_delta_rows.py).
+    share = shares_prefixes(provider.implementation, layout)
     admission = Admission(
         memory_model=pricing.memory_model,
         profiles=profiles,
@@ -50,5 +49,6 @@ def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileS
         next_tp_model=next_tp_model,
         default_memory_model=pricing.default_memory_model,
         policy=policy,
+        shares_prefixes=share,
     )
     return admission, share

@@ -50,13 +50,17 @@ def _row_padded(tokens: int, padded: int | None, chunk_tokens: int) -> int:
 
 
 def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
-                            chunk_tokens: int = GDN_CHUNK_TOKENS) -> int:
-    """`padded_chunk_tokens` of the sequences as `pack_sequences` lays them out in one row
-    (no shared prefixes, which hybrid models do not take): each padded to the layout's
-    per-sequence multiple, and the row's padded tail a sequence of its own."""
+                            chunk_tokens: int = GDN_CHUNK_TOKENS, row_tokens: int | None = None
+                            ) -> int:
+    """`padded_chunk_tokens` of the segments as `pack_sequences` lays them out in one row:
+    each padded to the layout's per-sequence multiple, and the row's padded tail a segment of
+    its own. `row_tokens`: the row's length when the segments are a prefix tree's nodes (the
+    packer's rows, which `packed_length_tokens` of the segments would not know)."""
     per_sequence = sequence_multiple_tokens(layout)
     segments = [-(-int(n) // per_sequence) * per_sequence for n in sequence_lengths_tokens]
-    tail = packed_length_tokens(sequence_lengths_tokens, layout) - sum(segments)
+    row = (row_tokens if row_tokens is not None
+           else packed_length_tokens(sequence_lengths_tokens, layout))
+    tail = row - sum(segments)
     return padded_chunk_tokens(segments + ([tail] if tail > 0 else []), chunk_tokens)
 
 

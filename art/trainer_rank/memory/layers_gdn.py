@@ -7,6 +7,8 @@ chunked kernels on GPU, their CPU counterparts otherwise) and the gated output n
 
 from __future__ import annotations
 
+import math
+
 from art.trainer_rank.memory.layer_terms import FP32, Block, BlockRole, Dims, lora_saved
 
 # fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
@@ -45,18 +47,8 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
     # fla's chunked rule keeps the chunk-local cumulated decay (fp32) and the WY inverse A
     # ([tokens, heads, 64] in k's dtype); q, k, v and beta are the blocks' outputs above.
     delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
-    dk, dv = la.key_head_dim, la.value_head_dim
-    if d.implementation.device == "cuda":
-        # fla's kernels: the fp32 chunk matrix before its inverse, w and u (k's dtype), the
-        # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
-        # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
-        # allocations; not measured here (no GPU).
-        states = chunked / GDN_CHUNK_TOKENS * vheads * dk * dv
-        delta_work = rows * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
-        delta_grad = 2 * delta_work + states * FP32 + rows * vheads * (3 * dk + dv) * FP32
-    else:
-        delta_work = cpu_rule_forward_work(chunked, vheads, dk, dv)
-        delta_grad = cpu_rule_backward_work(chunked, rows, vheads, dk, dv)
+    dk = la.key_head_dim
+    delta_work, delta_grad = rule_work(d, rows, chunked)
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
@@ -89,6 +81,27 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
         Block("out_proj", None, lora_saved(d, s, "out_proj"),
               hidden_rows * g.hidden_size * b, False, grad_temp=out),
     ]
+
+
+def rule_work(d: Dims, tokens: float, padded: float) -> tuple[float, float]:
+    """The gated delta rule's forward and backward working sets (beyond what it keeps) for
+    one call over `tokens` tokens in `padded` chunk tokens."""
+    la = d.geometry.linear_attention
+    assert la is not None
+    b = d.dtype_bytes
+    vheads = la.num_value_heads / d.tp
+    dk, dv = la.key_head_dim, la.value_head_dim
+    if d.implementation.device == "cuda":
+        # fla's kernels: the fp32 chunk matrix before its inverse, w and u (k's dtype), the
+        # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
+        # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
+        # allocations; not measured here (no GPU).
+        states = padded / GDN_CHUNK_TOKENS * vheads * dk * dv
+        work = tokens * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
+        grad = 2 * work + states * FP32 + tokens * vheads * (3 * dk + dv) * FP32
+        return work, grad
+    return (cpu_rule_forward_work(padded, vheads, dk, dv),
+            cpu_rule_backward_work(padded, tokens, vheads, dk, dv))
 
 
 def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> float:
@@ -146,18 +159,60 @@ def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, 
     return max(first, second) * FP32 + c * c + 8 * h * chunks
 
 
-def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int) -> float:
-    """A Gated DeltaNet layer on CPU convolves a packed row with each sequence's own causal
-    left padding (`SegmentedCausalConv1d`): its saved input grows by kernel-1 columns of every
-    conv channel per sequence. Probe and formulas price one sequence; this is the rest."""
+def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int, tree: bool = False
+                                ) -> float:
+    """A Gated DeltaNet layer convolves a packed row segment by segment, each after its
+    window (`gated_delta_rows.segmented_causal_conv`: zeros for a sequence's start, the path's
+    last inputs for a prefix-tree child): its saved input grows by kernel-1 columns of every
+    conv channel per segment. Probe and formulas price one sequence; this is the rest. On a
+    GPU causal-conv1d takes a row of plain sequences without windows (its seq_idx); a tree
+    always takes the windows."""
     la = d.geometry.linear_attention
     if (sequences <= 1 or la is None or not kind.startswith("linear_attention")
-            or d.implementation.device == "cuda"):
+            or (d.implementation.device == "cuda" and not tree)):
         return 0.0
     channels = (2 * la.num_key_heads * la.key_head_dim
                 + la.num_value_heads * la.value_head_dim) / d.tp
     return float((sequences - 1) * (la.conv_kernel_size - 1) * channels * d.dtype_bytes)
 
+
+
+def prefix_tree_state_bytes(d: Dims, continued_segments: int) -> float:
+    """What one Gated DeltaNet layer keeps for backward when a row's prefix trees hand their
+    parents' final states on: each continued segment's initial state, [value heads / TP, dk,
+    dv] fp32, which fla's kernel saves with the depth's call."""
+    la = d.geometry.linear_attention
+    if la is None or not continued_segments:
+        return 0.0
+    return float(continued_segments * la.num_value_heads / d.tp * la.key_head_dim
+                 * la.value_head_dim * FP32)
+
+
+def prefix_tree_cost_change(d: Dims, kind: str, s: int, padded: int,
+                            calls: tuple[tuple[int, ...], ...], grad: bool
+                            ) -> tuple[float, float]:
+    """(forward, backward) change of a Gated DeltaNet layer over a row of prefix trees, from
+    its price over the row as one set of sequences (`gated_delta_rows.delta_rule_over_row`):
+    the delta rule runs one call per depth, so its working sets are those of the largest call,
+    not the whole row's (`rule_work`); the row's output exists from the first call on (each
+    call writes its slice); a call starts from its segments' stacked initial states (with grad
+    the rule keeps them: `prefix_tree_state_bytes`, a term of the whole pass) and a call with
+    children below returns every segment's final state."""
+    la = d.geometry.linear_attention
+    if la is None or len(calls) < 2 or not kind.startswith("linear_attention"):
+        return 0.0, 0.0
+    state = prefix_tree_state_bytes(d, 1)
+    whole = rule_work(d, float(s), float(padded))
+    forward = backward = -math.inf
+    for index, call in enumerate(calls):
+        work, grad_work = rule_work(d, float(sum(call)), float(sum(
+            -(-n // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS for n in call)))
+        stacked = len(call) * state if index and not grad else 0.0
+        finals = len(call) * state if index < len(calls) - 1 else 0.0
+        forward = max(forward, work + stacked + finals)
+        backward = max(backward, grad_work)
+    output = float(s) * la.num_value_heads / d.tp * la.value_head_dim * d.dtype_bytes
+    return forward - whole[0] + output, backward - whole[1]
 
 
 def linear_attention_keeps_input(d: Dims) -> bool:

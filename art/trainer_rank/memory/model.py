@@ -31,7 +31,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
-from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.memory.budget import AllocatorReserve
 from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
@@ -39,7 +39,11 @@ from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
 from art.trainer_rank.memory.estimate import Estimate, Term
 from art.trainer_rank.memory.layer_terms import Dims, LayerCost
 from art.trainer_rank.memory.layers import layer_kind, price_layer
-from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
+from art.trainer_rank.memory.layers_gdn import (
+    conv_sequence_padding_bytes,
+    prefix_tree_cost_change,
+    prefix_tree_state_bytes,
+)
 from art.trainer_rank.memory.passes import (
     BUFFERS_OF_ATTENTION,
     SCORE_BUFFER,
@@ -154,11 +158,13 @@ class MemoryModel:
         return cached
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
-                    padded: int | None = None, sequences: int = 1) -> tuple[LayerCost, bool]:
+                    padded: int | None = None, sequences: int = 1,
+                    recurrent: RecurrentRow | None = None) -> tuple[LayerCost, bool]:
         """`padded`: the row's tokens padded to whole kernel chunks (memory/chunked.py);
-        `sequences`: how many sequences the row packs."""
+        `sequences`: how many segments (sequences, or prefix-tree nodes) a recurrent layer
+        runs the row as; `recurrent`: the row's calls when it holds prefix trees."""
         kind = self._kinds[index]
-        memo_key = (kind, modules, s, grad, padded, sequences)
+        memo_key = (kind, modules, s, grad, padded, sequences, recurrent)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
@@ -172,11 +178,18 @@ class MemoryModel:
             result = (price_layer(self.dims, kind, modules, s, grad=grad,
                                   worst_case_routing=self.worst_case_routing, padded=padded),
                       False)
-        padding = conv_sequence_padding_bytes(self.dims, kind, sequences) if grad else 0.0
-        if padding:
+        continued = recurrent.continued_segments if recurrent is not None else 0
+        padding = (conv_sequence_padding_bytes(self.dims, kind, sequences, tree=continued > 0)
+                   if grad else 0.0)
+        tree_forward, tree_backward = (
+            prefix_tree_cost_change(self.dims, kind, s, padded or s, recurrent.calls, grad)
+            if recurrent is not None else (0.0, 0.0))
+        if padding or tree_forward or tree_backward:
             cost, used = result
             result = (replace(cost, kept=int(cost.kept + padding),
-                              forward=int(cost.forward + padding)), used)
+                              forward=int(cost.forward + padding + tree_forward),
+                              backward=int(cost.backward + (tree_backward if grad else 0.0))),
+                      used)
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[memo_key] = result
@@ -268,12 +281,26 @@ class MemoryModel:
             g, self.implementation, b, self.layout.tensor_parallel, s, S, hidden_local,
             checkpointed_attention_layers=sum(
                 1 for lr in self.recompute.layers if "core_attn" in lr.selective_modules))
-        # Gated DeltaNet kernels pad each sequence to whole chunks (CP does not split them).
-        padded = (row_padded_chunk_tokens(batch.sequence_lengths_tokens, self.layout)
-                  if self.layout.context_parallel == 1 and has_chunked_layers(g) else None)
+        # Gated DeltaNet kernels pad each segment (a sequence, or a prefix-tree node) to whole
+        # chunks (CP does not split them).
+        recurrent = batch.recurrent
+        segments = (recurrent.segment_lengths_tokens if recurrent is not None
+                    else batch.sequence_lengths_tokens)
+        continued = recurrent.continued_segments if recurrent is not None else 0
+        padded = None
+        if self.layout.context_parallel == 1 and has_chunked_layers(g):
+            padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S)
+                      if recurrent is not None
+                      else row_padded_chunk_tokens(segments, self.layout))
+        if grad and continued:
+            layers = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
+            per_layer = prefix_tree_state_bytes(self.dims, continued)
+            pre.append(Term("prefix-tree states handed on", int(layers * per_layer), "forward",
+                            f"{layers} Gated DeltaNet layer(s) x {continued} continued "
+                            "segment(s) x [value heads/TP, dk, dv] fp32"))
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
                           functools.partial(self._layer_cost, padded=padded,
-                                            sequences=len(batch.sequence_lengths_tokens)),
+                                            sequences=len(segments), recurrent=recurrent),
                           functools.partial(self._probed_unit, padded=padded),
                           attention_layers=frozenset(
                               i for i, kind in enumerate(self._kinds)
