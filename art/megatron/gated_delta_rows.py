@@ -13,7 +13,7 @@ states [sequences, heads, dk, dv], fp32): a row of plain sequences is one call w
 cu_seqlens. A tree runs depth by depth: the packer lays a tree out depth by depth, so each
 depth's segments are a slice of the row (a `RecurrentLayout.calls` run), run as one varlen call
 whose initial states are the final states its parents ended with (zero for a sequence's first
-segment); each run's output is written into the row's output. Gradients flow through the
+segment); the runs' outputs are concatenated in row order. Gradients flow through the
 handed-over states, so a child's loss reaches its prefix.
 """
 
@@ -87,13 +87,17 @@ def delta_rule_over_row(rule: DeltaRule, q: Tensor, k: Tensor, v: Tensor, g: Ten
         out, _ = rule(q, k, v, g=g, beta=beta, initial_state=None, output_final_state=False,
                       use_qk_l2norm_in_kernel=False, cu_seqlens=cu)
         return out
-    heads, dv = v.shape[2], v.shape[3]
-    state_shape = (k.shape[2], k.shape[3], dv)
+    state_shape = (k.shape[2], k.shape[3], v.shape[3])
+    sizes = [layout.segments[run[-1]].end - layout.segments[run[0]].start
+             for run in layout.calls]
+    # One split per input rather than a slice per run: the backward of a split concatenates
+    # the runs' gradients once they all exist, where each slice's backward would fill a
+    # row-sized zero tensor while the next run's backward is still working.
+    per_run = list(zip(*(torch.split(t, sizes, dim=1) for t in (q, k, v, g, beta))))
     finals: dict[int, Tensor] = {}
-    out = v.new_empty(1, layout.total_tokens, heads, dv)
-    for run in layout.calls:
+    parts: list[Tensor] = []
+    for run, (q_run, k_run, v_run, g_run, beta_run) in zip(layout.calls, per_run):
         members = [layout.segments[i] for i in run]
-        rows = slice(members[0].start, members[-1].end)
         initial = None
         if any(segment.parent is not None for segment in members):
             zero = torch.zeros(state_shape, dtype=torch.float32, device=q.device)
@@ -104,8 +108,7 @@ def delta_rule_over_row(rule: DeltaRule, q: Tensor, k: Tensor, v: Tensor, g: Ten
         # (the stacked copy, which the rule keeps for backward, is what flows on).
         finals.clear()
         wanted = any(layout.has_children[i] for i in run)
-        part, final = rule(q[:, rows], k[:, rows], v[:, rows], g=g[:, rows],
-                           beta=beta[:, rows], initial_state=initial,
+        part, final = rule(q_run, k_run, v_run, g=g_run, beta=beta_run, initial_state=initial,
                            output_final_state=wanted, use_qk_l2norm_in_kernel=False,
                            cu_seqlens=cu_seqlens([s.length for s in members], q.device))
         if wanted:
@@ -113,8 +116,8 @@ def delta_rule_over_row(rule: DeltaRule, q: Tensor, k: Tensor, v: Tensor, g: Ten
             for n, i in enumerate(run):
                 if layout.has_children[i]:
                     finals[i] = final[n]
-        # Each run's output goes into the row's as soon as it exists: one run's output is
-        # live beside the row's, not every run's before a concatenation.
-        out[:, rows] = part
+        parts.append(part)
         del part, final, initial
-    return out
+    # Concatenated rather than written into one output: the backward of a concatenation
+    # hands each run a view of the row's gradient, where slice writes would clone it.
+    return torch.cat(parts, dim=1)

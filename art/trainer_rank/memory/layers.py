@@ -60,10 +60,11 @@ def keeps_layer_input(d: Dims, kind: str) -> bool:
 
 
 def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
-                 padded: int | None = None) -> list[Block]:
+                 padded: int | None = None,
+                 rule_calls: tuple[tuple[int, ...], ...] | None = None) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
-    mixer = (linear_attention_blocks(d, s, padded) if kind.startswith("linear")
+    mixer = (linear_attention_blocks(d, s, padded, rule_calls) if kind.startswith("linear")
              else attention_blocks(d, s))
     # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
     # when fused (or torch's in fp32, whose upcast is the tensor itself); torch's composite in
@@ -109,11 +110,12 @@ def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
 
 
 def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bool,
-                worst_case_routing: bool = False, padded: int | None = None) -> LayerCost:
+                worst_case_routing: bool = False, padded: int | None = None,
+                rule_calls: tuple[tuple[int, ...], ...] | None = None) -> LayerCost:
     """Default LayerCost of one layer running with the selective `modules` (empty: none);
-    `padded` as in `linear_attention_blocks`."""
+    `padded` and `rule_calls` as in `linear_attention_blocks`."""
     g, b = d.geometry, d.dtype_bytes
-    blocks = layer_blocks(d, kind, s, worst_case_routing, padded)
+    blocks = layer_blocks(d, kind, s, worst_case_routing, padded, rule_calls)
     x = d.hidden_tokens(s) * g.hidden_size * b
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous

@@ -7,8 +7,6 @@ chunked kernels on GPU, their CPU counterparts otherwise) and the gated output n
 
 from __future__ import annotations
 
-import math
-
 from art.trainer_rank.memory.layer_terms import FP32, Block, BlockRole, Dims, lora_saved
 
 # fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
@@ -16,13 +14,17 @@ from art.trainer_rank.memory.layer_terms import FP32, Block, BlockRole, Dims, lo
 GDN_CHUNK_TOKENS = 64
 
 
-def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[Block]:
+def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
+                            rule_calls: tuple[tuple[int, ...], ...] | None = None
+                            ) -> list[Block]:
     """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py) with the local
     spec (`art/megatron/specs`), its linears frozen (LoRA never targets them), and fla's
     kernels or their CPU counterparts (`cpu_gated_delta`), which keep fla-core 0.6's set.
     Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term. `padded`:
     the row's tokens with each sequence padded to whole 64-token chunks (None: one sequence),
-    what the delta rule's per-chunk working set grows with."""
+    what the delta rule's per-chunk working set grows with. `rule_calls`: a row of prefix
+    trees, whose rule runs one call per depth (each call's segment lengths): its working sets
+    are the largest call's."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
     if la is None:
@@ -49,6 +51,17 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None) -> list[
     delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
     dk = la.key_head_dim
     delta_work, delta_grad = rule_work(d, rows, chunked)
+    if rule_calls is not None:
+        per_call = [rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)))
+                    for call in rule_calls]
+        delta_work = max(w for w, _ in per_call)
+        # Backward runs the calls last first; each call's input gradients stay until the
+        # split's backward concatenates all of them, when they and the concatenation exist.
+        grads_per_token = vheads * (2 * dk * b + la.value_head_dim * b + FP32 + b)
+        delta_grad = max(
+            max(g + grads_per_token * sum(sum(later) for later in rule_calls[index + 1:])
+                for index, (_, g) in enumerate(per_call)),
+            2 * grads_per_token * rows)
     return [
         Block("input norm + in_proj", None, norm, in_proj, False,
               temp=rows * g.hidden_size * b if d.layout.sequence_parallel else 0.0,
@@ -188,31 +201,34 @@ def prefix_tree_state_bytes(d: Dims, continued_segments: int) -> float:
                  * la.value_head_dim * FP32)
 
 
-def prefix_tree_cost_change(d: Dims, kind: str, s: int, padded: int,
-                            calls: tuple[tuple[int, ...], ...], grad: bool
-                            ) -> tuple[float, float]:
-    """(forward, backward) change of a Gated DeltaNet layer over a row of prefix trees, from
-    its price over the row as one set of sequences (`gated_delta_rows.delta_rule_over_row`):
-    the delta rule runs one call per depth, so its working sets are those of the largest call,
-    not the whole row's (`rule_work`); the row's output exists from the first call on (each
-    call writes its slice); a call starts from its segments' stacked initial states (with grad
-    the rule keeps them: `prefix_tree_state_bytes`, a term of the whole pass) and a call with
-    children below returns every segment's final state."""
+def padded_chunk_tokens(lengths: tuple[int, ...]) -> int:
+    return sum(-(-int(n) // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS for n in lengths)
+
+
+def prefix_tree_extra_forward_bytes(d: Dims, kind: str, s: int,
+                                    calls: tuple[tuple[int, ...], ...], grad: bool) -> float:
+    """What a Gated DeltaNet layer's forward over a row of prefix trees holds beyond its
+    formulas with the rule at its largest call (`gated_delta_rows.delta_rule_over_row`):
+    during a call, the outputs of the calls before it, its stacked initial states (with grad
+    the rule keeps them: `prefix_tree_state_bytes`, a term of the whole pass) and, at its
+    end, the final states it returns for the depth below. The concatenation of the calls'
+    outputs comes after every call's working set is freed: it holds the row's output once
+    more, which counts where that exceeds the largest call's working set."""
     la = d.geometry.linear_attention
     if la is None or len(calls) < 2 or not kind.startswith("linear_attention"):
-        return 0.0, 0.0
+        return 0.0
     state = prefix_tree_state_bytes(d, 1)
-    whole = rule_work(d, float(s), float(padded))
-    forward = backward = -math.inf
+    per_token = la.num_value_heads / d.tp * la.value_head_dim * d.dtype_bytes
+    during = 0.0
+    before = 0
     for index, call in enumerate(calls):
-        work, grad_work = rule_work(d, float(sum(call)), float(sum(
-            -(-n // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS for n in call)))
         stacked = len(call) * state if index and not grad else 0.0
         finals = len(call) * state if index < len(calls) - 1 else 0.0
-        forward = max(forward, work + stacked + finals)
-        backward = max(backward, grad_work)
-    output = float(s) * la.num_value_heads / d.tp * la.value_head_dim * d.dtype_bytes
-    return forward - whole[0] + output, backward - whole[1]
+        during = max(during, before * per_token + stacked + finals)
+        before += sum(call)
+    work = max(rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)))[0]
+               for call in calls)
+    return max(during, float(s) * per_token - work)
 
 
 def linear_attention_keeps_input(d: Dims) -> bool:

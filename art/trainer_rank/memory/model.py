@@ -41,15 +41,17 @@ from art.trainer_rank.memory.layer_terms import Dims, LayerCost
 from art.trainer_rank.memory.layers import layer_kind, price_layer
 from art.trainer_rank.memory.layers_gdn import (
     conv_sequence_padding_bytes,
-    prefix_tree_cost_change,
+    prefix_tree_extra_forward_bytes,
     prefix_tree_state_bytes,
 )
 from art.trainer_rank.memory.passes import (
     BUFFERS_OF_ATTENTION,
     SCORE_BUFFER,
+    Unit,
     backward_terms,
     forward_pass,
     forward_terms,
+    full_unit_peak,
     kept_note,
     pre_decoder_terms,
 )
@@ -181,19 +183,45 @@ class MemoryModel:
         continued = recurrent.continued_segments if recurrent is not None else 0
         padding = (conv_sequence_padding_bytes(self.dims, kind, sequences, tree=continued > 0)
                    if grad else 0.0)
-        tree_forward, tree_backward = (
-            prefix_tree_cost_change(self.dims, kind, s, padded or s, recurrent.calls, grad)
-            if recurrent is not None else (0.0, 0.0))
-        if padding or tree_forward or tree_backward:
+        forward_change = backward_change = 0.0
+        held_change: float | None = 0.0
+        if recurrent is not None and len(recurrent.calls) > 1 and kind.startswith(
+                "linear_attention"):
+            forward_change, backward_change, held_change = self._tree_change(
+                kind, modules, s, grad, padded, recurrent)
+        if padding or forward_change or backward_change or held_change:
             cost, used = result
+            held = cost.backward_held
+            if held is not None and held_change is not None:
+                held = int(held + held_change)
             result = (replace(cost, kept=int(cost.kept + padding),
-                              forward=int(cost.forward + padding + tree_forward),
-                              backward=int(cost.backward + (tree_backward if grad else 0.0))),
-                      used)
+                              forward=int(cost.forward + padding + forward_change),
+                              backward=int(cost.backward + backward_change),
+                              backward_held=held), used)
         if len(self._memo) > 4096:
             self._memo.clear()
         self._memo[memo_key] = result
         return result
+
+    def _tree_change(self, kind: str, modules: frozenset[str], s: int, grad: bool,
+                     padded: int | None, recurrent: RecurrentRow
+                     ) -> tuple[float, float, float | None]:
+        """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
+        prefix trees from its price over the same row as plain sequences: the formulas'
+        layer with the rule at its largest call's working sets (one call per depth) against
+        the formulas' layer over the row, plus what the calls' outputs and states hold
+        (`prefix_tree_extra_forward_bytes`). Applied to the probe's layer as to the
+        formulas'."""
+        plain = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
+                            worst_case_routing=self.worst_case_routing)
+        tree = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
+                           worst_case_routing=self.worst_case_routing,
+                           rule_calls=recurrent.calls)
+        extra = prefix_tree_extra_forward_bytes(self.dims, kind, s, recurrent.calls, grad)
+        held = (None if plain.backward_held is None or tree.backward_held is None
+                else float(tree.backward_held - plain.backward_held))
+        return (float(tree.forward - plain.forward) + extra,
+                float(tree.backward - plain.backward) if grad else 0.0, held)
 
     @property
     def _kinds(self) -> tuple[str, ...]:
@@ -212,7 +240,29 @@ class MemoryModel:
         return memo
 
     def _probed_unit(self, index: int, n: int, s: int, grad: bool = True,
-                     padded: int | None = None) -> LayerCost | None:
+                     padded: int | None = None, recurrent: RecurrentRow | None = None
+                     ) -> LayerCost | None:
+        """The probe's cost of a full-recompute unit of `n` layers of one kind. Over a row of
+        prefix trees a Gated DeltaNet unit's no-grad run changes as its layer's forward does,
+        and its backward (the layer rebuilt with grad, then its backward) as the formulas'
+        unit does (`full_unit_peak`) with the rule at its largest call."""
+        cost = self._probed_unit_cost(index, n, s, grad, padded)
+        kind = layer_kind(self.geometry, index)
+        if (cost is None or recurrent is None or len(recurrent.calls) < 2
+                or not kind.startswith("linear_attention")):
+            return cost
+        x = self.dims.hidden_tokens(s) * self.geometry.hidden_size * self.dtype_bytes
+        peaks = []
+        for calls in (None, recurrent.calls):
+            layer = price_layer(self.dims, kind, frozenset(), s, grad=True, padded=padded,
+                                worst_case_routing=self.worst_case_routing, rule_calls=calls)
+            peaks.append(full_unit_peak(Unit(True, index, x, x, (layer,))))
+        no_grad = self._tree_change(kind, frozenset(), s, False, padded, recurrent)[0]
+        return replace(cost, forward=int(cost.forward + no_grad),
+                       backward=int(cost.backward + peaks[1] - peaks[0]))
+
+    def _probed_unit_cost(self, index: int, n: int, s: int, grad: bool,
+                          padded: int | None) -> LayerCost | None:
         if self.coefficients is None:
             return None
         layers = self.recompute.layers
@@ -287,6 +337,10 @@ class MemoryModel:
         segments = (recurrent.segment_lengths_tokens if recurrent is not None
                     else batch.sequence_lengths_tokens)
         continued = recurrent.continued_segments if recurrent is not None else 0
+        if recurrent is not None and S > sum(segments):
+            # The row's padding is a segment of its own, run with the last depth's call.
+            *upper, last = recurrent.calls
+            recurrent = RecurrentRow((*upper, (*last, S - sum(segments))))
         padded = None
         if self.layout.context_parallel == 1 and has_chunked_layers(g):
             padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S)
@@ -301,7 +355,8 @@ class MemoryModel:
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
                           functools.partial(self._layer_cost, padded=padded,
                                             sequences=len(segments), recurrent=recurrent),
-                          functools.partial(self._probed_unit, padded=padded),
+                          functools.partial(self._probed_unit, padded=padded,
+                                            recurrent=recurrent),
                           attention_layers=frozenset(
                               i for i, kind in enumerate(self._kinds)
                               if kind.startswith("attention")),

@@ -303,7 +303,7 @@ def _held_backward(cost: LayerCost, incoming: float) -> float:
     return cost.backward_held if cost.backward_held is not None else cost.backward + incoming
 
 
-def _full_unit_peak(unit: Unit) -> float:
+def full_unit_peak(unit: Unit) -> float:
     """A full-recompute unit's backward: its layers rebuilt with grad, then their backward
     while Megatron's checkpoint holds the rebuilt unit output and the unit's incoming gradient
     (CheckpointFunction.backward keeps both referenced until the unit's backward returns)."""
@@ -369,7 +369,7 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
                     ("outputs held by the caller", outputs_held, ""),
                 ]
             continue
-        unit_peak = _full_unit_peak(unit)
+        unit_peak = full_unit_peak(unit)
         peak = below + above + unit.kept + unit_peak + outputs_held
         if peak > best:
             first, last = unit.start + 1, unit.start + len(unit.costs)
