@@ -7,11 +7,13 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Implementation:
-    """attention: "flash" (fused; keeps q, k, v, out and softmax stats: TE's on GPU, on the
-    local spec our segmented flash attention over torch's CPU flash kernels) or "unfused"
+    """attention: "flash" (fused; keeps q, k, v, out and softmax stats: TE's with the TE
+    spec; on the local spec our segmented flash attention, over torch's CPU flash kernel on
+    CPU and torch's CUDA flash / memory-efficient SDPA kernels on CUDA) or "unfused"
     (Megatron's DotProductAttention; keeps s^2 scores and probabilities). norm: "fused"
-    (keeps input + fp32 rstd) or "torch" (CPU composite rms_norm keeps fp32 copies).
-    spec: "local" (Megatron's local layer spec) or "te" (Transformer Engine spec).
+    (keeps input + fp32 rstd: TE's, or torch's CUDA `_fused_rms_norm`) or "torch" (the
+    CPU composite rms_norm keeps fp32 copies). spec: "local" (Megatron's local layer spec)
+    or "te" (Transformer Engine spec).
     """
 
     spec: str = "te"
@@ -34,6 +36,14 @@ class Implementation:
     def norm_fused_into_linear(self) -> bool:
         """The TE spec fuses the pre-attention and pre-MLP norms into the next linear."""
         return self.spec == "te"
+
+    @property
+    def attention_takes_tree(self) -> bool:
+        """Whether the built core attention takes a prefix-tree `AttentionLayout`: the local
+        spec's segmented flash attention (CPU or CUDA) takes it as is, Megatron's unfused
+        attention as its dense mask. TE's THD attention takes per-sequence cu_seqlens only,
+        so a TE build packs every sequence in full (see README, "On a GPU cluster")."""
+        return self.spec == "local"
 
     @property
     def key(self) -> str:
@@ -64,6 +74,17 @@ class Implementation:
         return cls()
 
     @classmethod
+    def cuda_local(cls, norm: str = "fused") -> Implementation:
+        """A CUDA build without Transformer Engine: Megatron's local spec with the segmented
+        flash attention over torch's CUDA SDPA kernels (packed rows and prefix trees, no
+        s^2 term), torch's RMSNorm (torch >= 2.8 runs it as the fused CUDA kernel
+        `_fused_rms_norm`, which keeps the input and an fp32 rstd: norm "fused"; `detect`
+        checks that the kernel is registered and says "torch" otherwise), unfused SwiGLU
+        and RoPE (their fusions need TE or Megatron's compiled extensions here)."""
+        return cls(spec="local", attention="flash", norm=norm, swiglu_fused=False,
+                   device="cuda")
+
+    @classmethod
     def detect(cls) -> Implementation:
         """What `model_builder` will build on this machine."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
@@ -71,6 +92,29 @@ class Implementation:
         if cuda_available() and transformer_engine_available():
             return cls.gpu_te()
         if cuda_available():
-            return cls(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
-                       device="cuda")
+            return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch")
         return cls.cpu_local()
+
+
+def torch_cuda_rms_norm_fused() -> bool:
+    """Whether this torch has a CUDA kernel for `aten::_fused_rms_norm`, which
+    `aten::rms_norm` (torch.nn.RMSNorm) calls for CUDA tensors whose weight has the input's
+    dtype (torch's layer_norm.cpp, `rms_norm_symint`); its autograd saves the input, the
+    weight and the fp32 rstd (derivatives.yaml). CPU builds have only the composite."""
+    import torch
+
+    try:
+        return bool(torch._C._dispatch_has_kernel_for_dispatch_key("aten::_fused_rms_norm",
+                                                                   "CUDA"))
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def cuda_sdpa_kernel(dtype_bytes: int, head_dim: int) -> str:
+    """Which of torch's CUDA SDPA kernels the segmented flash attention calls for a model
+    of this dtype and head size: "flash" (FlashAttention-2, fp16/bf16, head dim a multiple
+    of 8 up to 256: `mha_fwd`'s checks in aten/.../flash_attn/flash_api.cpp) or
+    "efficient" (the memory-efficient CUTLASS kernel: fp32 and every other head size).
+    packed_attention asks torch's own `can_use_flash_attention` at run time too (GPU
+    generation, sm86/89 head-dim limits); this is the part the memory model can know."""
+    return "flash" if dtype_bytes == 2 and head_dim % 8 == 0 and head_dim <= 256 else "efficient"

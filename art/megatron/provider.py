@@ -452,12 +452,14 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m art.megatron.provider", description=main.__doc__
     )
     parser.add_argument("model", help="shipped model name or path to a config.json / folder")
-    parser.add_argument("--implementation", choices=("detect", "te", "local"), default="detect",
-                        help="price for this kernel set (default: what this machine builds)")
+    parser.add_argument("--implementation", choices=("detect", "te", "local", "cuda-local"),
+                        default="detect",
+                        help="price for this kernel set (default: what this machine builds; "
+                             "cuda-local: CUDA without Transformer Engine)")
     parser.add_argument("--dtype", default=None)
     args = parser.parse_args(argv)
-    impl = {"detect": None, "te": Implementation.gpu_te(),
-            "local": Implementation.cpu_local()}[args.implementation]
+    impl = {"detect": None, "te": Implementation.gpu_te(), "local": Implementation.cpu_local(),
+            "cuda-local": Implementation.cuda_local()}[args.implementation]
     try:
         provider = Provider.from_env(args.model, dtype=args.dtype, implementation=impl)
     except ValueError as error:

@@ -63,8 +63,14 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resident-adapter-rank", type=int, default=0,
                    help="LoRA rank of the resident slots (default: --lora-rank)")
     p.add_argument("--attention", choices=("flash", "unfused"), default="flash",
-                   help="flash: Transformer Engine spec, cu_seqlens, no s^2 term (GPU); "
-                        "unfused: local spec with s^2 scores and a bool mask")
+                   help="flash: no s^2 term (TE's THD attention, or the segmented attention "
+                        "over torch's kernels with --build local); unfused: local spec with "
+                        "s^2 scores and a bool mask")
+    p.add_argument("--build", choices=("te", "local"), default=None,
+                   help="te: Transformer Engine layer spec (default); local: Megatron's local "
+                        "spec, e.g. a CUDA cluster without Transformer Engine (the segmented "
+                        "attention over torch's CUDA SDPA kernels, which takes shared "
+                        "prefixes; unfused with --attention unfused, the default there)")
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
 
 
@@ -95,19 +101,37 @@ def workload_batch(args: argparse.Namespace) -> MicroBatchShape:
                            grad_enabled=not args.no_grad, padded_tokens=packed)
 
 
-def shared_prefix_caveat(args: argparse.Namespace, device: str) -> str | None:
-    """The warning that a --shared-prefix row is one TrainerRank packs only on CPU: the
-    packed-layout attention refuses CUDA tensors, so on a GPU each rollout is packed in full
-    and the shared row's price is below what would run."""
+def implementation_from_args(args: argparse.Namespace, device: str = "cuda") -> Any:
+    """The Implementation --build and --attention name on `device`: te (flash) by default,
+    the local spec with --build local or --attention unfused."""
+    from art.megatron.implementation import Implementation
+
+    build = getattr(args, "build", None) or ("local" if args.attention == "unfused" else "te")
+    if build == "te":
+        if args.attention == "unfused":
+            raise ValueError("--build te runs Transformer Engine's flash attention; "
+                             "--attention unfused needs --build local")
+        return Implementation(device=device)
+    if args.attention == "unfused":
+        return Implementation(spec="local", attention="unfused", norm="torch",
+                              swiglu_fused=False, device=device)
+    return Implementation.cuda_local() if device == "cuda" else Implementation.cpu_local("flash")
+
+
+def shared_prefix_caveat(args: argparse.Namespace, implementation: Any) -> str | None:
+    """The warning that a --shared-prefix row is one this build does not pack: TE's THD
+    attention takes no prefix tree, so each rollout is packed in full and the shared row's
+    price is below what would run (the local spec's attention takes it, on CPU and CUDA)."""
     prefix = getattr(args, "shared_prefix", 0) or 0
-    if not prefix or device != "cuda" or not args.sequences:
+    if not prefix or implementation.attention_takes_tree or not args.sequences:
         return None
     full = sum(args.sequences)
     return (
-        f"note: --shared-prefix {prefix} prices the prefix-tree row; on a GPU this build packs "
-        f"every rollout in full ({full} tokens), since its packed-layout attention runs on CPU "
-        f"only. For what TrainerRank runs on a GPU, drop --shared-prefix (or pass "
-        f"--packed-tokens {full})."
+        f"note: --shared-prefix {prefix} prices the prefix-tree row; the {implementation.key} "
+        f"build packs every rollout in full ({full} tokens), since Transformer Engine's THD "
+        f"attention takes no shared prefix. For what TrainerRank runs there, drop "
+        f"--shared-prefix (or pass --packed-tokens {full}); --build local prices a build "
+        f"without Transformer Engine, which shares it."
     )
 
 

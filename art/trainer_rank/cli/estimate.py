@@ -12,6 +12,7 @@ from typing import Any
 
 from art.trainer_rank.cli.args import (
     add_workload_arguments,
+    implementation_from_args,
     lora_shape_from_args,
     parse_size_bytes,
     shared_prefix_caveat,
@@ -45,7 +46,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None):
     """The MemoryModel the flags (then ART_MEGATRON_*) describe."""
     from art.megatron.geometry import load_geometry
-    from art.megatron.implementation import Implementation
     from art.megatron.layout import ParallelLayout
     from art.megatron.recompute import resolve_recompute
     from art.megatron.settings import load_settings
@@ -81,11 +81,7 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
         modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())
     if granularity != "selective":
         modules = None if granularity is None and not args.recompute_modules else modules
-    if args.attention == "flash":
-        implementation = Implementation(device=args.device)
-    else:
-        implementation = Implementation(spec="local", attention="unfused", norm="torch",
-                                        swiglu_fused=False, device=args.device)
+    implementation = implementation_from_args(args, args.device)
     recompute = resolve_recompute(
         granularity=granularity, method=method if granularity == "full" else None,
         num_layers=num_layers if granularity == "full" else None,
@@ -113,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"estimate: {exc}", file=sys.stderr)
         return 2
-    caveat = shared_prefix_caveat(args, model.implementation.device)
+    caveat = shared_prefix_caveat(args, model.implementation)
     if caveat:
         print(caveat, file=sys.stderr)
     fits = None if args.gpu_memory is None else estimate.peak_bytes <= args.gpu_memory

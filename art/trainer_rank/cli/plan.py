@@ -23,6 +23,9 @@ from art.trainer_rank.cli.args import (
     shared_prefix_caveat,
     workload_batch,
 )
+from art.trainer_rank.cli.args import (
+    implementation_from_args as workload_implementation,
+)
 from art.trainer_rank.cli.planner import (
     GIB,
     GPU_MEMORY_GIB,
@@ -130,10 +133,8 @@ def batch_from_args(args: Any) -> MicroBatchShape:
 
 
 def implementation_from_args(args: Any) -> Implementation:
-    if args.attention == "flash":
-        return Implementation.gpu_te()
-    return Implementation(spec="local", attention="unfused", norm="torch", swiglu_fused=False,
-                          device="cuda")
+    """The CUDA build --build / --attention name (see cli.args.implementation_from_args)."""
+    return workload_implementation(args, "cuda")
 
 
 def run(args: Any) -> int:
@@ -151,7 +152,7 @@ def run(args: Any) -> int:
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
-    caveat = shared_prefix_caveat(args, implementation_from_args(args).device)
+    caveat = shared_prefix_caveat(args, implementation_from_args(args))
     if caveat:
         print(caveat, file=sys.stderr)
     plot_path = plot_plan(result, args.plot) if args.plot else None

@@ -102,9 +102,10 @@ def packed_length_tokens(
 
 def shares_prefixes(implementation: Implementation, layout: ParallelLayout) -> bool:
     """Whether a group's shared prefix is laid out once: the built attention must take a
-    tree layout (the local spec: segmented flash, or unfused with its dense mask); TE's THD
-    attention cannot, and context parallel splits whole sequences."""
-    return implementation.spec == "local" and layout.context_parallel == 1
+    tree layout (`Implementation.attention_takes_tree`: the local spec's segmented flash
+    attention on CPU or CUDA, or unfused with its dense mask); TE's THD attention cannot,
+    and context parallel splits whole sequences."""
+    return implementation.attention_takes_tree and layout.context_parallel == 1
 
 
 def check_layout_supported(implementation: Implementation, layout: ParallelLayout) -> None:

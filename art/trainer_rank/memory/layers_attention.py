@@ -1,8 +1,9 @@
 """Attention layer formulas: the blocks of a softmax-attention mixer and the segmented flash costs.
 
 Norm, fused QKV projection, qk-norm and RoPE, core attention (segmented flash on the local spec,
-flash, or Megatron's unfused DotProductAttention with its [heads, s, s] scores), the optional
-output gate and the output projection, priced as `Block`s (see `layers.py`).
+over torch's CPU or CUDA kernels; TE's flash; or Megatron's unfused DotProductAttention with its
+[heads, s, s] scores), the optional output gate and the output projection, priced as `Block`s
+(see `layers.py`).
 """
 
 from __future__ import annotations
@@ -26,15 +27,74 @@ def segmented_flash_costs(d: Dims, s: int, q_bytes: float, kv_bytes: float
     token (q, k, v and the output are the neighbouring blocks'). Forward: one block's output
     and logsumexp, plus an fp32 running output when a segment sees a prefix. Backward: dq, dk,
     dv accumulators (fp32 for 16-bit models, then cast back) and one block's gradients. A
-    segment is priced as the whole row: an upper bound (it is one sequence or tree node)."""
+    segment is priced as the whole row: an upper bound (it is one sequence or tree node).
+    That is torch's CPU flash kernel; on CUDA the kept logsumexp is the same and the
+    transients are the CUDA kernels' (`_cuda_segmented_transients`)."""
     heads = d.geometry.num_attention_heads / d.tp
     b = d.dtype_bytes
     acc = FP32 / b if b < FP32 else 1.0
     lse = float(s) * heads * FP32
     qkv_grads = q_bytes + 2 * kv_bytes
+    if d.implementation.device == "cuda":
+        return lse, *_cuda_segmented_transients(d, s, q_bytes, kv_bytes, lse)
     forward = q_bytes * (1.0 + (FP32 / b)) + 2 * lse
     backward = qkv_grads * acc + qkv_grads + (qkv_grads if b < FP32 else 0.0) + lse
     return lse, forward, backward
+
+
+# FlashAttention-2's forward splits the keys of a block with few query tiles over several
+# CTAs (`set_params_splitkv` in torch's flash_api.cpp, called by `mha_fwd` with num_splits 0:
+# a heuristic filling 2 CTAs per SM) and keeps fp32 partial outputs for them, [splits, b,
+# heads, L, head dim rounded]. It does so only while b x heads x query tiles of 64 stay under
+# 1.6 x the SMs, so splits x tiles stays below a few waves of CTAs: priced as 4 x SMs tiles
+# of 64 queries, at the SM count of an H100 / H200 (132).
+SPLITKV_SMS = 132
+
+
+def _cuda_segmented_transients(d: Dims, s: int, q_bytes: float, kv_bytes: float, lse: float
+                               ) -> tuple[float, float]:
+    """(forward, backward) transients of the segmented flash attention on CUDA, per kernel
+    (`Implementation.cuda_sdpa_kernel`), from what torch's kernels allocate (torch 2.11-2.13:
+    flash_attn/flash_api.cpp `mha_fwd` / `mha_bwd`, attention_backward.cu
+    `_efficient_attention_backward`); not measured here (no GPU). As on CPU a segment is
+    priced as the whole row.
+
+    Both: the block output and an fp32 running output (16-bit: an upcast copy; fp32: the
+    first block's output itself), the block, running and merged logsumexps and one merge
+    weight; backward the fp32 dq / dk / dv accumulators, the segment's logsumexp copy, the
+    cast back for 16-bit models.
+    flash, forward: the split-key fp32 partial outputs (see SPLITKV_SMS). Backward per block:
+    dq, dk, dv in the model dtype, dq's fp32 accumulator ([b, L rounded to 128, heads, d
+    rounded]), softmax_d ([b, heads, L rounded], fp32) and, with GQA, dk and dv for every
+    query head before their sum over the group ([b, S, heads, d] each).
+    efficient (one call per query slot of a group, heads / groups of them): forward the
+    call's output and padded logsumexp, in 16-bit its fp32 output accumulator; backward the
+    compact output and padded logsumexp handed to it, its contiguous grad_out, dq, dk, dv
+    for the call, its fp32 delta and a workspace priced as fp32 dq / dk / dv."""
+    from art.megatron.implementation import cuda_sdpa_kernel
+
+    g, b = d.geometry, d.dtype_bytes
+    acc = FP32 / b if b < FP32 else 1.0
+    qkv_grads = q_bytes + 2 * kv_bytes
+    heads = g.num_attention_heads / d.tp
+    rep = g.num_attention_heads / g.num_query_groups
+    forward = q_bytes * (1.0 + acc) + 4 * lse
+    backward = qkv_grads * acc + lse + (qkv_grads if b < FP32 else 0.0)
+    if cuda_sdpa_kernel(b, g.head_dim) == "flash":
+        rounded = -(-g.head_dim // (32 if g.head_dim <= 128 else 64)) * (
+            32 if g.head_dim <= 128 else 64)
+        forward += 4 * SPLITKV_SMS * 64 * rounded * FP32
+        rows = -(-s // 128) * 128
+        dq_accum = rows * heads * rounded * FP32
+        expanded = 2 * q_bytes if rep > 1 else 0.0
+        backward += qkv_grads + dq_accum + rows * heads * FP32 + expanded
+    else:
+        call_q = q_bytes / rep
+        call_lse = -(-s // 32) * 32 * heads / rep * FP32
+        forward += (call_q if rep > 1 else 0.0) + call_lse + (call_q * acc if b < FP32 else 0.0)
+        call_grads = call_q + 2 * kv_bytes
+        backward += 2 * call_q + call_lse + call_grads + lse / rep + call_grads * FP32 / b
+    return forward, backward
 
 
 def attention_blocks(d: Dims, s: int) -> list[Block]:
