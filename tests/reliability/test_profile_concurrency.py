@@ -95,14 +95,14 @@ def test_half_written_file_and_stray_temp_files_are_ignored(tmp_path):
 def _same_signature_writer(path: str, writer: int, barrier) -> None:
     from art.trainer_rank.decide import profiles as _profiles
 
-    read = _profiles._read
+    read = _profiles._load
 
     def slow_read(*args, **kwargs):
         profiles = read(*args, **kwargs)
         time.sleep(0.4)  # hold the read-merge-replace window open: the other writer is in it
         return profiles
 
-    _profiles._read = slow_read
+    _profiles._load = slow_read
     store = ProfileStore(path)
     store.observe("shared|sig", 64 * (writer + 1), 1000 * (writer + 1), 900)
     barrier.wait()
