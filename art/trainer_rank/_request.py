@@ -68,6 +68,21 @@ class OutputRequest:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def output_request_problem(outputs: OutputRequest, *, grad: bool,
+                           vocab_size: int) -> str | None:
+    """What is wrong with asking a model of `vocab_size` ids for `outputs` (with or without
+    grad), or None: the one rule TrainerRank applies to every item and the command line to
+    its --outputs."""
+    if outputs.top_k > vocab_size:
+        return (f"asks for top_k={outputs.top_k}, more than the model's vocabulary of "
+                f"{vocab_size} ids; request at most top_k={vocab_size}")
+    if grad and outputs.key == "none":
+        return ("requests no output (no target_tokens, top_k, logits or hidden_states) and "
+                "runs with grad, so there is nothing to differentiate; request an output, or "
+                "run it without grad (no_grad=True, or --no-grad on the command line)")
+    return None
+
+
 @dataclass(frozen=True)
 class LoraShape:
     rank: int = 0  # 0 = no adapter
