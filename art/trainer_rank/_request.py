@@ -12,12 +12,26 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 
 __all__ = [
+    "FieldError",
     "Implementation",
     "LoraShape",
     "MicroBatchShape",
     "OutputRequest",
     "ParallelLayout",
 ]
+
+
+class FieldError(ValueError):
+    """A value its field's rule refuses. `field`, `value` and `rule` let a caller name the
+    input the way its user gave it (`named`: a command-line flag instead of the field)."""
+
+    def __init__(self, owner: str, field: str, value: object, rule: str) -> None:
+        super().__init__(f"{owner}.{field}={value!r}: {rule}")
+        self.field, self.value, self.rule = field, value, rule
+
+    def named(self, name: str, value: object | None = None) -> ValueError:
+        shown = self.value if value is None else value
+        return ValueError(f"{name} {shown}: {self.rule}")
 
 
 @dataclass(frozen=True)
@@ -93,6 +107,16 @@ class LoraShape:
     resident_snapshots: int = 0
     resident_adapter_rank: int = 0
 
+    def __post_init__(self) -> None:
+        for name, rule in (("rank", "a LoRA rank is an integer >= 0 (0: no adapter)"),
+                           ("resident_adapters", "a count of slots is an integer >= 0"),
+                           ("resident_snapshots", "a count of snapshots is an integer >= 0"),
+                           ("resident_adapter_rank",
+                            "a LoRA rank is an integer >= 0 (0: the adapter's own rank)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise FieldError("LoraShape", name, value, rule)
+
 
 @dataclass(frozen=True)
 class MicroBatchShape:
@@ -106,9 +130,12 @@ class MicroBatchShape:
 
     def __post_init__(self) -> None:
         if not self.sequence_lengths_tokens or min(self.sequence_lengths_tokens) < 1:
-            raise ValueError(
-                f"a micro-batch needs sequences of >= 1 token, got {self.sequence_lengths_tokens}"
-            )
+            raise FieldError(
+                "MicroBatchShape", "sequence_lengths_tokens", self.sequence_lengths_tokens,
+                "a micro-batch needs one or more sequences of >= 1 token each")
+        if self.padded_tokens < 0:
+            raise FieldError("MicroBatchShape", "padded_tokens", self.padded_tokens,
+                             "a packed row holds >= 0 tokens (0: the sum of the sequences)")
 
     @property
     def logical_tokens(self) -> int:
