@@ -156,7 +156,9 @@ def parse_args_only(argv: list[str]) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parse_args_only(argv)  # --help and usage errors end here, before the heavy imports
-    sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+    for path in (str(ROOT / "scripts"), str(ROOT)):
+        if path not in sys.path:
+            sys.path.insert(0, path)
     try:
         command = launch_command(argv)
     except ValueError as exc:
