@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 
 import torch
 
@@ -43,32 +43,36 @@ class WorkloadSpec:
     prompt_tokens_range: tuple[int, int] = (24, 160)
     vocab_size: int = 512
     seed: int = 0
+    # Field -> how the caller's user spells it (e.g. "--groups"), for the messages below.
+    names: Mapping[str, str] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        if self.groups < 1 or self.rollouts_per_group < 1:
+        def n(name: str) -> str:
+            return f"{self.names.get(name, name)}={getattr(self, name)}"
+
+        if self.groups < 1:
+            raise ValueError(f"{n('groups')}: a workload needs at least one group (prompt)")
+        if self.rollouts_per_group < 1:
+            raise ValueError(f"{n('rollouts_per_group')}: a group needs at least one rollout")
+        if not 2 <= self.min_tokens <= self.max_tokens:
             raise ValueError(
-                f"a workload needs >= 1 group of >= 1 rollout, got groups={self.groups}, "
-                f"rollouts_per_group={self.rollouts_per_group}"
+                f"{n('min_tokens')}, {n('max_tokens')}: every sequence has between the two, so "
+                "they need 2 <= min <= max; change one of them"
             )
         low, high = self.prompt_tokens_range
         if not 1 <= low <= high:
-            raise ValueError(f"prompt_tokens_range must be 1 <= low <= high, got {(low, high)}")
+            raise ValueError(f"{n('prompt_tokens_range')}: needs 1 <= low <= high")
         if high >= self.max_tokens:
             raise ValueError(
-                f"prompt_tokens_range high={high} leaves no room for a completion under "
-                f"max_tokens={self.max_tokens}; lower it or raise max_tokens"
+                f"{n('prompt_tokens_range')} leaves no room for a completion under "
+                f"{n('max_tokens')}; lower it or raise max_tokens"
             )
-        if not 2 <= self.min_tokens <= self.max_tokens:
-            raise ValueError(
-                f"need 2 <= min_tokens <= max_tokens, got {self.min_tokens}, {self.max_tokens}"
-            )
-        if self.median_completion_tokens < 1 or self.completion_sigma < 0:
-            raise ValueError(
-                f"median_completion_tokens must be >= 1 and completion_sigma >= 0, got "
-                f"{self.median_completion_tokens}, {self.completion_sigma}"
-            )
+        if self.median_completion_tokens < 1:
+            raise ValueError(f"{n('median_completion_tokens')}: must be >= 1 token")
+        if self.completion_sigma < 0:
+            raise ValueError(f"{n('completion_sigma')}: must be >= 0")
         if self.vocab_size < 2:
-            raise ValueError(f"vocab_size must be >= 2, got {self.vocab_size}")
+            raise ValueError(f"{n('vocab_size')}: must be >= 2")
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,8 @@ under full recompute (escalated), one fits under nothing (declined before runnin
 recompute-aware message).
 
 Exit status: 0 when every admitted item ran once with all its outputs, no OOM escaped and the
-two oversized groups were handled as intended; 1 otherwise (the reason is printed).
+two oversized groups were handled as intended; 1 otherwise (the reason is printed); 2 for a
+flag the demo cannot run with (one line; ./scripts/demo checks the flags before torchrun).
 """
 
 from __future__ import annotations
@@ -45,10 +46,9 @@ from art.trainer_rank.memory.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 
 from _workload import WorkloadSpec, forward_inputs, rl_groups
+from demo_launch import MIB, VOCAB, DemoInputError, parse_args, workload_spec
 
-MIB = 2**20
 HIDDEN = 128
-VOCAB = 512
 
 
 def demo_checkpoint(folder: Path) -> Path:
@@ -66,23 +66,6 @@ def demo_geometry(folder: Path):
     return replace(load_geometry(folder), name=f"tiny-qwen3-{HIDDEN}")
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--groups", type=int, default=8, help="prompts (one group each)")
-    p.add_argument("--rollouts", type=int, default=4, help="rollouts per prompt")
-    p.add_argument("--min-tokens", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=1500)
-    p.add_argument("--median-completion", type=int, default=110,
-                   help="median completion length in tokens (log-normal, long-tailed)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit-mib", type=float, default=None,
-                   help="virtual memory limit per rank (default: ART_TRAINER_RANK_TEST_MEMORY_"
-                   "LIMIT_BYTES when set, else 1.7x what the largest RL group needs under the "
-                   "configured recompute, so that small groups share micro-batches)")
-    p.add_argument("--lora-rank", type=int, default=8)
-    return p.parse_args(argv)
-
-
 @dataclass
 class Oversized:
     """A group made too large on purpose, and what the planner should do with it."""
@@ -93,7 +76,17 @@ class Oversized:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+        return _main(args)
+    except DemoInputError as exc:
+        # Every rank finds the same problem; one line from rank 0 says it.
+        if os.environ.get("RANK", "0") == "0":
+            print(f"demo: {exc}", file=sys.stderr)
+        return 2
+
+
+def _main(args: argparse.Namespace) -> int:
     from peft import LoraConfig
 
     # The trainer logs escalations and declines as warnings; here they are in the table and
@@ -109,12 +102,7 @@ def main(argv: list[str] | None = None) -> int:
     provider = Provider(demo_geometry(checkpoint), lora=lora, dtype="float32")
     state = provider.initialize_distributed()
     rank0 = state.rank == 0
-    spec = WorkloadSpec(
-        groups=args.groups, rollouts_per_group=args.rollouts, min_tokens=args.min_tokens,
-        max_tokens=args.max_tokens, median_completion_tokens=args.median_completion,
-        vocab_size=VOCAB, seed=args.seed,
-        prompt_tokens_range=(16, min(160, args.max_tokens // 4)),
-    )
+    spec = workload_spec(args)
     groups = rl_groups(spec)
     items: list = forward_inputs(groups, target_logprobs=True)
 
@@ -230,9 +218,10 @@ def _oversized_groups(spec, limit, dynamic_bytes, full, provider) -> list[Oversi
         while cost((n, n)) <= limit:
             n *= 2
             if n > 1 << 16:
-                raise RuntimeError(
-                    f"no group of two sequences under 65,536 tokens exceeds the limit "
-                    f"{limit} bytes; lower --limit-mib")
+                raise DemoInputError(
+                    f"--limit-mib: the limit of {limit / MIB:.1f} MiB per rank is above what "
+                    "any group of two sequences under 65,536 tokens needs, so no group can "
+                    "be made too large on purpose; lower --limit-mib")
         low, high = n // 2, n
         while high - low > 8:
             mid = (low + high) // 2

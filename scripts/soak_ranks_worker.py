@@ -15,6 +15,7 @@ JSON (rank 0).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import logging
 import os
@@ -42,7 +43,14 @@ from _fuzz import (  # noqa: E402
     fuzz_geometry,
     fuzz_provider,
 )
-from _rank_faults import Injector, Worlds, caller_loop, flatten, tp_fault_trial  # noqa: E402
+from _rank_faults import (  # noqa: E402
+    Injector,
+    Worlds,
+    caller_loop,
+    fault_trial,
+    flatten,
+    tp_fault_trial,
+)
 
 from art.megatron import cpu_runtime  # noqa: E402
 from art.megatron.distributed import initialize_distributed, shutdown_distributed  # noqa: E402
@@ -74,11 +82,16 @@ def main() -> None:
     layout, control_port = sys.argv[4], int(sys.argv[5])
     warnings.filterwarnings("ignore")
     logging.getLogger("art.trainer_rank").setLevel(logging.CRITICAL)
-    if layout == "tp2":
-        counts, seconds = soak_tp(workloads, seed, control_port)
+    if layout in ("tp2", "tp2dp2"):
+        if layout == "tp2":
+            counts, seconds = soak_tp(workloads, seed, control_port)
+            name = "TP2 (sequence parallel)"
+        else:
+            counts, seconds = soak_tp_dp(workloads, seed, control_port)
+            name = "TP2 DP2 (sequence parallel), faults on two ranks at once"
         if int(os.environ["RANK"]) == 0:
             summary = dict(counts, ranks=int(os.environ["WORLD_SIZE"]), seed=seed, hangs=0,
-                           layout="TP2 (sequence parallel)", seconds=seconds)
+                           layout=name, seconds=seconds)
             Path(out_file).write_text(json.dumps(summary, indent=1, sort_keys=True) + "\n")
         return
     state = initialize_distributed()
@@ -178,6 +191,60 @@ def tp_workload(rng: random.Random, pool: ReferencePool, max_items: int = 6) -> 
     return plan
 
 
+def _make_tp_trainer() -> TrainerRank:
+    return TrainerRank(build_runtime_for_provider(
+        tp_provider(), build_optimizer=False, wrap_ddp=False, seed=0,
+        trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT_BYTES,
+                                           probe_layers=False)))
+
+
+# TP=2 x DP=2 (replicas {0, 1} and {2, 3}): the two ranks that fail together, in turn: one
+# in each replica, both of one replica, and every other pair; and where each one fails:
+# both before any collective (each replica recovers), one there and one inside, or both
+# inside. Five location pairs against six rank pairs: every combination within 30 workloads.
+FAULT_PAIRS: tuple[tuple[int, int], ...] = ((1, 3), (0, 1), (1, 2), (2, 3), (0, 3), (0, 2))
+LOCATION_PAIRS: tuple[tuple[str, str], ...] = (
+    ("packing", "packing"), ("packing", "layer forward"), ("layer forward", "head"),
+    ("head", "packing"), ("caller backward", "caller backward"))
+
+
+def soak_tp_dp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
+               max_tokens: int = 200) -> tuple[Counter, float]:
+    """`workloads` TP=2 x DP=2 trials (fault_trial on 4 ranks), each with OOMs injected on
+    two ranks at once (FAULT_PAIRS in turn), at LOCATION_PAIRS in turn (packing: the first
+    allocation, elsewhere a random one); returns the counts and the seconds taken."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if world != 4:
+        raise SystemExit(f"the tp2dp2 soak runs on 4 ranks, not {world}")
+    cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
+    worlds = Worlds(rank, world, control_port, tensor_parallel=2)
+    worlds.start()
+    rng = random.Random(seed)  # same stream on every rank: the same workloads and faults
+    pool = ReferencePool(None, rng)  # sequences only: the fault-free run is the reference
+    pool.draw_length = lambda: rng.randint(4, max_tokens)
+    counts: Counter = Counter({"escaped OOMs": 0, "items yielded twice on one rank": 0,
+                               "items lost": 0, "items duplicated": 0,
+                               "workloads where ranks disagree": 0,
+                               "fatal errors not naming the failing rank": 0})
+    started = time.perf_counter()
+    for w in range(workloads):
+        plan = tp_workload(rng, pool, max_items)
+        inputs = [_to_input(item, pool, False) for item in plan]
+        faults = {}
+        pair = zip(FAULT_PAIRS[w % len(FAULT_PAIRS)], LOCATION_PAIRS[w % len(LOCATION_PAIRS)])
+        for failing, location in pair:
+            nth = 1 if location == "packing" else rng.randint(1, 12)
+            faults[failing] = (location, nth)
+        # A rank still in one workload after 45 s (the process groups time out at 60 s)
+        # prints where every thread of it waits.
+        faulthandler.dump_traceback_later(45)
+        fault_trial(worlds=worlds, make_trainer=_make_tp_trainer, inputs=inputs,
+                    faults=faults, loss_of=_loss, compare=same_outputs, counts=counts)
+        faulthandler.cancel_dump_traceback_later()
+    worlds.end()
+    return counts, round(time.perf_counter() - started, 1)
+
+
 def soak_tp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
             max_tokens: int = 200) -> tuple[Counter, float]:
     """`workloads` TP=2 trials (tp_fault_trial), faults on rank 1 cycling through LOCATIONS;
@@ -187,12 +254,7 @@ def soak_tp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
     cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
     worlds = Worlds(rank, world, control_port, tensor_parallel=world)
     worlds.start()
-
-    def make_trainer() -> TrainerRank:
-        return TrainerRank(build_runtime_for_provider(
-            tp_provider(), build_optimizer=False, wrap_ddp=False, seed=0,
-            trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT_BYTES,
-                                               probe_layers=False)))
+    make_trainer = _make_tp_trainer
 
     rng = random.Random(seed)  # same stream on every rank: the same workloads
     pool = ReferencePool(None, rng)  # sequences only: the fault-free run is the reference

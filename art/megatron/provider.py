@@ -250,10 +250,9 @@ class Provider:
                  "TENSOR_MODEL_PARALLEL_SIZE (expert TP defaults to it)"),
             ]
         elif s.expert_model_parallel_size > 1:
-            raise ValueError(
-                f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size} but "
-                f"{g.name} has no MoE layers; unset it"
-            )
+            named = s.named("expert_model_parallel_size",
+                            f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size}")
+            raise ValueError(f"{named} but {g.name} has no MoE layers; unset it")
         if g.linear_attention is not None:
             la = g.linear_attention
             checks += [
@@ -261,17 +260,24 @@ class Provider:
                 ("linear_num_value_heads", la.num_value_heads, tp,
                  "TENSOR_MODEL_PARALLEL_SIZE"),
             ]
+        fields = {"TENSOR_MODEL_PARALLEL_SIZE": "tensor_model_parallel_size",
+                  "EXPERT_MODEL_PARALLEL_SIZE": "expert_model_parallel_size",
+                  "EXPERT_TENSOR_PARALLEL_SIZE": "expert_tensor_parallel_size"}
         for what, value, size, variable in checks:
             if value % size:
+                field = fields.get(variable.split()[0], "")
+                named = s.named(field, f"{variable}={size}") if field else f"{variable}={size}"
                 raise ValueError(
-                    f"{g.name}: {what}={value} is not divisible by {variable}={size}; Megatron "
+                    f"{g.name}: {what}={value} is not divisible by {named}; Megatron "
                     f"shards it evenly. Choose a size that divides {value}"
                 )
         chunks = s.pipeline_model_parallel_size * (s.virtual_pipeline_model_parallel_size or 1)
         if g.num_layers % chunks:
             raise ValueError(
                 f"{g.name}: {g.num_layers} layers cannot be split evenly over "
-                f"PIPELINE_MODEL_PARALLEL_SIZE={s.pipeline_model_parallel_size} x "
+                + s.named("pipeline_model_parallel_size",
+                          f"PIPELINE_MODEL_PARALLEL_SIZE={s.pipeline_model_parallel_size}")
+                + " x "
                 f"VIRTUAL_PIPELINE_MODEL_PARALLEL_SIZE="
                 f"{s.virtual_pipeline_model_parallel_size or 1}"
             )
@@ -280,16 +286,19 @@ class Provider:
         impl, s = self.implementation, self.settings
         if impl.spec == "local" and s.context_parallel_size > 1:
             # Megatron's local DotProductAttention asserts context_parallel_size == 1 at build.
+            named = s.named("context_parallel_size",
+                            f"ART_MEGATRON_CONTEXT_PARALLEL_SIZE={s.context_parallel_size}")
             raise ValueError(
-                f"ART_MEGATRON_CONTEXT_PARALLEL_SIZE={s.context_parallel_size} needs Transformer "
-                "Engine attention (TE spec on CUDA); the local spec built here "
-                f"({impl.key}) supports only 1"
+                f"{named} needs Transformer Engine attention (TE spec on CUDA); the local spec "
+                f"built here ({impl.key}) supports only 1"
             )
         if impl.device == "cpu" and s.expert_model_parallel_size > 1:
             # gloo's all_to_all_single rejects the split sizes the alltoall dispatcher passes.
+            named = s.named("expert_model_parallel_size",
+                            f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size}")
             raise ValueError(
-                f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size} needs "
-                "NCCL (CUDA): on CPU the gloo backend cannot run the MoE all-to-all; use 1"
+                f"{named} needs NCCL (CUDA): on CPU the gloo backend cannot run the MoE "
+                "all-to-all; use 1"
             )
 
     def _check_parallel_state_matches(self, parallel_state: Any) -> None:

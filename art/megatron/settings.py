@@ -158,6 +158,12 @@ class Settings:
     def source_of(self, field_name: str) -> str:
         return dict(self.sources).get(field_name, "default")
 
+    def named(self, field_name: str, otherwise: str) -> str:
+        """How a message names this setting: the command-line flag it came from
+        ("--tp=3", see load_settings' labels), else `otherwise`."""
+        source = self.source_of(field_name)
+        return source if source.startswith("--") else otherwise
+
     def __str__(self) -> str:
         rows = []
         for f in fields(self):
@@ -404,10 +410,16 @@ def _check_no_effect_value(variable: str, raw: str, kind: str) -> None:
             raise ValueError(f"{variable}={raw!r} must be 'default' or a positive even integer")
 
 
-def load_settings(env: Mapping[str, str] | None = None) -> Settings:
+def load_settings(env: Mapping[str, str] | None = None, *,
+                  labels: Mapping[str, str] | None = None) -> Settings:
     """Parse ART_MEGATRON_* from `env` (default os.environ). Raises ValueError on any bad value
-    and on any unknown ART_MEGATRON_* name (with the closest known name suggested)."""
+    and on any unknown ART_MEGATRON_* name (with the closest known name suggested).
+
+    `labels`: variable name -> how the user gave that value (e.g. "--tp" for a command-line
+    flag the caller turned into ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE): errors and
+    `sources` name the label, so the same rules check flags and environment alike."""
     env = os.environ if env is None else env
+    labels = labels or {}
     present: dict[str, str] = {}
     no_effect: list[tuple[str, str]] = []
     for name, raw in env.items():
@@ -440,7 +452,7 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
 
     parsed: dict[str, object] = {}
     for short, raw in present.items():
-        variable = ENV_PREFIX + short
+        variable = labels.get(ENV_PREFIX + short, ENV_PREFIX + short)
         if short == "SEQUENCE_PARALLEL":
             parsed[short] = _parse_bool(variable, raw)
         elif short == "RECOMPUTE_GRANULARITY":
@@ -476,7 +488,8 @@ def load_settings(env: Mapping[str, str] | None = None) -> Settings:
         recompute_modules=get("RECOMPUTE_MODULES", None),
     )
     sources = tuple(
-        (field_name, f"{ENV_PREFIX}{short}={present[short]}")
+        (field_name,
+         f"{labels.get(ENV_PREFIX + short, ENV_PREFIX + short)}={present[short]}")
         for field_name, short in _FIELD_TO_VARIABLE.items()
         if short in present
     )

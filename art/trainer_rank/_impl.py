@@ -37,6 +37,7 @@ from art.trainer_rank.compute.items import (
     fingerprint,
     make_items,
     rebuild,
+    validate_items,
 )
 from art.trainer_rank.decide.admission import AdmissionPolicy, Plan, PlanMode
 from art.trainer_rank.decide.escalation import full_recompute
@@ -249,6 +250,7 @@ class TrainerRank(SlotMethods):
         self.slots.resolve(checkpoint)
         call_no_grad = (not torch.is_grad_enabled()) if no_grad is None else bool(no_grad)
         items = make_items(inputs, call_no_grad=call_no_grad)
+        validate_items(items, self.provider.geometry.vocab_size)
         # Every sequence's slot, resolved now (input's, call's, pushed, loaded): a later push
         # or load does not change what this call runs with.
         items = [replace(item, checkpoints=tuple(

@@ -3,11 +3,13 @@ validated before anything runs."""
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from art._paths import directory_problem, file_path_problem
 from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
@@ -77,34 +79,11 @@ class TrainerRankOptions:
     fault_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        limit = self.test_memory_limit_bytes
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int)
-                                  or limit <= 0):
-            raise ValueError(
-                f"test_memory_limit_bytes must be a positive integer or None, got {limit!r}"
-            )
-        if not 0.0 < self.cold_start_fraction <= 1.0:
-            raise ValueError(
-                f"cold_start_fraction must be in (0, 1], got {self.cold_start_fraction!r}"
-            )
-        if not self.trust_window >= 1.0:
-            raise ValueError(f"trust_window must be >= 1.0, got {self.trust_window!r}")
-        if isinstance(self.head_chunk_tokens, bool) or not isinstance(self.head_chunk_tokens, int) \
-                or self.head_chunk_tokens < 1:
-            raise ValueError(
-                f"head_chunk_tokens must be an integer >= 1, got {self.head_chunk_tokens!r}"
-            )
-        if not isinstance(self.escalate_to_full_recompute, bool):
-            raise ValueError(
-                f"escalate_to_full_recompute must be a bool, got "
-                f"{self.escalate_to_full_recompute!r}"
-            )
-        if not isinstance(self.probe_layers, bool):
-            raise ValueError(f"probe_layers must be a bool, got {self.probe_layers!r}")
-        if not self.fault_timeout_s > 0:
-            raise ValueError(f"fault_timeout_s must be > 0, got {self.fault_timeout_s!r}")
-        if self.max_oom_retries < 0:
-            raise ValueError(f"max_oom_retries must be >= 0, got {self.max_oom_retries}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            problem = field_problem(f.name, value)
+            if problem is not None:
+                raise ValueError(f"TrainerRankOptions.{f.name}={value!r}: {problem}")
 
     def resolved_probe_cache_dir(self) -> str | None:
         """Where probe coefficients are cached on disk: the explicit directory, else next to
@@ -129,12 +108,70 @@ class TrainerRankOptions:
                 continue
             reject_unknown_variable(name, raw, ENV_PREFIX, ENV_VARIABLES)
             field_name = ENV_VARIABLES[short][0]
-            values[field_name] = _parse(name, field_name, raw)
+            value = _parse(name, field_name, raw)
+            # Checked here, so that the error names the variable the value came from.
+            problem = field_problem(field_name, value)
+            if problem is not None:
+                raise ValueError(f"{name}={raw!r}: {problem}")
+            values[field_name] = value
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known
         if unknown:
             raise TypeError(f"unknown TrainerRankOptions field(s) {sorted(unknown)}")
         return replace(cls(**values), **overrides)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def field_problem(field_name: str, value: Any) -> str | None:
+    """What is wrong with `value` for the option `field_name` (a clause for the message, which
+    names where the value came from), or None. The one validation of every option, whether it
+    comes from ART_TRAINER_RANK_* or from arguments."""
+    if field_name == "profile_path":
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)):
+            return "must be a file path or None"
+        problem = file_path_problem(value)
+        return None if problem is None else f"{problem} (unset it to keep profiles in memory)"
+    if field_name == "probe_cache_dir":
+        if value is None:
+            return None
+        if not isinstance(value, (str, os.PathLike)):
+            return "must be a directory path or None"
+        problem = directory_problem(value)
+        return None if problem is None else (
+            f"{problem} (unset it to keep probe coefficients beside the profile "
+            "file, or in memory)")
+    if field_name == "test_memory_limit_bytes":
+        if value is None or (_is_int(value) and value > 0):
+            return None
+        return "must be a positive integer byte count, e.g. 268435456 (256 MiB), or unset"
+    if field_name in ("escalate_to_full_recompute", "probe_layers"):
+        return None if isinstance(value, bool) else "must be true or false"
+    if field_name == "cold_start_fraction":
+        if _is_number(value) and 0.0 < value <= 1.0:
+            return None
+        return "must be a fraction in (0, 1], e.g. 0.25"
+    if field_name == "trust_window":
+        if _is_number(value) and math.isfinite(value) and value >= 1.0:
+            return None
+        return "must be a finite number >= 1, e.g. 2"
+    if field_name == "head_chunk_tokens":
+        return None if _is_int(value) and value >= 1 else "must be an integer >= 1, e.g. 2048"
+    if field_name == "fault_timeout_s":
+        if _is_number(value) and math.isfinite(value) and value > 0:
+            return None
+        return "must be a finite number of seconds > 0, e.g. 60"
+    if field_name == "max_oom_retries":
+        return None if _is_int(value) and value >= 0 else "must be an integer >= 0"
+    return None
 
 
 def _parse(name: str, field_name: str, raw: str) -> Any:
@@ -149,8 +186,12 @@ def _parse(name: str, field_name: str, raw: str) -> Any:
         if text.lower() in _FALSE:
             return False
         raise ValueError(f"{name}={raw!r} is not a boolean; use true or false")
+    if field_name in ("cold_start_fraction", "trust_window", "fault_timeout_s"):
+        try:
+            return float(text)
+        except ValueError:
+            raise ValueError(f"{name}={raw!r} is not a number") from None
     try:
-        return float(text) if field_name in (
-            "cold_start_fraction", "trust_window", "fault_timeout_s") else int(text)
+        return int(text)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
+        raise ValueError(f"{name}={raw!r} is not an integer") from None

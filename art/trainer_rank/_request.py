@@ -12,6 +12,7 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 
 __all__ = [
+    "FieldError",
     "Implementation",
     "LoraShape",
     "MicroBatchShape",
@@ -19,6 +20,19 @@ __all__ = [
     "RecurrentRow",
     "ParallelLayout",
 ]
+
+
+class FieldError(ValueError):
+    """A value its field's rule refuses. `field`, `value` and `rule` let a caller name the
+    input the way its user gave it (`named`: a command-line flag instead of the field)."""
+
+    def __init__(self, owner: str, field: str, value: object, rule: str) -> None:
+        super().__init__(f"{owner}.{field}={value!r}: {rule}")
+        self.field, self.value, self.rule = field, value, rule
+
+    def named(self, name: str, value: object | None = None) -> ValueError:
+        shown = self.value if value is None else value
+        return ValueError(f"{name} {shown}: {self.rule}")
 
 
 @dataclass(frozen=True)
@@ -69,6 +83,21 @@ class OutputRequest:
         return cls(**kwargs)  # type: ignore[arg-type]
 
 
+def output_request_problem(outputs: OutputRequest, *, grad: bool,
+                           vocab_size: int) -> str | None:
+    """What is wrong with asking a model of `vocab_size` ids for `outputs` (with or without
+    grad), or None: the one rule TrainerRank applies to every item and the command line to
+    its --outputs."""
+    if outputs.top_k > vocab_size:
+        return (f"asks for top_k={outputs.top_k}, more than the model's vocabulary of "
+                f"{vocab_size} ids; request at most top_k={vocab_size}")
+    if grad and outputs.key == "none":
+        return ("requests no output (no target_tokens, top_k, logits or hidden_states) and "
+                "runs with grad, so there is nothing to differentiate; request an output, or "
+                "run it without grad (no_grad=True, or --no-grad on the command line)")
+    return None
+
+
 @dataclass(frozen=True)
 class LoraShape:
     rank: int = 0  # 0 = no adapter
@@ -78,6 +107,16 @@ class LoraShape:
     resident_adapters: int = 0
     resident_snapshots: int = 0
     resident_adapter_rank: int = 0
+
+    def __post_init__(self) -> None:
+        for name, rule in (("rank", "a LoRA rank is an integer >= 0 (0: no adapter)"),
+                           ("resident_adapters", "a count of slots is an integer >= 0"),
+                           ("resident_snapshots", "a count of snapshots is an integer >= 0"),
+                           ("resident_adapter_rank",
+                            "a LoRA rank is an integer >= 0 (0: the adapter's own rank)")):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise FieldError("LoraShape", name, value, rule)
 
 
 @dataclass(frozen=True)
@@ -118,9 +157,12 @@ class MicroBatchShape:
 
     def __post_init__(self) -> None:
         if not self.sequence_lengths_tokens or min(self.sequence_lengths_tokens) < 1:
-            raise ValueError(
-                f"a micro-batch needs sequences of >= 1 token, got {self.sequence_lengths_tokens}"
-            )
+            raise FieldError(
+                "MicroBatchShape", "sequence_lengths_tokens", self.sequence_lengths_tokens,
+                "a micro-batch needs one or more sequences of >= 1 token each")
+        if self.padded_tokens < 0:
+            raise FieldError("MicroBatchShape", "padded_tokens", self.padded_tokens,
+                             "a packed row holds >= 0 tokens (0: the sum of the sequences)")
 
     @property
     def logical_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 For each attention implementation (segmented flash, unfused with a dense tree mask) and with
 and without sequence parallel, on a dense model and on a Gated DeltaNet hybrid, the cases of
-tests/_shared_prefix.py run shared and unshared on this rank's shard of one model. argv: out_dir; writes out_dir/rank<R>.json.
+tests/_shared_prefix.py run shared and unshared on this rank's shard of one model.
+argv: out_dir; writes out_dir/rank<R>.json.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import os
 import sys
 
 from art.megatron.distributed import initialize_distributed, shutdown_distributed
+from art.megatron.geometry import load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-
-from art.megatron.geometry import load_geometry
 
 from _shared_prefix import CASES, HYBRID_CASES, compare, group
 from _tiny import tiny_dense

@@ -20,7 +20,7 @@ import pytest
 
 from art.megatron.distributed import free_port
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("phase_faults_worker.py")
 FAULT_TIMEOUT_S = 20.0
@@ -148,3 +148,18 @@ def test_tp2_dp2_an_oom_on_one_rank_ends_both_replicas_with_the_same_error(four_
         assert "rank 1 ran out of memory in the forward of micro-batch 0" in row["error"]["text"]
         assert row["ended_at"] - rows[1]["fired_at"] < FAULT_TIMEOUT_S
     assert len({row["error"]["text"] for row in rows}) == 1
+
+
+@pytest.mark.torchrun
+def test_a_fault_read_at_a_boundary_wakes_the_peer_already_past_it(tmp_path):
+    # Rank 0 reads another replica's fault at its boundary; rank 1, past its own, waits in
+    # the plan's collective: it ends with the same error at once (before: when the process
+    # group timed out, or rank 0 left its process; the worker keeps it 10 s).
+    run_torchrun(WORKER.with_name("boundary_fault_worker.py"), str(tmp_path),
+                 str(free_port()), nproc=2, timeout_s=120)
+    rows = rank_records(tmp_path)
+    for row in rows:
+        assert row["error"].startswith("TrainerRankMemoryError: forward_micro_batches: rank 3 "
+                                       "ran out of memory in the forward"), row
+    assert rows[0]["error"] == rows[1]["error"]
+    assert rows[1]["waited_s"] < 6, rows[1]

@@ -84,7 +84,7 @@ def test_persistence_round_trip_merges_and_is_versioned(tmp_path):
         json.dumps({"version": PROFILE_FILE_VERSION, "profiles": {"s": {"observations": [[1]]}}}),
     ],
 )
-def test_corrupt_or_mismatched_file_is_ignored_with_a_warning(tmp_path, content):
+def test_corrupt_or_mismatched_file_is_ignored_and_kept_aside(tmp_path, content):
     path = tmp_path / "p.json"
     path.write_text(content)
     with warnings.catch_warnings(record=True) as caught:
@@ -93,8 +93,13 @@ def test_corrupt_or_mismatched_file_is_ignored_with_a_warning(tmp_path, content)
     assert store.profiles == {}
     assert any("ignoring memory profile file" in str(w.message) for w in caught)
     store.observe("s", 10, 10, 10)
-    store.save()
+    with pytest.warns(RuntimeWarning, match="kept as ") as saved:
+        store.save()
     assert json.loads(path.read_text())["version"] == PROFILE_FILE_VERSION
+    # The other file is not overwritten: renamed aside, byte for byte, where the warning says.
+    aside = [p for p in tmp_path.iterdir() if p.name.endswith(".bak")]
+    assert len(aside) == 1 and aside[0].read_text() == content
+    assert str(aside[0]) in str(saved[0].message)
 
 
 def _save_many(path: str, writer: int, start: float) -> None:

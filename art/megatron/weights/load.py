@@ -211,7 +211,13 @@ def _copy_all(model: nn.Module, prepared: PreparedCheckpoint) -> tuple[int, int]
             covered = 0
             for piece in shard:
                 target = param.data.narrow(piece.dim, piece.local_start, piece.length)
-                target.copy_(_source(reader, piece))
+                source = _source(reader, piece)
+                target.copy_(source)
+                # Checked on the copy this rank keeps (its own slice, already read), so the
+                # file is never read a second time; a value that overflows the model's dtype
+                # in the copy is caught too.
+                if not _all_finite(target):
+                    raise _non_finite(prepared, piece, source, target)
                 if tmap.offset:
                     target.add_(tmap.offset)  # e.g. zero-centred norm weights: 1 + w
                 covered += piece.length
@@ -222,6 +228,42 @@ def _copy_all(model: nn.Module, prepared: PreparedCheckpoint) -> tuple[int, int]
     if count == 0:
         raise CheckpointError("the model has no parameters to load; was it built?")
     return count, nbytes
+
+
+# Elements checked at once: the check's bool temporary stays at 16 MiB however large the
+# shard (an embedding shard holds billions of elements).
+_FINITE_CHUNK = 1 << 24
+
+
+def _all_finite(tensor: torch.Tensor) -> bool:
+    flat = tensor.reshape(-1) if tensor.is_contiguous() else None
+    if flat is not None:
+        return all(bool(torch.isfinite(part).all()) for part in flat.split(_FINITE_CHUNK))
+    rows = max(1, _FINITE_CHUNK // max(1, tensor[0].numel())) if tensor.dim() else 1
+    return all(bool(torch.isfinite(part).all()) for part in tensor.split(rows))
+
+
+def _non_finite(prepared: PreparedCheckpoint, piece: Piece, source: torch.Tensor,
+                target: torch.Tensor) -> CheckpointError:
+    """The error for a slice whose copy is not finite: stored so in the file, or finite
+    there and out of the model dtype's range (only this error path looks at the file again)."""
+    record = prepared.checkpoint.tensors[piece.hf_name]
+    span = (f"{'rows' if piece.dim == 0 else 'columns'} {piece.hf_start}-"
+            f"{piece.hf_start + piece.length - 1}")
+    stored = ~torch.isfinite(source)
+    if bool(stored.any()):
+        nan = int(torch.isnan(source).sum())
+        what = (f"holds {int(stored.sum())} non-finite value(s) ({nan} NaN, "
+                f"{int(stored.sum()) - nan} inf)")
+        remedy = "re-save or re-download the checkpoint"
+    else:
+        dtype = str(target.dtype).removeprefix("torch.")
+        what = (f"holds {int((~torch.isfinite(target)).sum())} value(s) beyond the range of "
+                f"{dtype}, the dtype the model is built in")
+        remedy = "build the model in a wider dtype (e.g. bfloat16 or float32)"
+    return CheckpointError(
+        f"{prepared.path}: tensor {piece.hf_name!r} in {record.file.name}, {span} (the slice "
+        f"this rank loads), {what}; a model with them computes NaN: {remedy}")
 
 
 def _agree_on_failure(model: nn.Module, error: BaseException | None) -> None:

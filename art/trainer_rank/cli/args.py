@@ -5,9 +5,18 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Sequence
 from typing import Any
 
-from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._request import (
+    FieldError,
+    LoraShape,
+    MicroBatchShape,
+    OutputRequest,
+    output_request_problem,
+)
+from art.trainer_rank.compute.packing import packed_length_tokens, packed_tokens_problem
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": 2**30, "gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6,
@@ -22,19 +31,19 @@ def parse_size_bytes(text: str) -> int:
             f"memory size {text!r} is not a number with an optional unit (GiB, GB, MiB, MB); "
             "a bare number means GiB"
         )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    size = int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if size <= 0:
+        raise argparse.ArgumentTypeError(f"memory size {text!r} must be more than 0 bytes")
+    return size
 
 
 def _lengths(text: str) -> tuple[int, ...]:
     try:
-        values = tuple(int(v) for v in text.split(",") if v.strip())
-    except ValueError as exc:
+        return tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
         raise argparse.ArgumentTypeError(
             f"--sequences takes a comma list of token counts, got {text!r}"
-        ) from exc
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"--sequences needs lengths >= 1, got {text!r}")
-    return values
+        ) from None
 
 
 def add_workload_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,7 +57,7 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shared-prefix", type=int, default=0, metavar="TOKENS",
                    help="the --sequences are one group (a prompt's rollouts) sharing their first "
                         "TOKENS tokens: the packed row holds them once (prefix-tree packing)")
-    p.add_argument("--packed-tokens", type=int, default=0,
+    p.add_argument("--packed-tokens", type=int, default=None,
                    help="tokens in the packed row when it differs from the sum (prefer "
                         "--shared-prefix, which derives it from the group's shape)")
     p.add_argument("--outputs", default="logprobs",
@@ -74,31 +83,50 @@ def add_workload_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", choices=("bfloat16", "float16", "float32"))
 
 
-def workload_batch(args: argparse.Namespace) -> MicroBatchShape:
-    """The MicroBatchShape the workload flags describe: a group of --sequences sharing
-    --shared-prefix tokens packs to sum - (n - 1) x prefix tokens (the prefix once)."""
+def workload_batch(args: argparse.Namespace, *, vocab_size: int,
+                   layouts: Sequence[ParallelLayout]) -> MicroBatchShape:
+    """The MicroBatchShape the workload flags describe, checked with the rules TrainerRank
+    applies to what it runs (the model's vocabulary, the outputs rule, packing for
+    `layouts`): a group of --sequences sharing --shared-prefix tokens packs to
+    sum - (n - 1) x prefix tokens (the prefix once)."""
     lengths = tuple(args.sequences) if args.sequences else (args.tokens,)
+    flag = "--sequences" if args.sequences else "--tokens"
+    try:
+        MicroBatchShape(lengths)
+    except FieldError as exc:
+        raise exc.named(flag, ",".join(map(str, lengths))) from None
     prefix = getattr(args, "shared_prefix", 0) or 0
-    if args.packed_tokens < 0:
-        raise ValueError(f"--packed-tokens must be >= 0, got {args.packed_tokens}")
     if prefix < 0 or prefix > min(lengths):
         raise ValueError(
-            f"--shared-prefix must be between 0 and the shortest sequence ({min(lengths)} "
-            f"tokens), got {prefix}"
+            f"--shared-prefix {prefix}: must be between 0 and the shortest sequence "
+            f"({min(lengths)} tokens)"
         )
     packed = args.packed_tokens
+    if packed is not None:
+        worst = max(layouts, key=lambda lo: packed_length_tokens(lengths, lo))
+        problem = packed_tokens_problem(lengths, packed, worst)
+        if problem is not None:
+            raise ValueError(f"--packed-tokens {packed}: {problem}")
     if prefix:
         if len(lengths) < 2:
-            raise ValueError("--shared-prefix needs a group: give --sequences with 2 or more")
+            raise ValueError(f"--shared-prefix {prefix}: needs a group; give --sequences with "
+                             "2 or more lengths")
         shared = sum(lengths) - (len(lengths) - 1) * prefix
-        if packed and packed != shared:
+        if packed is not None and packed != shared:
             raise ValueError(
                 f"--packed-tokens {packed} contradicts --shared-prefix {prefix} ({len(lengths)} "
                 f"sequences of {sum(lengths)} tokens pack to {shared}); give one of them"
             )
         packed = shared
-    return MicroBatchShape(lengths, outputs=OutputRequest.parse(args.outputs),
-                           grad_enabled=not args.no_grad, padded_tokens=packed)
+    try:
+        outputs = OutputRequest.parse(args.outputs)
+    except ValueError as exc:
+        raise ValueError(f"--outputs {args.outputs!r}: {exc}") from None
+    problem = output_request_problem(outputs, grad=not args.no_grad, vocab_size=vocab_size)
+    if problem is not None:
+        raise ValueError(f"--outputs {args.outputs!r} {problem}")
+    return MicroBatchShape(lengths, outputs=outputs, grad_enabled=not args.no_grad,
+                           padded_tokens=packed or 0)
 
 
 def implementation_from_args(args: argparse.Namespace, device: str = "cuda") -> Any:
@@ -135,9 +163,19 @@ def shared_prefix_caveat(args: argparse.Namespace, implementation: Any) -> str |
     )
 
 
+# LoraShape's fields -> the flag that sets each.
+_LORA_FLAGS = {"rank": "--lora-rank", "resident_adapters": "--resident-adapters",
+               "resident_snapshots": "--resident-snapshots",
+               "resident_adapter_rank": "--resident-adapter-rank"}
+
+
 def lora_shape_from_args(args: Any) -> LoraShape:
-    """The LoraShape of --lora-rank and the resident checkpoint slots."""
-    return LoraShape(rank=max(args.lora_rank, 0),
-                     resident_adapters=getattr(args, "resident_adapters", 0),
-                     resident_snapshots=getattr(args, "resident_snapshots", 0),
-                     resident_adapter_rank=getattr(args, "resident_adapter_rank", 0))
+    """The LoraShape of --lora-rank and the resident checkpoint slots (LoraShape's own rules;
+    an error names the flag)."""
+    try:
+        return LoraShape(rank=args.lora_rank,
+                         resident_adapters=getattr(args, "resident_adapters", 0),
+                         resident_snapshots=getattr(args, "resident_snapshots", 0),
+                         resident_adapter_rank=getattr(args, "resident_adapter_rank", 0))
+    except FieldError as exc:
+        raise exc.named(_LORA_FLAGS[exc.field]) from None

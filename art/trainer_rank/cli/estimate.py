@@ -22,89 +22,97 @@ from art.trainer_rank.cli.args import (
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_workload_arguments(p)
-    p.add_argument("--tp", type=int,
-                   help="tensor parallel (ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE)")
-    p.add_argument("--cp", type=int, help="context parallel")
-    p.add_argument("--ep", type=int, help="expert parallel")
-    p.add_argument("--pp", type=int, help="pipeline parallel")
+    # Layout and recompute flags are read as ART_MEGATRON_* values are (same parser, same
+    # checks, same words such as `none`): each one stands for the variable it names.
+    p.add_argument("--tp", help="tensor parallel (ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE)")
+    p.add_argument("--cp", help="context parallel (ART_MEGATRON_CONTEXT_PARALLEL_SIZE)")
+    p.add_argument("--ep", help="expert parallel (ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE)")
+    p.add_argument("--pp", help="pipeline parallel (ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE)")
     p.add_argument("--sp", dest="sp", action="store_true", default=None,
                    help="sequence parallel on (default: on when TP > 1)")
     p.add_argument("--no-sp", dest="sp", action="store_false")
-    p.add_argument("--recompute", choices=("full", "selective", "none"))
-    p.add_argument("--recompute-method", choices=("uniform", "block"))
-    p.add_argument("--recompute-num-layers", type=int)
+    p.add_argument("--recompute",
+                   help="full, selective or none (ART_MEGATRON_RECOMPUTE_GRANULARITY); given, "
+                        "it and the --recompute-* flags replace every ART_MEGATRON_RECOMPUTE_*")
+    p.add_argument("--recompute-method", help="uniform or block (ART_MEGATRON_RECOMPUTE_METHOD)")
+    p.add_argument("--recompute-num-layers",
+                   help="layers per full checkpoint (ART_MEGATRON_RECOMPUTE_NUM_LAYERS)")
     p.add_argument("--recompute-modules",
                    help="selective modules, comma list (core_attn, mlp, layernorm, moe, ...)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--gpu-memory", type=parse_size_bytes,
-                   help="usable memory per rank for the `fits` verdict (e.g. 107.192GB, 141GiB)")
+                   help="usable memory per rank for the `fits` verdict (e.g. 107.192GB, 141GiB); "
+                        "exit status 3 when the peak does not fit")
     p.add_argument("--worst-case-routing", action="store_true",
                    help="MoE: price every token routed to this rank's experts")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
 
 
+# flag attribute -> (ART_MEGATRON_* variable, the flag as the user spells it)
+_SETTING_FLAGS: dict[str, tuple[str, str]] = {
+    "tp": ("TENSOR_MODEL_PARALLEL_SIZE", "--tp"),
+    "cp": ("CONTEXT_PARALLEL_SIZE", "--cp"),
+    "ep": ("EXPERT_MODEL_PARALLEL_SIZE", "--ep"),
+    "pp": ("PIPELINE_MODEL_PARALLEL_SIZE", "--pp"),
+    "recompute": ("RECOMPUTE_GRANULARITY", "--recompute"),
+    "recompute_method": ("RECOMPUTE_METHOD", "--recompute-method"),
+    "recompute_num_layers": ("RECOMPUTE_NUM_LAYERS", "--recompute-num-layers"),
+    "recompute_modules": ("RECOMPUTE_MODULES", "--recompute-modules"),
+}
+
+
+def flag_settings(args: argparse.Namespace, env: dict[str, str]) -> Any:
+    """The Settings of ART_MEGATRON_* in `env` with the flags laid over them, parsed and
+    checked by the runtime's own parser; an error names the flag a value came from."""
+    from art.megatron.settings import ENV_PREFIX, load_settings
+
+    merged = dict(env)
+    if args.recompute is not None:
+        # --recompute describes the whole policy: the environment's recompute knobs would
+        # otherwise mix with it (e.g. a NUM_LAYERS meant for full under --recompute selective).
+        merged = {k: v for k, v in merged.items()
+                  if not k.startswith(ENV_PREFIX + "RECOMPUTE_")}
+    labels: dict[str, str] = {}
+    for attribute, (variable, flag) in _SETTING_FLAGS.items():
+        value = getattr(args, attribute)
+        if value is not None:
+            merged[ENV_PREFIX + variable] = str(value)
+            labels[ENV_PREFIX + variable] = flag
+    if args.sp is not None:
+        merged[ENV_PREFIX + "SEQUENCE_PARALLEL"] = "true" if args.sp else "false"
+        labels[ENV_PREFIX + "SEQUENCE_PARALLEL"] = "--sp" if args.sp else "--no-sp"
+    return load_settings(merged, labels=labels)
+
+
 def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None):
-    """The MemoryModel the flags (then ART_MEGATRON_*) describe."""
+    """The MemoryModel the flags (then ART_MEGATRON_*) describe, validated as a launch with
+    those settings would be (settings parser, then the provider's layout, kernel and
+    recompute checks against the model): what TrainerRank could not build is refused."""
     from art.megatron.geometry import load_geometry
-    from art.megatron.layout import ParallelLayout
-    from art.megatron.recompute import resolve_recompute
-    from art.megatron.settings import load_settings
+    from art.megatron.provider import Provider
     from art.trainer_rank.memory.model import MemoryModel
 
     environ = dict(os.environ if env is None else env)
-    settings = load_settings(environ)
     geometry = load_geometry(args.model)
-    tp = args.tp or settings.tensor_model_parallel_size
-    sp = args.sp
-    if sp is None:
-        explicit = settings.source_of("sequence_parallel") != "default"
-        sp = settings.sequence_parallel if explicit else tp > 1
-    layout = ParallelLayout(
-        tensor_parallel=tp,
-        context_parallel=args.cp or settings.context_parallel_size,
-        pipeline_parallel=args.pp or settings.pipeline_model_parallel_size,
-        expert_parallel=args.ep or settings.expert_model_parallel_size,
-        sequence_parallel=bool(sp) and tp > 1,
-    )
-    if args.recompute is not None:
-        granularity = None if args.recompute == "none" else args.recompute
-        method = args.recompute_method or ("uniform" if granularity == "full" else None)
-        num_layers = args.recompute_num_layers
-        if granularity == "full" and num_layers is None:
-            num_layers = 1
-    else:
-        granularity = settings.recompute_granularity
-        method = args.recompute_method or settings.recompute_method
-        num_layers = args.recompute_num_layers or settings.recompute_num_layers
-    modules: tuple[str, ...] | None = settings.recompute_modules
-    if args.recompute_modules is not None:
-        modules = tuple(m.strip() for m in args.recompute_modules.split(",") if m.strip())
-    if granularity != "selective":
-        modules = None if granularity is None and not args.recompute_modules else modules
+    settings = flag_settings(args, environ)
     implementation = implementation_from_args(args, args.device)
-    recompute = resolve_recompute(
-        granularity=granularity, method=method if granularity == "full" else None,
-        num_layers=num_layers if granularity == "full" else None,
-        modules=modules if granularity == "selective" else None,
-        moe_layers=geometry.moe_layers, layer_types=geometry.layer_types,
-        pipeline_stages=layout.pipeline_parallel,
-        norm_fused_into_linear=implementation.norm_fused_into_linear,
-        has_shared_experts=geometry.shared_expert_ffn_hidden_size > 0,
-    )
-    lora = lora_shape_from_args(args)
+    provider = Provider(geometry, settings=settings, dtype=args.dtype or geometry.dtype,
+                        implementation=implementation)
     return MemoryModel(
-        geometry, layout=layout, recompute=recompute, implementation=implementation,
-        lora=lora, dtype=args.dtype or geometry.dtype,
+        geometry, layout=provider.layout, recompute=provider.effective_recompute,
+        implementation=implementation, lora=lora_shape_from_args(args), dtype=provider.dtype,
         alloc_conf=environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         worst_case_routing=args.worst_case_routing,
     )
 
 
 def run(args: argparse.Namespace) -> int:
-
+    """Print the estimate (or JSON); exit status 0, or 3 when --gpu-memory is given and the
+    peak does not fit; 2 for an invalid request (argparse's usage errors are 2 as well)."""
     try:
         model = build_memory_model(args)
-        batch = workload_batch(args)
+        batch = workload_batch(args, vocab_size=model.geometry.vocab_size,
+                               layouts=[model.layout])
         estimate = model.estimate(batch)
     except ValueError as exc:
         print(f"estimate: {exc}", file=sys.stderr)
@@ -113,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     if caveat:
         print(caveat, file=sys.stderr)
     fits = None if args.gpu_memory is None else estimate.peak_bytes <= args.gpu_memory
+    status = 3 if fits is False else 0
     if args.json:
         payload = estimate.to_dict()
         payload["model"] = model.geometry.name
@@ -124,9 +133,9 @@ def run(args: argparse.Namespace) -> int:
             payload["gpu_memory_bytes"] = args.gpu_memory
             payload["fits"] = fits
         print(json.dumps(payload, indent=2))
-        return 0
+        return status
     _print_table(model, estimate, args.gpu_memory, fits)
-    return 0
+    return status
 
 
 def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool | None) -> None:

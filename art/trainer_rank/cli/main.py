@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from typing import NoReturn
 
 from art.trainer_rank.cli import estimate, plan
 
@@ -13,8 +14,15 @@ is built and no GPU is needed: the memory model computes every figure from the m
 the parallel layout, the recompute policy and one micro-batch's shape."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a usage error on one line (the full usage is what --help is for)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def parser() -> argparse.ArgumentParser:
-    top = argparse.ArgumentParser(prog="python -m art.trainer_rank", description=DESCRIPTION)
+    top = _Parser(prog="python -m art.trainer_rank", description=DESCRIPTION)
     commands = top.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, module, summary in (
         ("estimate", estimate,

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from art.megatron.geometry import load_geometry
 from art.megatron.implementation import Implementation
 from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank.cli.args import (
@@ -31,6 +32,7 @@ from art.trainer_rank.cli.planner import (
     GPU_MEMORY_GIB,
     MemoryModelFactory,
     PlanResult,
+    candidate_layouts,
     current_cell,
     layout_name,
     memory_model_for,
@@ -128,8 +130,10 @@ def add_arguments(parser: Any) -> None:
                         "policy, one panel per layout, with the GPU memory as a line")
 
 
-def batch_from_args(args: Any) -> MicroBatchShape:
-    return workload_batch(args)
+def batch_from_args(args: Any, geometry: Any, gpus: int) -> MicroBatchShape:
+    """The workload flags' micro-batch, checked for `geometry` and every layout of `gpus`."""
+    return workload_batch(args, vocab_size=geometry.vocab_size,
+                          layouts=candidate_layouts(gpus))
 
 
 def implementation_from_args(args: Any) -> Implementation:
@@ -141,11 +145,17 @@ def run(args: Any) -> int:
     """Print the plan (or JSON); 0 when something fits, 3 when nothing does (argparse's
     usage errors are 2), 2 for an invalid request."""
     try:
-        batch = batch_from_args(args)
+        try:
+            candidate_layouts(args.gpus)
+        except ValueError as exc:
+            raise ValueError(f"--gpus {args.gpus}: {exc}") from None
+        geometry = load_geometry(args.model)
+        batch = batch_from_args(args, geometry, args.gpus)
+        lora = lora_shape_from_args(args)
         memory_bytes = int(GPU_MEMORY_GIB[args.gpu] * GIB) if args.gpu else args.gpu_memory
         result = plan(
-            args.model, batch=batch, gpus=args.gpus, gpu_memory_bytes=memory_bytes,
-            lora_rank=args.lora_rank, dtype=args.dtype, lora=lora_shape_from_args(args),
+            geometry, batch=batch, gpus=args.gpus, gpu_memory_bytes=memory_bytes,
+            lora_rank=args.lora_rank, dtype=args.dtype, lora=lora,
             implementation=implementation_from_args(args),
             alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), current=current_cell(),
         )

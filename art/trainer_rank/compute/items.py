@@ -9,8 +9,9 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank._request import OutputRequest
+from art.trainer_rank._request import OutputRequest, output_request_problem
 from art.trainer_rank._types import ForwardInput
+from art.trainer_rank.compute.packing import IGNORE_INDEX
 from art.trainer_rank.compute.prefix_tree import TreeShape, shared_tokens, tree_shape
 
 MAX_NESTING_LEVELS = 4  # the top-level list plus up to three levels of groups, as upstream
@@ -116,6 +117,53 @@ def make_items(inputs: Iterable[Any], *, call_no_grad: bool = False) -> list[Ite
         flags = tuple(call_no_grad if leaf.no_grad is None else leaf.no_grad for leaf in leaves)
         items.append(Item(index=i, value=value, leaves=tuple(leaves), no_grad_leaves=flags))
     return items
+
+
+def validate_items(items: Sequence[Item], vocab_size: int) -> None:
+    """Check every item against the model before anything is priced or run: token ids and
+    targets inside the vocabulary, top_k no larger than it, and something to differentiate in
+    a grad item (an item without any output, with grad, is refused here: its head would
+    have nothing to run backward through). Errors name the item by its place in the inputs."""
+    for item in items:
+        for path, leaf in _leaf_paths(item.value, f"[{item.index}]"):
+            _check_ids(leaf.input_tokens, f"inputs{path}.input_tokens", vocab_size,
+                       ignore=None)
+            if leaf.target_tokens is not None:
+                _check_ids(leaf.target_tokens, f"inputs{path}.target_tokens", vocab_size,
+                           ignore=IGNORE_INDEX)
+            problem = output_request_problem(leaf.outputs, grad=False, vocab_size=vocab_size)
+            if problem is not None:
+                raise ValueError(f"inputs{path} {problem}")
+        problem = output_request_problem(item.outputs, grad=item.grad, vocab_size=vocab_size)
+        if problem is not None:
+            what = "every sequence of the group" if item.is_group else "the sequence"
+            raise ValueError(f"inputs[{item.index}] ({what}) {problem}")
+
+
+def _leaf_paths(value: Any, path: str) -> Iterable[tuple[str, ForwardInput]]:
+    if isinstance(value, ForwardInput):
+        yield path, value
+        return
+    for i, child in enumerate(value):
+        yield from _leaf_paths(child, f"{path}[{i}]")
+
+
+def _check_ids(ids: torch.Tensor, what: str, vocab_size: int, *, ignore: int | None) -> None:
+    bad = (ids < 0) | (ids >= vocab_size)
+    if ignore is not None:
+        bad &= ids != ignore
+    if not bool(bad.any()):
+        return
+    position = int(bad.reshape(-1).nonzero()[0, 0])
+    value = int(ids.reshape(-1)[position])
+    at = (f"position {position}" if ids.dim() == 1 else
+          f"position {position // ids.shape[1]}, target {position % ids.shape[1]}")
+    allowed = f"ids 0-{vocab_size - 1}" + (f", or {ignore} to skip a position"
+                                            if ignore is not None else "")
+    raise ValueError(
+        f"{what} holds {value} at {at} ({int(bad.sum())} such value(s)); the model's "
+        f"vocabulary has {vocab_size} ids, so it takes {allowed}: check the tokenizer the "
+        "ids came from")
 
 
 def group_shared_tokens(leaves: Sequence[ForwardInput]) -> int:

@@ -100,6 +100,22 @@ def packed_length_tokens(
     return _round_up(total - shared_tokens, row_multiple_tokens(layout))
 
 
+def packed_tokens_problem(sequence_lengths_tokens: Sequence[int], packed_tokens: int,
+                          layout: ParallelLayout) -> str | None:
+    """What is wrong with a packed row of `packed_tokens` for these sequences, or None: the
+    row holds the longest sequence whole (the others at best share it as a prefix) and at
+    most every sequence in full, padded as `pack_sequences` pads for `layout`."""
+    longest = max(sequence_lengths_tokens)
+    whole = packed_length_tokens(sequence_lengths_tokens, layout)
+    if longest <= packed_tokens <= whole:
+        return None
+    padded = "" if whole == sum(sequence_lengths_tokens) else f", padded for {layout.summary}"
+    return (f"is outside what {len(sequence_lengths_tokens)} sequence(s) of "
+            f"{sum(sequence_lengths_tokens)} tokens can pack to: from {longest} (the longest "
+            f"sequence, every other one a shared prefix of it) to {whole} (no prefix "
+            f"shared{padded}); give a count in that range")
+
+
 def shares_prefixes(implementation: Implementation, layout: ParallelLayout) -> bool:
     """Whether a group's shared prefix is laid out once: the built attention must take a
     tree layout (`Implementation.attention_takes_tree`: the local spec's segmented flash

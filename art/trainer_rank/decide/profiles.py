@@ -27,6 +27,7 @@ import json
 import math
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -166,7 +167,20 @@ class ProfileStore:
 
     def _merge_and_replace(self) -> None:
         assert self.path is not None
-        merged = merge_profiles(_read(self.path, warn=False), self.profiles)
+        try:
+            on_disk = _load(self.path)
+        except UnusableProfileFile as unusable:
+            # Another version's file (or a damaged one) is kept, not overwritten: renamed
+            # aside under the lock, so that one writer moves it.
+            on_disk = {}
+            aside = _set_aside(self.path, unusable.tag)
+            warnings.warn(
+                f"memory profile file {self.path}: {unusable}; kept as {aside}, and a new "
+                f"version {PROFILE_FILE_VERSION} file written in its place",
+                RuntimeWarning, stacklevel=3)
+        except OSError:
+            on_disk = {}
+        merged = merge_profiles(on_disk, self.profiles)
         payload = {
             "version": PROFILE_FILE_VERSION,
             "profiles": {
@@ -231,16 +245,29 @@ def _rows(raw: object, what: str, width: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _read(path: Path, *, warn: bool = True) -> dict[str, Profile]:
-    """Profiles from `path`; a missing file is empty, a corrupt or other-version one is
-    ignored with a warning (learning starts again; the file is replaced on the next save)."""
+class UnusableProfileFile(ValueError):
+    """A profile file that is not this version's JSON; `tag` names it in the file kept aside
+    ("v3" for another version, "corrupt" for one that does not parse)."""
+
+    def __init__(self, message: str, tag: str) -> None:
+        super().__init__(message)
+        self.tag = tag
+
+
+def _load(path: Path) -> dict[str, Profile]:
+    """Profiles from `path` ({} when it does not exist); UnusableProfileFile when it holds
+    something else, OSError when it cannot be read."""
     if not path.exists():
         return {}
     try:
         data = json.loads(path.read_text())
-        if not isinstance(data, dict) or data.get("version") != PROFILE_FILE_VERSION:
-            found = data.get("version") if isinstance(data, dict) else type(data).__name__
-            raise ValueError(f"version {found!r}, expected {PROFILE_FILE_VERSION}")
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UnusableProfileFile(f"not JSON ({exc})", "corrupt") from None
+    if not isinstance(data, dict) or data.get("version") != PROFILE_FILE_VERSION:
+        found = data.get("version") if isinstance(data, dict) else type(data).__name__
+        tag = f"v{found}" if isinstance(found, int) and not isinstance(found, bool) else "corrupt"
+        raise UnusableProfileFile(f"version {found!r}, expected {PROFILE_FILE_VERSION}", tag)
+    try:
         raw = data.get("profiles")
         if not isinstance(raw, dict):
             raise ValueError("'profiles' is not an object")
@@ -252,12 +279,29 @@ def _read(path: Path, *, warn: bool = True) -> dict[str, Profile]:
             )
             for sig, entry in raw.items()
         }
-    except (OSError, ValueError, AttributeError) as exc:
-        if warn:
-            warnings.warn(
-                f"ignoring memory profile file {path}: {exc}; profiles will be re-learned and "
-                "the file replaced",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+    except (ValueError, TypeError, AttributeError) as exc:
+        raise UnusableProfileFile(str(exc), "corrupt") from None
+
+
+def _set_aside(path: Path, tag: str) -> Path:
+    """Rename `path` to a name of its own beside it (never an existing file); returns it."""
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    aside = path.with_name(f"{path.name}.{tag}-{stamp}-{os.getpid()}.bak")
+    os.replace(path, aside)
+    return aside
+
+
+def _read(path: Path) -> dict[str, Profile]:
+    """Profiles from `path` for a starting store; a file that cannot be used is ignored with
+    a warning (learning starts again, and the first save keeps that file renamed aside)."""
+    try:
+        return _load(path)
+    except (OSError, UnusableProfileFile) as exc:
+        kept = (" it is kept, renamed aside, when profiles are next saved;"
+                if isinstance(exc, UnusableProfileFile) else "")
+        warnings.warn(
+            f"ignoring memory profile file {path}: {exc};{kept} profiles will be re-learned",
+            RuntimeWarning,
+            stacklevel=3,
+        )
         return {}

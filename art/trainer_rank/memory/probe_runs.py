@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank._request import OutputRequest
+from art.trainer_rank._request import OutputRequest, output_request_problem
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 
@@ -228,6 +228,11 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
 def measure_tail(model: Any, inputs: ProbeInputs, outputs: OutputRequest, dtype: torch.dtype,
                  device: torch.device, grad: bool) -> dict[str, float]:
     inner = inner_model(model)
+    # The items' own rule, so that a request with nothing to differentiate is refused with
+    # its reason rather than failing inside the caller-loss backward below.
+    problem = output_request_problem(outputs, grad=grad, vocab_size=inner.vocab_size)
+    if problem is not None:
+        raise ValueError(f"probing the head for outputs {outputs.key!r}: the request {problem}")
     batch = inputs.batch
     x0 = torch.randn(inputs.rows, 1, inner.config.hidden_size, dtype=dtype, device=device,
                      requires_grad=grad)

@@ -23,13 +23,14 @@ def test_memory_limit_bytes(env: Mapping[str, str] | None = None) -> int | None:
         return None
     try:
         value = int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: "1e999"
         raise ValueError(
             f"{ENV_TEST_MEMORY_LIMIT}={raw!r} is not a byte count; set a positive integer such "
             "as 268435456 (256 MiB) or unset it"
         ) from None
     if value <= 0:
-        raise ValueError(f"{ENV_TEST_MEMORY_LIMIT} must be a positive byte count, got {value}")
+        raise ValueError(f"{ENV_TEST_MEMORY_LIMIT}={raw!r} must be a positive byte count; set "
+                         "one such as 268435456 (256 MiB) or unset it")
     return value
 
 

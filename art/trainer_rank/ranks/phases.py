@@ -243,11 +243,15 @@ class PhaseAgreement:
     # -- agreement points ------------------------------------------------------------------
 
     def check(self) -> None:
-        """At a micro-batch boundary: raise the job's fault if any rank published one."""
+        """At a micro-batch boundary: raise the job's fault if any rank published one. This
+        rank's groups are closed first: a peer of its replica that read the store a moment
+        earlier is past this boundary, in a collective this rank will not join, and would
+        otherwise wait there for the process group's timeout."""
         if self.fault is None and self._store is not None:
             if self._store.check([FAULT_KEY]):
                 self.fault = Fault.from_json(self._store.get(FAULT_KEY).decode())
         if self.fault is not None:
+            self.close()
             raise self.fault.error()
 
     def vote(self, failed: bool, replica_size: int) -> int | None:
