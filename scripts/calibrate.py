@@ -98,7 +98,7 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
     """The TP=2 matrix: the dense subset (TP2_GEOMETRY) without `geometries` or when they
     name it, and the hybrids they name. Each family is its own seeded matrix, so the dense
     rows stay those of earlier runs whatever else is measured."""
-    from _calibration.cells import HYBRID_GEOMETRIES, off_grid_matrix
+    from _calibration.cells import HYBRID_GEOMETRIES, off_grid_matrix, shared_prefix_cells
 
     policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
     cells = []
@@ -113,6 +113,12 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
         cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows, tensor_parallel=2,
                                              geometries=HYBRID_GEOMETRIES, policies=policies,
                                              max_tokens=1500 if quick else 3000, build=build)
+                  if c.geometry in hybrids]
+        # Groups sharing a prompt: the prefix-tree path with the Gated DeltaNet heads split.
+        cells += [c for c in shared_prefix_cells(seed + 1, geometries=HYBRID_GEOMETRIES,
+                                                 policies=policies, rows=1, tensor_parallel=2,
+                                                 max_tokens=1500 if quick else 3000,
+                                                 build=build)
                   if c.geometry in hybrids]
     return cells
 

@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="multiply every length (prompt and rollouts) by this")
     parser.add_argument("--seed", type=int, default=0, help="token ids and weights")
     parser.add_argument("--json", default=None, help="write this rank's report here")
+    parser.add_argument("--md", default=None,
+                        help="write what rank 0 prints here, as a markdown page with the command")
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error(f"--scale must be in (0, 1], got {args.scale}")
@@ -105,6 +107,13 @@ def main(argv: list[str] | None = None) -> int:
                         implementation=Implementation.cpu_local("flash"))
     state = provider.initialize_distributed()
     rank0 = state.rank == 0
+    lines: list[str] = []
+
+    def say(text: str) -> None:
+        if rank0:
+            print(text, flush=True)
+            lines.append(text)
+
     rollouts = seed_group(args.scale, provider.geometry.vocab_size, args.seed)
     group = _inputs(rollouts)
     options = TrainerRankOptions.from_env()
@@ -121,16 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     full, _, _ = trainer.admission.price_items([item], True, full_recompute)
     limit = (selective.dynamic_bytes + full.dynamic_bytes) // 2
     trainer.options = replace(trainer.options, test_memory_limit_bytes=limit)
-    if rank0:
-        print(f"model {provider.geometry.name} ({provider.geometry.num_layers} layers: "
-              f"{', '.join(provider.geometry.layer_types)}), {provider.layout.summary}, "
-              f"{provider.effective_recompute.summary}, LoRA r1", flush=True)
-        print(f"group: {' + '.join(f'{len(r):,}' for r in rollouts)} = "
-              f"{shape.logical_tokens:,} logical tokens sharing {item.shared_tokens:,}; "
-              f"packed {shape.packed_tokens:,}", flush=True)
-        print(f"priced per rank: selective {selective.dynamic_bytes / MIB:.1f} MiB, "
-              f"full recompute {full.dynamic_bytes / MIB:.1f} MiB; virtual limit "
-              f"{limit / MIB:.1f} MiB", flush=True)
+    say(f"model {provider.geometry.name} ({provider.geometry.num_layers} layers: "
+        f"{', '.join(provider.geometry.layer_types)}), {provider.layout.summary}, "
+        f"{provider.effective_recompute.summary}, LoRA r1")
+    say(f"group: {' + '.join(f'{len(r):,}' for r in rollouts)} = {shape.logical_tokens:,} "
+        f"logical tokens sharing {item.shared_tokens:,}; packed {shape.packed_tokens:,}")
+    say(f"priced per rank: selective {selective.dynamic_bytes / MIB:.1f} MiB, full recompute "
+        f"{full.dynamic_bytes / MIB:.1f} MiB; virtual limit {limit / MIB:.1f} MiB")
 
     report: dict[str, Any] = {"rank": state.rank, "packed_tokens": shape.packed_tokens,
                               "logical_tokens": shape.logical_tokens,
@@ -148,27 +154,26 @@ def main(argv: list[str] | None = None) -> int:
             del loss
     except TrainerRankMemoryError as error:
         report["declined"] = str(error)
-        if rank0:
-            print(f"declined: {error}", flush=True)
+        say(f"declined: {error}")
     else:
         stats = trainer.stats_history[-1]
+        measured = stats.measured_peak_bytes or 0
         report.update(decision=stats.decision, recompute=stats.recompute_summary,
                       stats_packed_tokens=stats.packed_tokens,
                       predicted_bytes=stats.estimated_required_bytes,
-                      measured_bytes=stats.measured_peak_bytes, note=stats.note)
-        if rank0:
-            print(f"decision: {stats.decision} ({stats.note}); ran with "
-                  f"{stats.recompute_summary}; packed {stats.packed_tokens:,} tokens", flush=True)
-            print(f"predicted {stats.estimated_required_bytes / MIB:.1f} MiB, measured "
-                  f"{(stats.measured_peak_bytes or 0) / MIB:.1f} MiB (predicted / measured "
-                  f"{stats.estimated_required_bytes / max(1, stats.measured_peak_bytes or 1):.4f}"
-                  ")", flush=True)
-            print(stats.term_table, flush=True)
+                      measured_bytes=measured, note=stats.note)
+        say(f"decision: {stats.decision} ({stats.note}); ran with {stats.recompute_summary}; "
+            f"packed {stats.packed_tokens:,} tokens")
+        say(f"predicted {stats.estimated_required_bytes / MIB:.1f} MiB, measured "
+            f"{measured / MIB:.1f} MiB (predicted / measured "
+            f"{stats.estimated_required_bytes / max(1, measured):.4f})")
+        say(stats.term_table)
     shared_grads = _lora_grads(trainer.model)
 
     # The reference: the same rollouts as separate items, each with its own prompt copy.
     trainer.options = replace(trainer.options, test_memory_limit_bytes=64 * 2**30)
     trainer.zero_grad()
+    recorded = len(trainer.stats_history)
     alone: list[Any] = [None, None]
     for micro in trainer.forward_micro_batches(_inputs(rollouts)):
         loss = _loss(micro.outputs)
@@ -176,11 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         for index, out in zip(micro.indices, micro.outputs):
             alone[index] = out
         del loss
-    for record in trainer.stats_history[1:]:
-        if rank0:
-            print(f"separate items: {record.decision} {record.packed_tokens} tokens, predicted "
-                  f"{record.estimated_required_bytes / MIB:.1f} MiB, measured "
-                  f"{(record.measured_peak_bytes or 0) / MIB:.1f} MiB", flush=True)
+    for record in trainer.stats_history[recorded:]:
+        say(f"separate items: {record.decision}, {record.packed_tokens:,} tokens, predicted "
+            f"{record.estimated_required_bytes / MIB:.1f} MiB, measured "
+            f"{(record.measured_peak_bytes or 0) / MIB:.1f} MiB")
     alone_outputs = [o.target_logprobs.detach() for o in alone] + [
         o.hidden_states.detach() for o in alone]
     alone_grads = _lora_grads(trainer.model)
@@ -191,13 +195,17 @@ def main(argv: list[str] | None = None) -> int:
         report["grad_max_rel_diff"] = max(
             (shared_grads[n] - alone_grads[n]).abs().max().item() for n in alone_grads) / scale
         report["grads_compared"] = len(alone_grads)
-        if rank0:
-            print(f"shared vs separate items: outputs max |diff| "
-                  f"{report['output_max_abs_diff']:.2e}, LoRA gradients max |diff| / max |grad| "
-                  f"{report['grad_max_rel_diff']:.2e} ({len(alone_grads)} tensors per rank)",
-                  flush=True)
+        say(f"shared vs separate items: outputs max |diff| {report['output_max_abs_diff']:.2e}, "
+            f"LoRA gradients max |diff| / max |grad| {report['grad_max_rel_diff']:.2e} "
+            f"({len(alone_grads)} tensors per rank)")
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
+    if args.md and rank0:
+        command = "torchrun --nproc_per_node=2 scripts/seed_call.py " + " ".join(
+            a for a in (argv if argv is not None else sys.argv[1:]))
+        Path(args.md).write_text(
+            "# The seed's call on CPU (written by scripts/seed_call.py)\n\n"
+            f"Command: `{command.strip()}`\n\n```text\n" + "\n".join(lines) + "\n```\n")
     dist.barrier()
     from art.megatron.distributed import shutdown_distributed
 
