@@ -208,6 +208,24 @@ LOCATION_PAIRS: tuple[tuple[str, str], ...] = (
     ("head", "packing"), ("caller backward", "caller backward"))
 
 
+def _fault_soak(rank: int, world: int, control_port: int, tensor_parallel: int, seed: int,
+                max_tokens: int) -> tuple[Worlds, random.Random, ReferencePool, Counter]:
+    """What a fault soak starts from: the ranks' worlds, one random stream every rank draws
+    the same workloads and faults from, a pool of sequences (the fault-free run is the
+    reference) and the zeroed counts."""
+    cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
+    worlds = Worlds(rank, world, control_port, tensor_parallel=tensor_parallel)
+    worlds.start()
+    rng = random.Random(seed)
+    pool = ReferencePool(None, rng)
+    pool.draw_length = lambda: rng.randint(4, max_tokens)
+    counts: Counter = Counter({"escaped OOMs": 0, "items yielded twice on one rank": 0,
+                               "items lost": 0, "items duplicated": 0,
+                               "workloads where ranks disagree": 0,
+                               "fatal errors not naming the failing rank": 0})
+    return worlds, rng, pool, counts
+
+
 def soak_tp_dp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
                max_tokens: int = 200) -> tuple[Counter, float]:
     """`workloads` TP=2 x DP=2 trials (fault_trial on 4 ranks), each with OOMs injected on
@@ -216,16 +234,7 @@ def soak_tp_dp(workloads: int, seed: int, control_port: int, *, max_items: int =
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != 4:
         raise SystemExit(f"the tp2dp2 soak runs on 4 ranks, not {world}")
-    cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
-    worlds = Worlds(rank, world, control_port, tensor_parallel=2)
-    worlds.start()
-    rng = random.Random(seed)  # same stream on every rank: the same workloads and faults
-    pool = ReferencePool(None, rng)  # sequences only: the fault-free run is the reference
-    pool.draw_length = lambda: rng.randint(4, max_tokens)
-    counts: Counter = Counter({"escaped OOMs": 0, "items yielded twice on one rank": 0,
-                               "items lost": 0, "items duplicated": 0,
-                               "workloads where ranks disagree": 0,
-                               "fatal errors not naming the failing rank": 0})
+    worlds, rng, pool, counts = _fault_soak(rank, world, control_port, 2, seed, max_tokens)
     started = time.perf_counter()
     for w in range(workloads):
         plan = tp_workload(rng, pool, max_items)
@@ -251,18 +260,9 @@ def soak_tp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
     returns the counts and the seconds taken. Also run by the test suite's phase-fault
     launch (a few workloads)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
-    worlds = Worlds(rank, world, control_port, tensor_parallel=world)
-    worlds.start()
+    worlds, rng, pool, counts = _fault_soak(rank, world, control_port, world, seed,
+                                            max_tokens)
     make_trainer = _make_tp_trainer
-
-    rng = random.Random(seed)  # same stream on every rank: the same workloads
-    pool = ReferencePool(None, rng)  # sequences only: the fault-free run is the reference
-    pool.draw_length = lambda: rng.randint(4, max_tokens)
-    counts: Counter = Counter({"escaped OOMs": 0, "items yielded twice on one rank": 0,
-                               "items lost": 0, "items duplicated": 0,
-                               "workloads where ranks disagree": 0,
-                               "fatal errors not naming the failing rank": 0})
     started = time.perf_counter()
     for w in range(workloads):
         plan = tp_workload(rng, pool, max_items)
