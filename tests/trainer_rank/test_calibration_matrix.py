@@ -22,7 +22,11 @@ def test_tp2_matrix_keeps_the_dense_subset_and_adds_the_hybrids_asked_for() -> N
     hybrids = calibrate.tp2_cells(False, 0, geometries=list(HYBRID_GEOMETRIES))
     assert {c.geometry for c in hybrids} == set(HYBRID_GEOMETRIES)
     assert {c.policy for c in hybrids} == set(calibrate.TP2_POLICIES)
-    assert all(c.tensor_parallel == 2 and sum(c.lengths) % 2 == 0 for c in hybrids)
+    # Rows a multiple of TP (sequence parallel pads none); a group's row holds its prompt once.
+    assert all(c.tensor_parallel == 2 and (
+        sum(c.lengths) - c.shared_prefix * (len(c.lengths) - 1) - c.deeper) % 2 == 0
+        for c in hybrids)
+    assert any(c.shared_prefix for c in hybrids)
     # One hybrid alone gets its rows of the two-hybrid matrix (one seeded family).
     moe = calibrate.tp2_cells(False, 0, geometries=["hybrid-moe-128"])
     assert moe == [c for c in hybrids if c.geometry == "hybrid-moe-128"]

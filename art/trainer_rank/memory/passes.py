@@ -132,6 +132,7 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
         x_in = 0.0 if first else x  # the first input is the embedding output (pre term)
         # A unit's peak is not placed inside it: count its attention layers as run.
         span = lr.full_unit_layers if lr.full_checkpoint_unit is not None else 1
+        attention_before = fp.attention_run
         fp.attention_run |= any(j in attention_layers for j, _ in layers[i:i + max(1, span)])
         if grad and lr.full_checkpoint_unit is not None:
             n = lr.full_unit_layers
@@ -188,6 +189,11 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
             fp.probe_used |= any(u for _, u in costs)
             unit_kept = 0.0
             for k, (cost, _) in enumerate(costs):
+                # Priced layer by layer, so each peak is placed: the attention buffers exist
+                # once an attention layer of the unit (or before it) has run.
+                run_so_far = attention_before or any(
+                    j in attention_layers for j, _ in members[:k + 1])
+                fp.attention_run = run_so_far
                 fp.reach(fp.kept_total + x_in + cost.forward + (x_in if k else 0.0),
                          f"layer {index + k + 1} (no grad, checkpoint unit)")
                 fp.kept_total += cost.kept
