@@ -193,6 +193,39 @@ def test_deeper_shared_parts_nest_and_targets_on_shared_rows_are_kept_per_sequen
         (1, 7), (3, 4)]
 
 
+def test_unpack_on_a_shared_row_copies_each_sequence_and_adds_gradients_into_one_row():
+    """Each sequence's outputs on a shared row are copies whose backward fills one zeroed row:
+    the gradient equals the sum of the sequences' gradients at their rows, and the backward
+    holds the sequences' gradients beside that one row (views and concatenations of slices
+    materialise a whole-row gradient per slice and sum them pairwise)."""
+    from art.trainer_rank.memory.meter import MemoryMeter
+
+    sequences = _group([5, 6, 7, 8] * 10, [1, 2] * 20, [3] * 30, [9] * 5)
+    batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(),
+                           groups=[3])
+    rows, logical, vocab = batch.padded_tokens, batch.logical_tokens, 512
+    weight = torch.randn(rows, vocab, requires_grad=True)
+    meter = MemoryMeter(device="cpu")
+    with meter:
+        row = weight * 2.0
+        per_sequence = unpack(row, batch)
+        del row
+        kept = meter.live_bytes
+        loss = sum((out * (i + 1)).sum() for i, out in enumerate(per_sequence))
+        loss.backward()
+        del loss, per_sequence
+    row_bytes = vocab * 4
+    # The copies (all logical rows) and their int64 row indices stay once the row is dropped.
+    assert kept == logical * (row_bytes + 8)
+    # Backward: the copies, every sequence's gradient and the one zeroed row they are added
+    # into; no whole-row gradient per sequence (or per slice).
+    assert meter.peak_bytes <= (2 * logical + rows) * row_bytes + 2**12
+    want = torch.zeros(rows, vocab)
+    for i in range(batch.sequences):
+        want[batch.sequence_rows(i)] += 2.0 * (i + 1)
+    assert torch.equal(weight.grad, want)
+
+
 def test_the_seed_group_packs_to_32710_tokens():
     generator = torch.Generator().manual_seed(0)
     prompt = torch.randint(1, 1000, (5733,), generator=generator)

@@ -307,19 +307,43 @@ def _cumsum(values: Sequence[int]) -> list[int]:
 
 
 def unpack(values: Tensor, batch: PackedBatch) -> list[Tensor]:
-    """values [S, ...] in packed order -> one tensor per sequence, padding dropped: a view for
-    a sequence held in one span, a concatenation (its shared rows, then its own) otherwise."""
+    """values [S, ...] in packed order -> one tensor per sequence, padding dropped: views when
+    every sequence is one span of the row; on a row that shares prefixes, every sequence's
+    rows (its shared rows, then its own) as a copy (`_GatherSequences`)."""
     if values.shape[0] != batch.padded_tokens:
         raise ValueError(
             f"unpack expects values with {batch.padded_tokens} rows (the packed row), got shape "
             f"{tuple(values.shape)}"
         )
-    out = []
-    for index in range(batch.sequences):
-        spans = batch.sequence_pieces(index)
-        parts = [values[span.start : span.end] for span in spans]
-        out.append(parts[0] if len(parts) == 1 else torch.cat(parts))
-    return out
+    spans = [batch.sequence_pieces(index) for index in range(batch.sequences)]
+    if any(len(s) > 1 for s in spans):
+        rows = [batch.sequence_rows(index) for index in range(batch.sequences)]
+        return list(_GatherSequences.apply(values, *rows))
+    return [values[s[0].start : s[0].end] for s in spans]
+
+
+class _GatherSequences(torch.autograd.Function):
+    """Each sequence's rows of a row that lays shared prefixes out once, as copies. The
+    backward adds every sequence's gradient into one zeroed row: views and concatenations of
+    slices would each materialise a whole-row gradient and sum them pairwise."""
+
+    @staticmethod
+    def forward(ctx: Any, values: Tensor, *rows: Tensor) -> tuple[Tensor, ...]:
+        ctx.save_for_backward(*rows)
+        ctx.row_shape = values.shape
+        return tuple(values.index_select(0, r) for r in rows)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Tensor | None) -> tuple[Tensor | None, ...]:
+        rows = ctx.saved_tensors
+        total = None
+        for r, g in zip(rows, grads):
+            if g is None:
+                continue
+            if total is None:
+                total = g.new_zeros(ctx.row_shape)
+            total.index_add_(0, r, g)
+        return (total, *([None] * len(rows)))
 
 
 def next_token_targets(batch: PackedBatch) -> Tensor:

@@ -61,6 +61,7 @@ from art.trainer_rank.memory.tail import (
     default_tail,
     gathered_logits_bytes,
     largest_allocation,
+    shared_output_copies,
 )
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -412,7 +413,12 @@ class MemoryModel:
 
     def _tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:
         """The tail as the probe measured it for these outputs (at the whole row), else as
-        the formulas price it; and whether the probe's was used."""
+        the formulas price it, with the outputs' copies where sequences share a prefix
+        (`shared_output_copies`); and whether the probe's was used."""
+        tail, probed = self._row_tail(batch, s, S)
+        return shared_output_copies(self, batch, tail), probed
+
+    def _row_tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:
         if self.coefficients is not None:
             probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
             if probed is not None:

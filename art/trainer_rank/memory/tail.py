@@ -3,7 +3,7 @@ caller's loss and its backward) and of the largest single allocation of a micro-
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 from art.megatron.geometry import ModelGeometry
@@ -123,6 +123,58 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     return TailCost(kept=held, forward=forward, backward=backward, note=note,
                     gathered_logits=gathered_logits_bytes(model, batch, rows),
                     saved=saved_head + (norm_internal if grad else 0.0))
+
+
+def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
+                         row: TailCost) -> TailCost:
+    """`row` (the tail over the packed row) with the per-sequence outputs of a row that lays
+    shared prefixes out once: every sequence's outputs are a copy of its rows (compute/
+    packing.py `_GatherSequences`), L = logical rows in all. The head's row outputs die when
+    the forward returns and the copies stay; the decoder's hidden row lives on beside them
+    until the head's backward. Forward:
+    the larger of the row's own peak and the moment of the copies (row outputs, their copies
+    and, with grad on hidden states, the caller's fp32 squares over L rows). Backward: the
+    larger of the row's backward beside the extra copies and the gather's backward (every
+    sequence's output gradients, L rows, beside the one zeroed row they are added into)."""
+    g, b = model.geometry, model.dtype_bytes
+    out = batch.outputs
+    logical = float(batch.logical_tokens)
+    rows = float(batch.packed_tokens)
+    if logical <= rows:
+        return row
+    head_row = (FP32 if out.target_logprobs else 0.0) + out.top_k * (FP32 + INT64) + (
+        g.vocab_size * FP32 if out.logits else 0.0)
+    hidden_row = g.hidden_size * b if out.hidden_states else 0.0
+    # Each gathered output keeps its rows' int64 indices for its backward.
+    gathers = (int(out.target_logprobs) + 2 * int(out.top_k > 0) + int(out.logits)
+               + int(out.hidden_states))
+    copies = logical * (head_row + hidden_row + gathers * INT64)
+    # Through the layers' backward the copies stand in for the row's outputs; the decoder's
+    # hidden row, which the row's tail keeps, dies with the head's backward (no output is a
+    # view of it).
+    decoder_row = rows * g.hidden_size * b
+    kept = (row.kept - decoder_row + (logical - rows) * head_row
+            + logical * (hidden_row + gathers * INT64))
+    caller_forward = 0.0
+    backward = row.backward
+    if batch.grad_enabled:
+        grad_row = (FP32 if out.target_logprobs else 0.0) + out.top_k * FP32 + (
+            g.vocab_size * FP32 if out.logits else 0.0) + hidden_row
+        caller_backward = 0.0
+        if out.hidden_states:
+            # The caller's fp32 mean-square per sequence (see `default_tail`), over L rows.
+            copy = g.hidden_size * FP32 if b < FP32 else 0.0
+            rows_held = 4 if model.implementation.norm == "torch" else 3
+            caller_forward = logical * (g.hidden_size * FP32 + copy)
+            longest = float(max(batch.sequence_lengths_tokens))
+            caller_backward = longest * (rows_held * g.hidden_size * FP32 + copy)
+        gather_backward = (kept + decoder_row + row.saved + (logical + rows) * grad_row
+                           + caller_backward)
+        backward = max(row.backward + kept - row.kept, gather_backward)
+    forward = max(row.forward + kept - row.kept,
+                  row.kept + row.saved + copies + caller_forward)
+    return replace(row, kept=kept, forward=forward, backward=backward,
+                   note=f"{row.note}; per-sequence output copies of {int(logical)} rows")
 
 
 def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:
