@@ -251,24 +251,23 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                     device: torch.device, loss_name: str = "synthetic",
                     sequences: Sequence[torch.Tensor] | None = None) -> tuple[int, int]:
     """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path;
-    `sequences`: one group whose shared prefixes are laid out once (else random tokens of
-    `lengths`, each sequence alone)."""
+    `sequences`: one group whose shared prefixes are laid out once, run as the trainer runs
+    it (`run_sub_forward`: per-sequence outputs, the caller's loss summed over them); else
+    random tokens of `lengths`, each sequence alone, with the loss over the packed row."""
     from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
     from art.trainer_rank.compute.heads import HeadOutputs, compute_heads
+    from art.trainer_rank.compute.packing import pack_sequences
 
+    if sequences is not None:
+        return _run_shared_group(model, sequences, outputs, grad, layout, implementation,
+                                 device, loss_name)
     inner = unwrap_model(model)
-    groups = None
-    if sequences is None:
-        sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
-    else:
-        groups = [len(sequences)]
+    sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
     release_score_buffer()
     meter = MemoryMeter(device=device)
     with meter:
-        from art.trainer_rank.compute.packing import pack_sequences
-
         batch = pack_sequences(sequences, implementation=implementation, layout=layout,
-                               device=device, groups=groups)
+                               device=device)
         targets = batch.tokens[0].roll(-1)
         with torch.set_grad_enabled(grad):
             hidden = decoder_hidden_states(model, batch)
@@ -288,6 +287,54 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
         meter.synchronize()
         del heads, hidden, batch
     return int(meter.peak_bytes), int(forward_peak)
+
+
+def _run_shared_group(model: Any, sequences: Sequence[torch.Tensor], outputs: OutputRequest,
+                      grad: bool, layout: ParallelLayout, implementation: Implementation,
+                      device: torch.device, loss_name: str) -> tuple[int, int]:
+    """One group sharing its prefixes through the trainer's sub-forward: each sequence gets
+    its own outputs (a copy of the shared rows where it spans several parts of the row), and
+    the caller's loss is the sum of its loss on each sequence's outputs."""
+    from art.trainer_rank._types import ForwardInput
+    from art.trainer_rank.compute.execute import run_sub_forward
+    from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS, HeadOutputs
+
+    leaves = [ForwardInput(
+        input_tokens=tokens,
+        target_tokens=tokens.roll(-1) if outputs.target_logprobs else None,
+        top_k=outputs.top_k or None, logits=outputs.logits,
+        hidden_states=outputs.hidden_states) for tokens in sequences]
+    release_score_buffer()
+    meter = MemoryMeter(device=device)
+    with meter:
+        with torch.set_grad_enabled(grad):
+            per_sequence = run_sub_forward(
+                model, leaves, implementation=implementation, layout=layout, device=device,
+                head_chunk_tokens=HEAD_CHUNK_TOKENS, groups=[len(leaves)])
+            if grad:
+                loss = sum(LOSS_BY_NAME[loss_name](outputs, HeadOutputs(
+                    out.target_logprobs,
+                    None if out.top_k is None else out.top_k.logprobs,
+                    None if out.top_k is None else out.top_k.tokens,
+                    out.logits), _hidden_or_any(out)) for out in per_sequence)
+        meter.synchronize()
+        forward_peak = meter.peak_bytes
+        if grad:
+            loss.backward()
+            del loss
+        meter.synchronize()
+        del per_sequence
+    return int(meter.peak_bytes), int(forward_peak)
+
+
+def _hidden_or_any(out: Any) -> torch.Tensor:
+    """The hidden states the loss reads (it reads them only when they were asked for; any
+    other output stands in for the device and dtype of its zero)."""
+    for tensor in (out.hidden_states, out.target_logprobs, out.logits,
+                   None if out.top_k is None else out.top_k.logprobs):
+        if tensor is not None:
+            return tensor
+    raise ValueError("a calibration cell with grad must ask for at least one output")
 
 
 def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
