@@ -310,3 +310,14 @@ def test_the_device_calls_run_on_cpu_too() -> None:
     if not torch.cuda.is_available():
         with pytest.raises(wheels.SetupError, match="no GPU"):
             wheels.device_info("cuda")
+
+
+def test_the_readme_gives_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
+    text = (ROOT / "README.md").read_text()
+    assert wheels.DOWNLOAD_COMMAND in text
+    # The plan's line the README quotes is what --show-plan prints now.
+    assert gpu_check.main(["--show-plan"]) == 0
+    assert capsys.readouterr().out.splitlines()[0] in text
+    assert "scripts/gpu_check --out $OUT/gpu" in text
+    assert '"carry": [".whl"]' in text and '"timeout_s": 540' in text
+    assert "/.whl/" in (ROOT / ".gitignore").read_text().split()
