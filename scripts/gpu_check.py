@@ -129,7 +129,8 @@ def show_plan(args: argparse.Namespace) -> int:
         return 2
     print(f"plan {plan.name} ({plan.device}, {plan.dtype}, {plan.implementation}): "
           f"{len(plan.steps)} steps, {len(plan.cells())} cells, predicted "
-          f"{plan.predicted_seconds():.0f} s of a {plan.budget_seconds:.0f} s budget ("
+          f"{plan.predicted_seconds():.0f} s of a {plan.budget_seconds:.0f} s budget (setup "
+          f"{plan.setup_seconds:.0f} s + "
           + " + ".join(f"{a} {plan.predicted_seconds(a):.0f} s" for a in plan.allocators)
           + f"); the seed's group at scale {plan.seed_scale:g}; * = essential")
     for reason in plan.trimmed:

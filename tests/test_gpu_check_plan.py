@@ -100,7 +100,8 @@ def test_a_smaller_gpu_scales_the_seed_group_and_drops_what_does_not_fit() -> No
 def test_trimming_keeps_every_policy_and_the_seed_group(gpu: Plan) -> None:
     whole = plan.gpu_plan(budget_seconds=10**6)
     assert not whole.trimmed and len(whole.cells()) > len(gpu.cells())
-    essentials = sum(s.predicted_seconds for s in whole.steps if s.essential)
+    essentials = whole.setup_seconds + sum(s.predicted_seconds for s in whole.steps
+                                           if s.essential)
     # Every rule applied: what is left is the essential steps, every policy's among them.
     tight = plan.fit_to_budget(replace(whole, budget_seconds=essentials + 1))
     assert tight.predicted_seconds() <= tight.budget_seconds
@@ -315,9 +316,12 @@ def test_the_device_calls_run_on_cpu_too() -> None:
 def test_the_readme_gives_the_recipe(capsys: pytest.CaptureFixture[str]) -> None:
     text = (ROOT / "README.md").read_text()
     assert wheels.DOWNLOAD_COMMAND in text
-    # The plan's line the README quotes is what --show-plan prints now.
+    # The plan's lines the README quotes (its summary and what was trimmed) are what
+    # --show-plan prints now.
     assert gpu_check.main(["--show-plan"]) == 0
-    assert capsys.readouterr().out.splitlines()[0] in text
+    printed = capsys.readouterr().out.splitlines()
+    for line in printed[:1 + len(plan.gpu_plan().trimmed)]:
+        assert line in text
     assert "scripts/gpu_check --out $OUT/gpu" in text
     assert '"carry": [".whl"]' in text and '"timeout_s": 540' in text
     assert "/.whl/" in (ROOT / ".gitignore").read_text().split()

@@ -42,6 +42,7 @@ class Speeds:
     recurrent_derate: float  # fla's delta-rule kernels count this many times their FLOPs
     micro_batch_overhead_s: float  # tokens drawn, packing, pricing, syncs, cache emptied
     probe_run_overhead_s: float  # one probe run of a layer or the tail
+    setup_s: float  # the parent's own: wheels installed, device checked, plan, reports
     process_start_s: float  # interpreter, torch (+ CUDA context), Megatron-Core, fla
     first_hybrid_warmup_s: float  # fla's Triton kernels compiled and autotuned, compiled norm
     later_hybrid_warmup_s: float  # the same from the disk caches an earlier process filled
@@ -51,11 +52,12 @@ class Speeds:
 
 
 H200 = Speeds("cuda", flops_per_second=250e12, recurrent_derate=8.0,
-              micro_batch_overhead_s=0.3, probe_run_overhead_s=0.05, process_start_s=20.0,
+              micro_batch_overhead_s=0.3, probe_run_overhead_s=0.05, setup_s=15.0,
+              process_start_s=20.0,
               first_hybrid_warmup_s=90.0, later_hybrid_warmup_s=20.0, dense_warmup_s=5.0,
               build_s=4.0, build_s_per_gparam=0.5)
 CPU = Speeds("cpu", flops_per_second=20e9, recurrent_derate=8.0, micro_batch_overhead_s=0.3,
-             probe_run_overhead_s=0.1, process_start_s=7.0, first_hybrid_warmup_s=0.0,
+             probe_run_overhead_s=0.1, setup_s=5.0, process_start_s=7.0, first_hybrid_warmup_s=0.0,
              later_hybrid_warmup_s=0.0, dense_warmup_s=0.0, build_s=1.0,
              build_s_per_gparam=1.0)
 

@@ -129,6 +129,7 @@ class Plan:
     gpu_memory_bytes: int
     seed_scale: float
     probe_tokens: tuple[int, ...] | None  # None: the probe's default points for the device
+    setup_seconds: float = 0.0  # the parent's own work, before and between the processes
     trimmed: tuple[str, ...] = field(default=())
 
     @property
@@ -142,8 +143,10 @@ class Plan:
         return tuple(s for s in self.steps if s.kind == "cell")
 
     def predicted_seconds(self, allocator: str | None = None) -> float:
-        return sum(s.predicted_seconds for s in self.steps
-                   if allocator is None or s.allocator == allocator)
+        """One process's steps, or (None) the whole run, the parent's setup included."""
+        if allocator is not None:
+            return sum(s.predicted_seconds for s in self.steps if s.allocator == allocator)
+        return self.setup_seconds + sum(s.predicted_seconds for s in self.steps)
 
     def geometry(self, name: str) -> CheckGeometry:
         return next(g for g in self.geometries if g.name == name)
@@ -344,14 +347,15 @@ def fit_to_budget(plan: Plan) -> Plan:
     (budget.py), so a slower machine skips pairs, never a policy."""
     trimmed = list(plan.trimmed)
     steps = plan.steps
+    budget = plan.budget_seconds - plan.setup_seconds
     for reason, drop in TRIM_RULES:
-        if sum(s.predicted_seconds for s in steps) <= plan.budget_seconds:
+        if sum(s.predicted_seconds for s in steps) <= budget:
             break
         kept = tuple(s for s in steps if s.essential or not drop(s))
         if len(kept) < len(steps):
             trimmed.append(f"{reason} ({len(steps) - len(kept)} cells)")
             steps = kept
-    total = sum(s.predicted_seconds for s in steps)
+    total = plan.setup_seconds + sum(s.predicted_seconds for s in steps)
     if total > plan.budget_seconds:
         raise ValueError(f"the {plan.name} plan needs {total:.0f} s after every trim rule, "
                          f"over its budget of {plan.budget_seconds:.0f} s")
@@ -393,7 +397,8 @@ def gpu_plan(gpu_memory_bytes: int = H200_MEMORY_BYTES,
     steps = _steps(models, dtype=dtype, implementation=implementation, speeds=costs.H200,
                    probe_tokens=None)
     plan = Plan("gpu", "cuda", dtype, implementation.key, (HYBRID, DENSE), tuple(steps),
-                budget_seconds, gpu_memory_bytes, scale, None, tuple(dropped))
+                budget_seconds, gpu_memory_bytes, scale, None, costs.H200.setup_s,
+                tuple(dropped))
     return fit_to_budget(plan)
 
 
@@ -425,5 +430,5 @@ def dry_run_plan(budget_seconds: float = DRY_RUN_BUDGET_SECONDS) -> Plan:
                    probe_tokens=DRY_PROBE_TOKENS)
     plan = Plan("dry-run", "cpu", dtype, implementation.key, (DRY_HYBRID, DRY_DENSE),
                 tuple(steps), budget_seconds, DRY_MEMORY_BYTES, DRY_SEED_SCALE,
-                DRY_PROBE_TOKENS)
+                DRY_PROBE_TOKENS, costs.CPU.setup_s)
     return fit_to_budget(plan)
