@@ -10,8 +10,9 @@ tokens (N = 2k, 4k, 8k, 16k: the packed row lies between the probe's points), wi
 (target log-probs, hidden states) and without (target log-probs); and Qwen3-8B dims cut to 4
 layers, selective recompute, a few cells, one of them a group sharing a prompt, so the dense
 packed path runs on CUDA too. Both allocator settings (`PYTORCH_CUDA_ALLOC_CONF` unset, and
-`expandable_segments:True`) run the same steps, each in its own process; the second reuses
-the first's probes (the allocator does not change what is allocated).
+`expandable_segments:True`) run these steps, each in its own process (the second less what
+the trim rules take from it first); the second reuses the first's probes (the allocator does
+not change what is allocated).
 
 `fit_to_budget` trims sizes and output mixes (rules in `TRIM_RULES`, in order) until the
 predicted seconds fit, never a policy or the seed's group. The dry run is the same plan on CPU:
