@@ -91,8 +91,11 @@ class CalibrationModel:
                  tensor_parallel: int, dtype: str = "float32",
                  implementation: Implementation | None = None,
                  cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None,
-                 probe_dir: str | None = None
+                 probe_dir: str | None = None,
+                 warm_up: Callable[[CalibrationModel], None] | None = None
                  ) -> None:
+        """`warm_up`: called once the model is built, before the probe (e.g. the GPU check's
+        unmeasured micro-batches, so kernels compile and autotune outside any measurement)."""
         self.geometry = geometry
         self.policy = policy
         self.implementation = implementation or Implementation.detect()
@@ -105,6 +108,8 @@ class CalibrationModel:
         self.layout: ParallelLayout = self.provider.layout
         self.memory_default = MemoryModel.for_provider(self.provider)
         self._warm_grads()
+        if warm_up is not None:
+            warm_up(self)
         modes, outputs = probe_request(geometry, self.provider.effective_recompute, cells)
         self.coefficients = probe(
             self.model, geometry=geometry, layout=self.layout,
@@ -119,14 +124,18 @@ class CalibrationModel:
         run_micro_batch(self.model, [16], cell_outputs, True, self.layout, self.implementation,
                         self.device)
 
-    def measure(self, cell: Cell, seed: int = 0) -> CellResult:
+    def measure(self, cell: Cell, seed: int = 0, *, observe_allocations: bool = True
+                ) -> CellResult:
+        """`observe_allocations=False`: on CUDA read the allocator only, as TrainerRank's own
+        meter does there (see `run_micro_batch`)."""
         outputs = OutputRequest.parse(cell.outputs)
         start = time.perf_counter()
         torch.manual_seed(seed)
         sequences = cell_sequences(cell, self.geometry.vocab_size, self.device)
         measured, measured_forward = run_micro_batch(
             self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
-            self.device, loss_name=cell.loss, sequences=sequences)
+            self.device, loss_name=cell.loss, sequences=sequences,
+            observe_allocations=observe_allocations)
         batch = micro_batch_shape(cell.lengths, outputs, cell.grad, self.layout,
                                   self.implementation, sequences)
         est = self.memory.estimate(batch)
@@ -144,9 +153,8 @@ class CalibrationModel:
 def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                          tensor_parallel: int, dtype: str, implementation: Implementation
                          ) -> Any:
-    """The provider a calibration model is built from (no weights yet)."""
-    from peft import LoraConfig
-
+    """The provider a calibration model is built from (no weights yet). peft is imported
+    only for a LoRA (its import alone takes seconds; the GPU check prices without one)."""
     from art.megatron.provider import Provider
     from art.megatron.settings import Settings
 
@@ -158,9 +166,12 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
         recompute_num_layers=policy.num_layers,
         recompute_modules=policy.modules,
     )
-    lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank,
-                      target_modules=list(lora_targets_for(geometry)),
-                      lora_dropout=0.0) if lora_rank else None
+    lora = None
+    if lora_rank:
+        from peft import LoraConfig
+
+        lora = LoraConfig(r=lora_rank, lora_alpha=lora_rank,
+                          target_modules=list(lora_targets_for(geometry)), lora_dropout=0.0)
     return Provider(geometry, settings=settings, lora=lora, dtype=dtype,
                     implementation=implementation)
 
@@ -249,22 +260,27 @@ def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool
 def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, grad: bool,
                     layout: ParallelLayout, implementation: Implementation,
                     device: torch.device, loss_name: str = "synthetic",
-                    sequences: Sequence[torch.Tensor] | None = None) -> tuple[int, int]:
+                    sequences: Sequence[torch.Tensor] | None = None,
+                    observe_allocations: bool = True) -> tuple[int, int]:
     """(peak, forward peak) bytes allocated by one micro-batch on the trainer's path;
     `sequences`: one group whose shared prefixes are laid out once, run as the trainer runs
     it (`run_sub_forward`: per-sequence outputs, the caller's loss summed over them); else
-    random tokens of `lengths`, each sequence alone, with the loss over the packed row."""
+    random tokens of `lengths`, each sequence alone, with the loss over the packed row.
+    `observe_allocations=False` (CUDA): the meter reads the allocator without its dispatch
+    observer, as TrainerRank's meter does on a GPU; under the observer torch.compile'd
+    functions (Megatron's jit_fuser) run eagerly, since Dynamo skips frames while a non-infra
+    TorchDispatchMode is active. CPU meters always observe."""
     from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
     from art.trainer_rank.compute.heads import HeadOutputs, compute_heads
     from art.trainer_rank.compute.packing import pack_sequences
 
     if sequences is not None:
         return _run_shared_group(model, sequences, outputs, grad, layout, implementation,
-                                 device, loss_name)
+                                 device, loss_name, observe_allocations)
     inner = unwrap_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
     release_score_buffer()
-    meter = MemoryMeter(device=device)
+    meter = MemoryMeter(device=device, largest_on_cuda=observe_allocations)
     with meter:
         batch = pack_sequences(sequences, implementation=implementation, layout=layout,
                                device=device)
@@ -291,9 +307,10 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
 
 def _run_shared_group(model: Any, sequences: Sequence[torch.Tensor], outputs: OutputRequest,
                       grad: bool, layout: ParallelLayout, implementation: Implementation,
-                      device: torch.device, loss_name: str) -> tuple[int, int]:
+                      device: torch.device, loss_name: str,
+                      observe_allocations: bool = True) -> tuple[int, int]:
     """One group sharing its prefixes through the trainer's sub-forward: each sequence gets
-    its own outputs (a copy of the shared rows where it spans several parts of the row), and
+    its own outputs (copies of its rows, as `unpack` gathers them on a shared row), and
     the caller's loss is the sum of its loss on each sequence's outputs."""
     from art.trainer_rank._types import ForwardInput
     from art.trainer_rank.compute.execute import run_sub_forward
@@ -305,7 +322,7 @@ def _run_shared_group(model: Any, sequences: Sequence[torch.Tensor], outputs: Ou
         top_k=outputs.top_k or None, logits=outputs.logits,
         hidden_states=outputs.hidden_states) for tokens in sequences]
     release_score_buffer()
-    meter = MemoryMeter(device=device)
+    meter = MemoryMeter(device=device, largest_on_cuda=observe_allocations)
     with meter:
         with torch.set_grad_enabled(grad):
             per_sequence = run_sub_forward(

@@ -1,0 +1,258 @@
+#!/usr/bin/env python
+"""The GPU check: the planner measured on one bare GPU machine in one prepared command.
+
+    scripts/gpu_check [--out DIR]             # on the GPU machine (README, "GPU check")
+    scripts/gpu_check --dry-run [--out DIR]   # the same path on CPU, tiny models, seconds
+
+It installs what the machine lacks from the wheels carried in `.whl/` (offline; our package is
+the repo root on the path), checks the device, builds the plan (_gpu_check/plan.py: the seed's
+geometry cut to 8 layers under four recompute policies, the seed's group and pairs of
+rollouts, grad and no grad; a dense geometry's few cells), and runs it in one worker process
+per allocator setting (PYTORCH_CUDA_ALLOC_CONF unset, then expandable_segments:True), each
+with its share of the GPU-time budget (450 s; the device call's timeout is 540 s). A worker
+starts a step only when its predicted seconds fit before its deadline and is killed if it
+overruns it; every row it finished is kept. Writes gpu_check.csv, .md, .png, .json and .log
+under --out (default bench/gpu; a dry run: a temporary folder) and prints a one-line summary
+last. Exit status: 0 when cells were measured and none failed, 1 otherwise, 2 when the check
+could not start (a module missing without its wheel, no GPU, a plan over its budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+# A worker past its deadline gets this long to finish its step before it is killed; the
+# report is written after, well inside the device call's timeout.
+KILL_GRACE_SECONDS = 20.0
+REPORT_MARGIN_SECONDS = 30.0
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    returncode: int
+    killed: bool
+    seconds: float
+
+
+def run_worker(command: Sequence[str], env: dict[str, str], hard_stop: float,
+               on_line: Callable[[str], None]) -> WorkerExit:
+    """Run one worker, passing each output line to `on_line`, and kill its whole process
+    group at `hard_stop` (time.time() seconds) if it is still running."""
+    start = time.time()
+    proc = subprocess.Popen(list(command), env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1,
+                            start_new_session=True)
+    stream: IO[str] = proc.stdout  # type: ignore[assignment]
+
+    def pump() -> None:
+        for line in stream:
+            on_line(line.rstrip("\n"))
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    killed = False
+    try:
+        proc.wait(timeout=max(0.0, hard_stop - time.time()))
+    except subprocess.TimeoutExpired:
+        killed = True
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    reader.join(timeout=5)
+    return WorkerExit(proc.returncode, killed, time.time() - start)
+
+
+def read_rows(path: Path) -> list[dict]:
+    """The rows a worker wrote; a line cut short by a kill is dropped."""
+    if not path.is_file():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="scripts/gpu_check",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="run the same path on CPU with tiny models and two cells")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output folder (default bench/gpu; with --dry-run a temporary "
+                             "folder)")
+    parser.add_argument("--budget-s", type=float, default=None,
+                        help="seconds of work (default 450 on a GPU, 300 for a dry run)")
+    parser.add_argument("--show-plan", action="store_true",
+                        help="print the plan (every step and its predicted seconds, for an "
+                             "H200 or, with --dry-run, the CPU) and exit; needs no GPU")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--plan-file", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--allocator", help=argparse.SUPPRESS)
+    parser.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--launched-at", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--rows", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--probe-dir", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.budget_s is not None and args.budget_s <= 0:
+        parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    return args
+
+
+def show_plan(args: argparse.Namespace) -> int:
+    """The plan a run would start from (an H200's memory; the dry run's on CPU)."""
+    from _gpu_check import plan as plans
+
+    try:
+        plan = (plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS) if args.dry_run
+                else plans.gpu_plan(budget_seconds=args.budget_s or plans.BUDGET_SECONDS))
+    except ValueError as error:
+        print(f"gpu_check: cannot plan: {error}")
+        return 2
+    print(f"plan {plan.name} ({plan.device}, {plan.dtype}, {plan.implementation}): "
+          f"{len(plan.steps)} steps, {len(plan.cells())} cells, predicted "
+          f"{plan.predicted_seconds():.0f} s of a {plan.budget_seconds:.0f} s budget (setup "
+          f"{plan.setup_seconds:.0f} s + "
+          + " + ".join(f"{a} {plan.predicted_seconds(a):.0f} s" for a in plan.allocators)
+          + f"); the seed's group at scale {plan.seed_scale:g}; * = essential")
+    for reason in plan.trimmed:
+        print(f"trimmed: {reason}")
+    for step in plan.steps:
+        print(f"{step.predicted_seconds:7.1f} s  {'*' if step.essential else ' '} {step.name}")
+    return 0
+
+
+def worker_main(args: argparse.Namespace) -> int:
+    from _gpu_check import worker
+    from _gpu_check.plan import Plan
+
+    plan = Plan.from_json(args.plan_file.read_text())
+    return worker.run(plan, args.allocator, deadline=args.deadline,
+                      launched_at=args.launched_at, rows=args.rows, probe_dir=args.probe_dir)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    started = time.time()
+    args = parse_args(argv)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if args.show_plan:
+        return show_plan(args)
+    if args.worker:
+        code = worker_main(args)
+        # Every row is flushed: skip the interpreter's teardown of torch, Megatron and the
+        # process group, which takes seconds of the budget for nothing.
+        sys.stdout.flush()
+        os._exit(code)
+    out: Path = args.out or (Path(tempfile.gettempdir()) / "gpu_check-dry-run" if args.dry_run
+                             else ROOT / "bench" / "gpu")
+    out.mkdir(parents=True, exist_ok=True)
+    log = (out / "gpu_check.log").open("w")
+
+    def say(text: str) -> None:
+        print(text, flush=True)
+        log.write(text + "\n")
+        log.flush()
+
+    command = "scripts/gpu_check " + shlex.join(sys.argv[1:] if argv is None else argv)
+    try:
+        return _check(args, out, say, started, command)
+    finally:
+        log.close()
+
+
+def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], started: float,
+           command: str) -> int:
+    from _gpu_check import wheels
+
+    device = "cpu" if args.dry_run else "cuda"
+    try:
+        setup = wheels.prepare(wheels.CPU_MODULES if args.dry_run else
+                               [m for _, m in wheels.WHEELS.values()])
+        info = wheels.device_info(device)
+        say(f"gpu_check: {info.name} ({info.device}), {info.total_bytes / 2**30:.1f} GiB, "
+            f"{info.free_bytes / 2**30:.1f} GiB free; {info.detail}; "
+            + ", ".join(f"{k} {v}" for k, v in setup.versions.items()))
+        from _gpu_check import plan as plans
+
+        if args.dry_run:
+            plan = plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS)
+        else:
+            plan = plans.gpu_plan(min(info.free_bytes, info.total_bytes),
+                                  args.budget_s or plans.BUDGET_SECONDS)
+    except (wheels.SetupError, ValueError, ImportError) as error:
+        say(f"gpu_check: cannot start: {type(error).__name__}: {error}")
+        return 2
+    say(f"gpu_check: plan {plan.name}: {len(plan.steps)} steps, {len(plan.cells())} cells, "
+        f"predicted {plan.predicted_seconds():.0f} s of a {plan.budget_seconds:.0f} s budget"
+        + (f"; trimmed: {'; '.join(plan.trimmed)}" if plan.trimmed else ""))
+    from _gpu_check import report
+
+    work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
+    plan_file = work / "plan.json"
+    plan_file.write_text(plan.to_json())
+    end = started + plan.budget_seconds
+    # Past this no worker may run: the report must be written inside the device call.
+    last = started + plans.DEVICE_TIMEOUT_SECONDS - REPORT_MARGIN_SECONDS
+    reported: list[dict] = []
+    missing: dict[str, str] = {}
+    processes: list[dict] = []
+    allocators = plan.allocators
+    for n, allocator in enumerate(allocators):
+        now = time.time()
+        ahead = [plan.predicted_seconds(a) for a in allocators[n:]]
+        # This process's share of what is left, by its predicted seconds.
+        deadline = now + max(0.0, end - now) * ahead[0] / max(sum(ahead), 1e-9)
+        rows_file = work / f"rows-{allocator}.jsonl"
+        env = dict(os.environ)
+        conf = plans.ALLOCATORS[allocator]
+        if conf is None:
+            env.pop("PYTORCH_CUDA_ALLOC_CONF", None)
+        else:
+            env["PYTORCH_CUDA_ALLOC_CONF"] = conf
+        worker_command = [sys.executable, str(Path(__file__).resolve()), "--worker",
+                          "--plan-file", str(plan_file), "--allocator", allocator,
+                          "--deadline", repr(deadline), "--launched-at", repr(now),
+                          "--rows", str(rows_file), "--probe-dir", str(work / "probes")]
+        say(f"gpu_check: {allocator} process (PYTORCH_CUDA_ALLOC_CONF={conf or 'unset'}), "
+            f"{deadline - now:.0f} s until its deadline")
+        exit_ = run_worker(worker_command, env, min(deadline + KILL_GRACE_SECONDS, last), say)
+        rows = read_rows(rows_file)
+        reported += rows
+        reason = (f"its process was killed {KILL_GRACE_SECONDS:.0f} s past its deadline"
+                  if exit_.killed else f"its process exited with status {exit_.returncode} "
+                  "before this step")
+        missing[allocator] = reason
+        processes.append({"allocator": allocator, "alloc_conf": conf or "",
+                          "exit": "killed" if exit_.killed else exit_.returncode,
+                          "seconds": round(exit_.seconds, 1),
+                          "deadline_seconds": round(deadline - now, 1)})
+        # Written after each process too: a run cut short still leaves its figures.
+        rows_so_far = report.merged_rows(plan, reported, missing)
+        summary = report.write_report(out, plan, rows_so_far, info, setup, command=command,
+                                      elapsed=time.time() - started, processes=processes,
+                                      final=n == len(allocators) - 1)
+    say(summary)
+    n = report.counts(rows_so_far)
+    return 0 if n["ok"] and not n["failed"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
