@@ -162,15 +162,17 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
             g.vocab_size * FP32 if out.logits else 0.0) + hidden_row
         caller_backward = 0.0
         if out.hidden_states:
-            # The caller's fp32 mean-square per sequence (see `default_tail`), over L rows.
+            # The caller's fp32 mean-square per sequence (see `default_tail`), over L rows;
+            # its backward's transients, one sequence at a time, end before the gather's.
             copy = g.hidden_size * FP32 if b < FP32 else 0.0
             rows_held = 4 if model.implementation.norm == "torch" else 3
             caller_forward = logical * (g.hidden_size * FP32 + copy)
             longest = float(max(batch.sequence_lengths_tokens))
             caller_backward = longest * (rows_held * g.hidden_size * FP32 + copy)
-        gather_backward = (kept + decoder_row + row.saved + (logical + rows) * grad_row
-                           + caller_backward)
-        backward = max(row.backward + kept - row.kept, gather_backward)
+        gather_backward = (kept + decoder_row + row.saved + logical * grad_row
+                           + max(rows * grad_row, caller_backward))
+        # The head's backward runs beside the copies and the decoder row it saved.
+        backward = max(row.backward + kept + decoder_row - row.kept, gather_backward)
     forward = max(row.forward + kept - row.kept,
                   row.kept + row.saved + copies + caller_forward)
     return replace(row, kept=kept, forward=forward, backward=backward,
