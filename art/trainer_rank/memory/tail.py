@@ -171,8 +171,12 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
             caller_backward = longest * (rows_held * g.hidden_size * FP32 + copy)
         gather_backward = (kept + decoder_row + row.saved + logical * grad_row
                            + max(rows * grad_row, caller_backward))
-        # The head's backward runs beside the copies and the decoder row it saved.
-        backward = max(row.backward + kept + decoder_row - row.kept, gather_backward)
+        # The head's backward runs beside the copies, the decoder row it saved and the
+        # gather's zeroed rows. Those stand in for the caller's gradients at the row, which
+        # for log-probs summed by the caller are a view of the loss's scalar gradient (no
+        # storage) and for logits and hidden states are tensors the row's tail holds.
+        summed = rows * ((FP32 if out.target_logprobs else 0.0) + out.top_k * FP32)
+        backward = max(row.backward + kept + decoder_row + summed - row.kept, gather_backward)
     forward = max(row.forward + kept - row.kept,
                   row.kept + row.saved + copies + caller_forward)
     return replace(row, kept=kept, forward=forward, backward=backward,
