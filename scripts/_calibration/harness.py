@@ -293,16 +293,20 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
                 heads = compute_heads(
                     model, hidden, target_tokens=targets if outputs.target_logprobs else None,
                     top_k=outputs.top_k, logits=outputs.logits)
-            if grad:
-                loss = LOSS_BY_NAME[loss_name](outputs, heads, hidden)
-        meter.synchronize()
-        forward_peak = meter.peak_bytes
-        if grad:
-            loss.backward()
-            del loss
-        meter.synchronize()
-        del heads, hidden, batch
+            loss = LOSS_BY_NAME[loss_name](outputs, heads, hidden) if grad else None
+        forward_peak = _forward_peak_then_backward(meter, loss)
+        del loss, heads, hidden, batch
     return int(meter.peak_bytes), int(forward_peak)
+
+
+def _forward_peak_then_backward(meter: MemoryMeter, loss: torch.Tensor | None) -> int:
+    """The micro-batch's forward peak so far, then the caller's backward (None: no grad)."""
+    meter.synchronize()
+    forward_peak = meter.peak_bytes
+    if loss is not None:
+        loss.backward()
+    meter.synchronize()
+    return forward_peak
 
 
 def _run_shared_group(model: Any, sequences: Sequence[torch.Tensor], outputs: OutputRequest,
@@ -328,19 +332,13 @@ def _run_shared_group(model: Any, sequences: Sequence[torch.Tensor], outputs: Ou
             per_sequence = run_sub_forward(
                 model, leaves, implementation=implementation, layout=layout, device=device,
                 head_chunk_tokens=HEAD_CHUNK_TOKENS, groups=[len(leaves)])
-            if grad:
-                loss = sum(LOSS_BY_NAME[loss_name](outputs, HeadOutputs(
-                    out.target_logprobs,
-                    None if out.top_k is None else out.top_k.logprobs,
-                    None if out.top_k is None else out.top_k.tokens,
-                    out.logits), _hidden_or_any(out)) for out in per_sequence)
-        meter.synchronize()
-        forward_peak = meter.peak_bytes
-        if grad:
-            loss.backward()
-            del loss
-        meter.synchronize()
-        del per_sequence
+            loss = sum(LOSS_BY_NAME[loss_name](outputs, HeadOutputs(
+                out.target_logprobs,
+                None if out.top_k is None else out.top_k.logprobs,
+                None if out.top_k is None else out.top_k.tokens,
+                out.logits), _hidden_or_any(out)) for out in per_sequence) if grad else None
+        forward_peak = _forward_peak_then_backward(meter, loss)
+        del loss, per_sequence
     return int(meter.peak_bytes), int(forward_peak)
 
 
