@@ -38,6 +38,12 @@ RANKS = {"dp2": 2, "tp2": 2, "tp2dp2": 4}
 SECONDS_PER_WORKLOAD = {"dp2": 3.0, "tp2": 6.0, "tp2dp2": 12.0}
 
 
+def _keep_log(path: Path | None, stdout: str, stderr: str) -> None:
+    if path is not None:
+        path.write_text(f"--- stdout ---\n{stdout}\n--- stderr ---\n{stderr}")
+        print(f"the launch's whole output: {path}", file=sys.stderr)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workloads", type=int, default=200)
@@ -47,6 +53,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a run still going after this long counts as a hang (default: "
                              "600 s plus a per-workload allowance of the layout)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "soak_ranks.json")
+    parser.add_argument("--log", type=Path, default=None,
+                        help="write a failed or hung launch's whole output here (only its "
+                             "tail is printed)")
     args = parser.parse_args(argv)
     if args.workloads < 1:
         parser.error(f"--workloads {args.workloads}: must be 1 or more")
@@ -68,12 +77,14 @@ def main(argv: list[str] | None = None) -> int:
             except subprocess.TimeoutExpired:
                 kill_launch(proc.pid)
                 stdout, stderr = proc.communicate()
+                _keep_log(args.log, stdout, stderr)
                 print(stdout[-4000:], stderr[-8000:], file=sys.stderr)
                 summary = {"workloads": args.workloads, "ranks": ranks, "hangs": 1,
                            "seed": args.seed, "layout": args.layout,
                            "timeout_s": round(timeout_s)}
             else:
                 if proc.returncode != 0 or not counts_file.exists():
+                    _keep_log(args.log, stdout, stderr)
                     print(stdout[-4000:], stderr[-8000:], file=sys.stderr)
                     print("soak run failed (an invariant broke or a rank crashed)",
                           file=sys.stderr)
