@@ -53,7 +53,8 @@ def initialize_distributed(
     """Initialise torch.distributed and Megatron's parallel state; idempotent.
 
     Reads RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT as torchrun sets them.
-    Without them it starts a single-process group on a free local port. gloo on CPU, nccl on GPU.
+    Without them it starts a single-process group on an in-memory store. gloo on CPU, nccl
+    on GPU.
     """
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
@@ -77,11 +78,12 @@ def initialize_distributed(
     device = torch.device("cuda", local_rank) if use_cuda else torch.device("cpu")
 
     if not dist.is_initialized():
-        if not launched:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
+        # A single process needs no rendezvous: an in-memory store, so no port is picked
+        # (a free port picked here can be taken by another process before it is bound).
+        store = None if launched else dist.HashStore()
         dist.init_process_group(
             backend=backend,
+            store=store,
             rank=rank,
             world_size=world_size,
             timeout=timedelta(seconds=timeout_s),
