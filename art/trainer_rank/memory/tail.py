@@ -61,6 +61,18 @@ def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) ->
 CALLER_LOSS_SCALARS_BYTES = 2 * FP32
 
 
+def caller_mean_square_per_row(model: PricedModel) -> tuple[float, float]:
+    """Bytes per row of the caller's fp32 mean-square on hidden states: (forward, backward).
+    Forward: the squares, and the fp32 copy in low precision, which the square keeps. Its
+    backward holds four hidden-sized fp32 rows at once (the incoming gradient, x^1, 2 x^1,
+    their product: pow's backward) before the hidden row's gradient exists: three beyond it,
+    four where torch's composite final norm runs the same pow backward beside that gradient."""
+    g, b = model.geometry, model.dtype_bytes
+    copy = g.hidden_size * FP32 if b < FP32 else 0.0
+    rows_held = 4 if model.implementation.norm == "torch" else 3
+    return g.hidden_size * FP32 + copy, rows_held * g.hidden_size * FP32 + copy
+
+
 def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost:
     """Final norm + head + outputs + caller loss, priced from the compute path's head."""
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
@@ -98,15 +110,11 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     if grad:
         caller = 0.0
         if out.hidden_states:
-            # The caller's fp32 mean-square: in forward the squares (and the fp32 copy in low
-            # precision, which the square keeps). Its backward holds four hidden-sized fp32
-            # rows at once (the incoming gradient, x^1, 2 x^1, their product: pow's backward)
-            # before the hidden row's gradient (in `grads`) exists: three beyond it. torch's
-            # composite final norm then runs the same pow backward beside that gradient.
-            copy = rows * g.hidden_size * FP32 if b < FP32 else 0.0
-            rows_held = 4 if model.implementation.norm == "torch" else 3
-            caller = rows_held * rows * g.hidden_size * FP32 + copy
-            forward += rows * g.hidden_size * FP32 + copy
+            # The caller's fp32 mean-square (`caller_mean_square_per_row`); the hidden row's
+            # gradient is in `grads`.
+            square_forward, square_backward = caller_mean_square_per_row(model)
+            caller = rows * square_backward
+            forward += rows * square_forward
         if out.logits:
             caller += rows * g.vocab_size * FP32
         # Head backward, per chunk: the logits rebuilt (the softmax and its gradient run in
@@ -158,25 +166,24 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
     caller_forward = 0.0
     backward = row.backward
     if batch.grad_enabled:
-        grad_row = (FP32 if out.target_logprobs else 0.0) + out.top_k * FP32 + (
-            g.vocab_size * FP32 if out.logits else 0.0) + hidden_row
+        # Per row, the gradients of the log-probs (target and top-k), then of every output.
+        logprob_grad_row = (FP32 if out.target_logprobs else 0.0) + out.top_k * FP32
+        grad_row = logprob_grad_row + (g.vocab_size * FP32 if out.logits else 0.0) + hidden_row
         caller_backward = 0.0
         if out.hidden_states:
-            # The caller's fp32 mean-square per sequence (see `default_tail`), over L rows;
-            # its backward's transients, one sequence at a time, end before the gather's.
-            copy = g.hidden_size * FP32 if b < FP32 else 0.0
-            rows_held = 4 if model.implementation.norm == "torch" else 3
-            caller_forward = logical * (g.hidden_size * FP32 + copy)
-            longest = float(max(batch.sequence_lengths_tokens))
-            caller_backward = longest * (rows_held * g.hidden_size * FP32 + copy)
+            # The caller's fp32 mean-square per sequence, over L rows; its backward's
+            # transients, one sequence at a time, end before the gather's.
+            square_forward, square_backward = caller_mean_square_per_row(model)
+            caller_forward = logical * square_forward
+            caller_backward = float(max(batch.sequence_lengths_tokens)) * square_backward
         gather_backward = (kept + decoder_row + row.saved + logical * grad_row
                            + max(rows * grad_row, caller_backward))
         # The head's backward runs beside the copies, the decoder row it saved and the
         # gather's zeroed rows. Those stand in for the caller's gradients at the row, which
         # for log-probs summed by the caller are a view of the loss's scalar gradient (no
         # storage) and for logits and hidden states are tensors the row's tail holds.
-        summed = rows * ((FP32 if out.target_logprobs else 0.0) + out.top_k * FP32)
-        backward = max(row.backward + kept + decoder_row + summed - row.kept, gather_backward)
+        backward = max(row.backward + kept + decoder_row + rows * logprob_grad_row - row.kept,
+                       gather_backward)
     forward = max(row.forward + kept - row.kept,
                   row.kept + row.saved + copies + caller_forward)
     return replace(row, kept=kept, forward=forward, backward=backward,
