@@ -220,7 +220,7 @@ class TrainerRank(SlotMethods):
             len(items),
             lambda start: self._propose_wave(items, start, dp_rank, dp_size),
             run_share, self._empty_micro_batch, finish=finish,
-            guard=lambda: self.phases.collectives(PLAN, None))
+            guard=lambda: self.phases.between_micro_batches(dp_size))
         call.raise_declined()
 
     def dp_rank_forward(

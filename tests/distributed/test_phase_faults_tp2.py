@@ -163,3 +163,17 @@ def test_a_fault_read_at_a_boundary_wakes_the_peer_already_past_it(tmp_path):
                                        "ran out of memory in the forward"), row
     assert rows[0]["error"] == rows[1]["error"]
     assert rows[1]["waited_s"] < 6, rows[1]
+
+
+@pytest.mark.torchrun
+def test_a_fault_on_another_replica_wakes_a_rank_waiting_in_the_waves(tmp_path):
+    # Rank 0 waits in the DP waves' all-reduce; rank 1 (the other replica) publishes a fault
+    # and keeps its groups open away from that collective: rank 0 ends with the fault's
+    # error at once (without the watcher armed there: after rank 1's 12 s, or the groups'
+    # 40 s timeout).
+    run_torchrun(WORKER.with_name("waves_fault_worker.py"), str(tmp_path),
+                 str(free_port()), nproc=2, timeout_s=120)
+    rows = rank_records(tmp_path)
+    assert rows[0]["error"].startswith("TrainerRankMemoryError: forward_micro_batches: rank 1 "
+                                       "ran out of memory in the forward"), rows[0]
+    assert rows[0]["waited_s"] < 6, rows[0]

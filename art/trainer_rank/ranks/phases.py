@@ -357,6 +357,16 @@ class PhaseAgreement:
                 self._watch.clear()
 
     @contextlib.contextmanager
+    def between_micro_batches(self, group_size: int) -> Iterator[None]:
+        """The data-parallel waves' all-reduce (ranks/lockstep.py): a collective of the plan
+        whose peers are other replicas' ranks. A fault there (on any replica) ends the job's
+        call, so the watcher is armed while this rank waits in it: a peer that raised after a
+        fault and left for good cannot leave this rank blocked until the process group's
+        timeout, even when its closed pairs did not reach this collective."""
+        with self.collectives(PLAN, None), self.watching(group_size):
+            yield
+
+    @contextlib.contextmanager
     def compute(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
         """The forward and heads of one micro-batch. An OOM on a replica of one rank is left
         to the caller (recovered locally); on several ranks it ends the job's call."""
