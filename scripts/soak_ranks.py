@@ -63,6 +63,8 @@ def main(argv: list[str] | None = None) -> int:
     ranks = RANKS[args.layout]
     env = dict(os.environ, OMP_NUM_THREADS="1",
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if args.log is not None:
+        env["ART_SOAK_VERBOSE"] = "1"
     with tempfile.TemporaryDirectory() as tmp:
         counts_file = Path(tmp) / "counts.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}",

@@ -81,7 +81,10 @@ def main() -> None:
     out_file, workloads, seed = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     layout, control_port = sys.argv[4], int(sys.argv[5])
     warnings.filterwarnings("ignore")
-    logging.getLogger("art.trainer_rank").setLevel(logging.CRITICAL)
+    # Silent unless the launch keeps its log (soak_ranks.py --log): then the protocol's
+    # warnings (faults published, groups closed) say what each rank did before a failure.
+    logging.getLogger("art.trainer_rank").setLevel(
+        logging.WARNING if os.environ.get("ART_SOAK_VERBOSE") else logging.CRITICAL)
     if layout in ("tp2", "tp2dp2"):
         if layout == "tp2":
             counts, seconds = soak_tp(workloads, seed, control_port)

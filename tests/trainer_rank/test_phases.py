@@ -105,3 +105,28 @@ def test_single_process_vote_and_step_are_local():
         with agreement.optimizer_step(1):
             raise ValueError("x")
     assert agreement.fault is None  # nothing to publish with no peer
+
+
+def test_groups_close_inside_a_meter_whose_limit_an_oom_reached():
+    # A rank closes its process groups right after an OOM, often inside the trainer's meter
+    # with its live bytes at the limit: closing must allocate nothing there (an OOM raised
+    # while closing left the groups open and the peers blocked on them: the TP=2 x DP=2
+    # soak's hang after an OOM in the caller's backward). One real gloo process group.
+    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.ranks.phases import close_process_groups
+
+    started = not dist.is_initialized()
+    if started:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        live = torch.ones(64)
+        with MemoryMeter(limit_bytes=1 << 20) as meter:
+            kept = live * 2
+            meter.limit_bytes = meter._live_bytes  # the next allocation would cross it
+            with pytest.raises(torch.OutOfMemoryError):
+                torch.empty(1)
+            close_process_groups()
+        assert kept.shape == live.shape
+    finally:
+        if started:
+            dist.destroy_process_group()

@@ -52,6 +52,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils._python_dispatch import _disable_current_modes
 
 from art.trainer_rank._types import TrainerRankMemoryError, TrainerRankPeerError
 from art.trainer_rank.ranks import agree as _agree
@@ -75,6 +76,8 @@ FAULT_COUNT_KEY = "art_trainer_rank/fault_count"
 LEFT_KEY = "art_trainer_rank/left"
 # A p2p tag no one sends on: a receive on it that times out closes the gloo pair.
 _CLOSE_TAG = 0x7A27
+# What that receive would write into; allocated here, never under a meter (see below).
+_CLOSE_PROBE = torch.empty(1)
 # The vote's value for "no failure": above every rank number, so MIN finds the lowest failing rank.
 _NO_FAILURE = 2**62
 # How often the watcher asks the store, while collectives are in flight.
@@ -516,17 +519,21 @@ def close_process_groups() -> None:
     if dist.get_backend() == "nccl":
         distributed_c10d._abort_process_group()
         return
-    probe = torch.empty(1)
-    for group in list(distributed_c10d._world.pg_map):
-        try:
-            me, size = group.rank(), group.size()
-        except RuntimeError:
-            continue
-        for peer in range(size):
-            if peer == me:
-                continue
+    # Outside every dispatch mode: a rank closes its groups right after an OOM, often inside
+    # the trainer's meter, whose limit that OOM has reached; an allocation counted there
+    # would raise again here and leave the groups open, its peers blocked on them.
+    with _disable_current_modes():
+        for group in list(distributed_c10d._world.pg_map):
             try:
-                group.recv([probe], peer, _CLOSE_TAG).wait(timedelta(milliseconds=1))
+                me, size = group.rank(), group.size()
             except RuntimeError:
-                pass
+                continue
+            for peer in range(size):
+                if peer == me:
+                    continue
+                try:
+                    group.recv([_CLOSE_PROBE], peer, _CLOSE_TAG).wait(
+                        timedelta(milliseconds=1))
+                except RuntimeError:
+                    pass
     logger.warning("rank %d: process groups closed", dist.get_rank())
