@@ -264,3 +264,81 @@ def test_first_gradients_count_only_the_layers_a_backward_reached_at_its_peak():
     assert gradients.allocated_down_to(1) == 80 + 20
     assert gradients.allocated_down_to(0) == 140
     assert gradients.allocated_down_to(None) == 20  # a peak in the head's backward
+
+
+def _greedy_reference(queue, usable_bytes: int) -> list[int]:
+    """The one-candidate-per-item greedy scan admission's bisection must agree with, on the
+    linear stand-in (grad, selective: 100 bytes per packed token; warm, so no cap): items in
+    queue order, each added if the packed set still fits, up to MAX_MISFITS_SCANNED misfits
+    in a row."""
+    from art.trainer_rank.decide.admission import MAX_MISFITS_SCANNED
+
+    chosen, tokens, misfits = [queue[0].index], queue[0].num_tokens, 0
+    for item in queue[1:]:
+        if RATE["selective"] * (tokens + item.num_tokens) <= usable_bytes:
+            chosen.append(item.index)
+            tokens += item.num_tokens
+            misfits = 0
+        else:
+            misfits += 1
+            if misfits >= MAX_MISFITS_SCANNED:
+                break
+    return sorted(chosen)
+
+
+@pytest.mark.parametrize("count", [1_000, 10_000])
+def test_a_call_of_many_short_items_is_planned_in_logarithmically_many_estimates(count):
+    # Pricing every candidate prefix made a call of n short items cost n estimates of up to
+    # n sequences each (quadratic); bisection over the prefix prices O(log n) of them, and
+    # the micro-batch chosen is the one the item-by-item greedy scan chooses.
+    import random
+
+    rng = random.Random(count)
+    lengths = [rng.randint(8, 32) for _ in range(count)]
+    for usable in (10 ** 9, 100 * sum(lengths) // 3):  # everything fits / a third does
+        adm = admission()
+        warm(adm, True)
+        queue = items(*lengths)
+        estimates = 0
+        original = adm.memory_model.estimate
+
+        def counted(shape, original=original):
+            nonlocal estimates
+            estimates += 1
+            return original(shape)
+
+        adm.memory_model.estimate = counted
+        plan = adm.plan_next(queue, grad=True, usable_bytes=usable)
+        assert estimates <= 4 * count.bit_length() + 20, estimates
+        assert [it.index for it in plan.items] == _greedy_reference(queue, usable)
+        assert plan.pricing.dynamic_bytes <= usable
+        if usable == 10 ** 9:
+            assert len(plan.items) == count
+
+
+def test_a_wave_of_many_short_items_finds_its_fitting_prefix_by_bisection():
+    import random
+
+    rng = random.Random(7)
+    lengths = [rng.randint(8, 32) for _ in range(2_000)]
+    adm = admission()
+    warm(adm, True)
+    queue = items(*lengths)
+    usable = 100 * sum(lengths) // 2
+    calls = 0
+    original = adm.fits_together
+
+    def counted(part, grad, usable_bytes):
+        nonlocal calls
+        calls += 1
+        return original(part, grad, usable_bytes)
+
+    adm.fits_together = counted
+    fitting = adm.fitting_prefix(queue, lambda grad: usable)
+    # The largest prefix that fits, as the one-prefix-at-a-time scan finds it.
+    total, expected = 0, 0
+    for n in lengths:
+        if (total + n) * 100 > usable:
+            break
+        total, expected = total + n, expected + 1
+    assert fitting == expected and calls <= 2 * 2_000 .bit_length() + 4, (fitting, calls)

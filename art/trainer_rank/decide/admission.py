@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
-from typing import Any
+from functools import cached_property
+from typing import Any, TypeVar
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape, OutputRequest, RecurrentRow
@@ -48,6 +49,61 @@ def _union(requests: Iterable[OutputRequest]) -> OutputRequest:
                          hidden_states=hidden)
 
 
+T = TypeVar("T")
+
+
+def largest_fitting_count(candidate: Callable[[int], T | None], known: int, most: int,
+                          at_known: T) -> tuple[int, T]:
+    """The largest count in [known, most] whose `candidate(count)` is not None, given that
+    `known` fits (its value `at_known`) and that fitting is monotone in the count: doubling
+    steps, then bisection. With the first count that does not fit probed directly first, a
+    queue that stops early costs one probe past it."""
+    if known >= most:
+        return known, at_known
+    value = candidate(known + 1)
+    if value is None:
+        return known, at_known
+    lo, lo_value, step = known + 1, value, 1
+    hi = most + 1  # the smallest count known not to fit (most + 1: none known)
+    while lo < most:
+        probe = min(most, lo + step)
+        value = candidate(probe)
+        if value is None:
+            hi = probe
+            break
+        lo, lo_value, step = probe, value, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        value = candidate(mid)
+        if value is None:
+            hi = mid
+        else:
+            lo, lo_value = mid, value
+    return lo, lo_value
+
+
+class _Prefix:
+    """Running sums over a queue's prefixes (lengths, shared tokens, outputs), built once per
+    decision so that pricing a prefix does not re-walk the items before it."""
+
+    def __init__(self, queue: Sequence[Item]) -> None:
+        self._queue = queue
+        self._shared = [0]
+        self._outputs: list[OutputRequest] = [OutputRequest(target_logprobs=False)]
+        for item in queue:
+            self._shared.append(self._shared[-1] + item.shared_tokens)
+            self._outputs.append(_union((self._outputs[-1], item.outputs)))
+
+    def lengths(self, count: int) -> tuple[int, ...]:
+        return tuple(n for item in self._queue[:count] for n in item.sequence_lengths_tokens)
+
+    def shared(self, count: int) -> int:
+        return self._shared[count]
+
+    def outputs(self, count: int) -> OutputRequest:
+        return self._outputs[count]
+
+
 class PlanMode(StrEnum):
     """How the trainer asks for its next plan: greedily from a queue (`next`), exactly a
     data-parallel wave's share (`wave`), or every grad item of one call at once (`call`)."""
@@ -74,8 +130,9 @@ class Plan:
     # Larger candidates admission priced and turned down on the way to this plan.
     rejected_candidates: int = 0
 
-    @property
+    @cached_property
     def leaves(self) -> tuple[ForwardInput, ...]:
+        # Cached: the runtime reads it once per leaf.
         return tuple(leaf for item in self.items for leaf in item.leaves)
 
     @property
@@ -85,7 +142,7 @@ class Plan:
     def group_indices(self, sub: Sequence[int]) -> list[list[int]]:
         """`sub`'s leaf indices cut where the owning item changes: the groups whose shared
         prefixes one packed row may lay out once."""
-        owner = [k for k, item in enumerate(self.items) for _ in item.leaves]
+        owner = self._leaf_owners
         groups: list[list[int]] = []
         for i in sub:
             if groups and owner[groups[-1][-1]] == owner[i]:
@@ -93,6 +150,10 @@ class Plan:
             else:
                 groups.append([i])
         return groups
+
+    @cached_property
+    def _leaf_owners(self) -> tuple[int, ...]:
+        return tuple(k for k, item in enumerate(self.items) for _ in item.leaves)
 
     def groups(self, sub: Sequence[int]) -> tuple[int, ...]:
         return tuple(len(group) for group in self.group_indices(sub))
@@ -321,12 +382,33 @@ class Admission:
         if pricing.dynamic_bytes > usable_bytes:
             return self._does_not_fit(first, grad, usable_bytes, pricing, shape, sig)
 
-        chosen = [first]
-        lengths = first.sequence_lengths_tokens
-        outputs = first.outputs
-        shared = first.shared_tokens
+        # The longest fitting prefix of the queue, by bisection (the price grows with the
+        # prefix): a call of many short items packs them in a logarithmic number of estimates
+        # instead of one per item. From the first item that does not fit, the greedy scan
+        # goes on down the queue (smaller items behind it may still fit).
+        prefix = _Prefix(queue)
+
+        def candidate(count: int) -> tuple[Pricing, MicroBatchShape, str] | None:
+            if cap_tokens is not None and self.packed_length(
+                    prefix.lengths(count), prefix.shared(count)) > cap_tokens:
+                return None
+            chosen = queue[:count]
+            recurrent = (self._recurrent([self._item_tree(it) for it in chosen])
+                         if prefix.shared(count) and self.shares_prefixes else None)
+            priced = self.price_lengths(prefix.lengths(count), prefix.outputs(count), grad,
+                                        shared_tokens=prefix.shared(count),
+                                        recurrent=recurrent)
+            return priced if priced[0].dynamic_bytes <= usable_bytes else None
+
+        count, best = largest_fitting_count(candidate, 1, len(queue),
+                                            (pricing, shape, sig))
+        pricing, shape, sig = best
+        chosen = list(queue[:count])
+        lengths = prefix.lengths(count)
+        outputs = prefix.outputs(count)
+        shared = prefix.shared(count)
         misfits = rejected = 0
-        for item in queue[1:]:
+        for item in queue[count:]:
             cand_lengths = lengths + item.sequence_lengths_tokens
             cand_shared = shared + item.shared_tokens
             if cap_tokens is not None and self.packed_length(
@@ -336,10 +418,10 @@ class Admission:
                 cand_outputs = _union((outputs, item.outputs))
                 recurrent = (self._recurrent([self._item_tree(it) for it in (*chosen, item)])
                              if cand_shared and self.shares_prefixes else None)
-                candidate, cand_shape, cand_sig = self.price_lengths(
+                candidate_pricing, cand_shape, cand_sig = self.price_lengths(
                     cand_lengths, cand_outputs, grad, shared_tokens=cand_shared,
                     recurrent=recurrent)
-                too_big = candidate.dynamic_bytes > usable_bytes
+                too_big = candidate_pricing.dynamic_bytes > usable_bytes
             if too_big:
                 misfits += 1
                 rejected += 1
@@ -349,7 +431,7 @@ class Admission:
             misfits = 0
             chosen.append(item)
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
-            pricing, shape, sig = candidate, cand_shape, cand_sig
+            pricing, shape, sig = candidate_pricing, cand_shape, cand_sig
         return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected)
 
     def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
@@ -402,13 +484,15 @@ class Admission:
     def fitting_prefix(self, items: Sequence[Item], usable_bytes: Callable[[bool], int]) -> int:
         """How many leading `items` run together: their grad items as one micro-batch and
         their no-grad items as another, each fitting (`usable_bytes(grad)`)."""
-        parts: dict[bool, list[Item]] = {True: [], False: []}
-        for count, item in enumerate(items):
-            part = [*parts[item.grad], item]
-            if not self.fits_together(part, item.grad, usable_bytes(item.grad)):
-                return count
-            parts[item.grad] = part
-        return len(items)
+        def fits(count: int) -> bool | None:
+            head = items[:count]
+            return all(self.fits_together([it for it in head if it.grad == grad], grad,
+                                          usable_bytes(grad))
+                       for grad in {it.grad for it in head}) or None
+
+        # By bisection (fitting together is monotone in the count): a wave of many short
+        # items costs a logarithmic number of prices, not one per item.
+        return largest_fitting_count(fits, 0, len(items), True)[0]
 
     def plan_group(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> Plan:
         """The plan that runs exactly `items` (which fit together) as one micro-batch; one item
