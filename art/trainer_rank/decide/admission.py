@@ -9,11 +9,11 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from functools import cached_property
-from typing import Any, TypeVar
+from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape, OutputRequest, RecurrentRow
@@ -29,79 +29,13 @@ from art.trainer_rank._types import (
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
 from art.trainer_rank.decide.decline import decline_error
+from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
+from art.trainer_rank.decide.prefix_search import requests_union as _union
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8
-
-
-def _union(requests: Iterable[OutputRequest]) -> OutputRequest:
-    """The outputs a packed micro-batch computes: the union of its items' requests."""
-    target = logits = hidden = False
-    top_k = 0
-    for r in requests:
-        target |= r.target_logprobs
-        top_k = max(top_k, r.top_k)
-        logits |= r.logits
-        hidden |= r.hidden_states
-    return OutputRequest(target_logprobs=target, top_k=top_k, logits=logits,
-                         hidden_states=hidden)
-
-
-T = TypeVar("T")
-
-
-def largest_fitting_count(candidate: Callable[[int], T | None], known: int, most: int,
-                          at_known: T) -> tuple[int, T]:
-    """The largest count in [known, most] whose `candidate(count)` is not None, given that
-    `known` fits (its value `at_known`) and that fitting is monotone in the count: doubling
-    steps, then bisection. With the first count that does not fit probed directly first, a
-    queue that stops early costs one probe past it."""
-    if known >= most:
-        return known, at_known
-    value = candidate(known + 1)
-    if value is None:
-        return known, at_known
-    lo, lo_value, step = known + 1, value, 1
-    hi = most + 1  # the smallest count known not to fit (most + 1: none known)
-    while lo < most:
-        probe = min(most, lo + step)
-        value = candidate(probe)
-        if value is None:
-            hi = probe
-            break
-        lo, lo_value, step = probe, value, step * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        value = candidate(mid)
-        if value is None:
-            hi = mid
-        else:
-            lo, lo_value = mid, value
-    return lo, lo_value
-
-
-class _Prefix:
-    """Running sums over a queue's prefixes (lengths, shared tokens, outputs), built once per
-    decision so that pricing a prefix does not re-walk the items before it."""
-
-    def __init__(self, queue: Sequence[Item]) -> None:
-        self._queue = queue
-        self._shared = [0]
-        self._outputs: list[OutputRequest] = [OutputRequest(target_logprobs=False)]
-        for item in queue:
-            self._shared.append(self._shared[-1] + item.shared_tokens)
-            self._outputs.append(_union((self._outputs[-1], item.outputs)))
-
-    def lengths(self, count: int) -> tuple[int, ...]:
-        return tuple(n for item in self._queue[:count] for n in item.sequence_lengths_tokens)
-
-    def shared(self, count: int) -> int:
-        return self._shared[count]
-
-    def outputs(self, count: int) -> OutputRequest:
-        return self._outputs[count]
 
 
 class PlanMode(StrEnum):
@@ -386,7 +320,7 @@ class Admission:
         # prefix): a call of many short items packs them in a logarithmic number of estimates
         # instead of one per item. From the first item that does not fit, the greedy scan
         # goes on down the queue (smaller items behind it may still fit).
-        prefix = _Prefix(queue)
+        prefix = QueuePrefixes(queue)
 
         def candidate(count: int) -> tuple[Pricing, MicroBatchShape, str] | None:
             if cap_tokens is not None and self.packed_length(

@@ -1,0 +1,79 @@
+"""The longest fitting prefix of a queue: doubling and bisection over a price that grows with
+the prefix, and the running sums that price a prefix without re-walking the items before it.
+A call of many short items is then planned in a logarithmic number of estimates."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
+
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.compute.items import Item
+
+
+def requests_union(requests: Iterable[OutputRequest]) -> OutputRequest:
+    """The outputs a packed micro-batch computes: the union of its items' requests."""
+    target = logits = hidden = False
+    top_k = 0
+    for r in requests:
+        target |= r.target_logprobs
+        top_k = max(top_k, r.top_k)
+        logits |= r.logits
+        hidden |= r.hidden_states
+    return OutputRequest(target_logprobs=target, top_k=top_k, logits=logits,
+                         hidden_states=hidden)
+
+
+T = TypeVar("T")
+
+
+def largest_fitting_count(candidate: Callable[[int], T | None], known: int, most: int,
+                          at_known: T) -> tuple[int, T]:
+    """The largest count in [known, most] whose `candidate(count)` is not None, given that
+    `known` fits (its value `at_known`) and that fitting is monotone in the count: doubling
+    steps, then bisection. With the first count that does not fit probed directly first, a
+    queue that stops early costs one probe past it."""
+    if known >= most:
+        return known, at_known
+    value = candidate(known + 1)
+    if value is None:
+        return known, at_known
+    lo, lo_value, step = known + 1, value, 1
+    hi = most + 1  # the smallest count known not to fit (most + 1: none known)
+    while lo < most:
+        probe = min(most, lo + step)
+        value = candidate(probe)
+        if value is None:
+            hi = probe
+            break
+        lo, lo_value, step = probe, value, step * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        value = candidate(mid)
+        if value is None:
+            hi = mid
+        else:
+            lo, lo_value = mid, value
+    return lo, lo_value
+
+
+class QueuePrefixes:
+    """Running sums over a queue's prefixes (lengths, shared tokens, outputs), built once per
+    decision so that pricing a prefix does not re-walk the items before it."""
+
+    def __init__(self, queue: Sequence[Item]) -> None:
+        self._queue = queue
+        self._shared = [0]
+        self._outputs: list[OutputRequest] = [OutputRequest(target_logprobs=False)]
+        for item in queue:
+            self._shared.append(self._shared[-1] + item.shared_tokens)
+            self._outputs.append(requests_union((self._outputs[-1], item.outputs)))
+
+    def lengths(self, count: int) -> tuple[int, ...]:
+        return tuple(n for item in self._queue[:count] for n in item.sequence_lengths_tokens)
+
+    def shared(self, count: int) -> int:
+        return self._shared[count]
+
+    def outputs(self, count: int) -> OutputRequest:
+        return self._outputs[count]
