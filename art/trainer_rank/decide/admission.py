@@ -322,20 +322,21 @@ class Admission:
         # goes on down the queue (smaller items behind it may still fit).
         prefix = QueuePrefixes(queue)
 
-        def candidate(count: int) -> tuple[Pricing, MicroBatchShape, str] | None:
-            if cap_tokens is not None and self.packed_length(
-                    prefix.lengths(count), prefix.shared(count)) > cap_tokens:
+        def fitting(chosen: Sequence[Item], lengths: tuple[int, ...], shared: int,
+                    outputs: OutputRequest) -> tuple[Pricing, MicroBatchShape, str] | None:
+            """`chosen` as one micro-batch, priced, or None when it is over the cap or the
+            usable limit."""
+            if cap_tokens is not None and self.packed_length(lengths, shared) > cap_tokens:
                 return None
-            chosen = queue[:count]
             recurrent = (self._recurrent([self._item_tree(it) for it in chosen])
-                         if prefix.shared(count) and self.shares_prefixes else None)
-            priced = self.price_lengths(prefix.lengths(count), prefix.outputs(count), grad,
-                                        shared_tokens=prefix.shared(count),
+                         if shared and self.shares_prefixes else None)
+            priced = self.price_lengths(lengths, outputs, grad, shared_tokens=shared,
                                         recurrent=recurrent)
             return priced if priced[0].dynamic_bytes <= usable_bytes else None
 
-        count, best = largest_fitting_count(candidate, 1, len(queue),
-                                            (pricing, shape, sig))
+        count, best = largest_fitting_count(
+            lambda n: fitting(queue[:n], prefix.lengths(n), prefix.shared(n), prefix.outputs(n)),
+            1, len(queue), (pricing, shape, sig))
         pricing, shape, sig = best
         chosen = list(queue[:count])
         lengths = prefix.lengths(count)
@@ -345,18 +346,9 @@ class Admission:
         for item in queue[count:]:
             cand_lengths = lengths + item.sequence_lengths_tokens
             cand_shared = shared + item.shared_tokens
-            if cap_tokens is not None and self.packed_length(
-                    cand_lengths, cand_shared) > cap_tokens:
-                too_big = True
-            else:
-                cand_outputs = _union((outputs, item.outputs))
-                recurrent = (self._recurrent([self._item_tree(it) for it in (*chosen, item)])
-                             if cand_shared and self.shares_prefixes else None)
-                candidate_pricing, cand_shape, cand_sig = self.price_lengths(
-                    cand_lengths, cand_outputs, grad, shared_tokens=cand_shared,
-                    recurrent=recurrent)
-                too_big = candidate_pricing.dynamic_bytes > usable_bytes
-            if too_big:
+            cand_outputs = _union((outputs, item.outputs))
+            priced = fitting((*chosen, item), cand_lengths, cand_shared, cand_outputs)
+            if priced is None:
                 misfits += 1
                 rejected += 1
                 if misfits >= MAX_MISFITS_SCANNED:
@@ -365,7 +357,7 @@ class Admission:
             misfits = 0
             chosen.append(item)
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
-            pricing, shape, sig = candidate_pricing, cand_shape, cand_sig
+            pricing, shape, sig = priced
         return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected)
 
     def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
