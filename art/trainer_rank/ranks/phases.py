@@ -76,8 +76,6 @@ FAULT_COUNT_KEY = "art_trainer_rank/fault_count"
 LEFT_KEY = "art_trainer_rank/left"
 # A p2p tag no one sends on: a receive on it that times out closes the gloo pair.
 _CLOSE_TAG = 0x7A27
-# What that receive would write into; allocated here, never under a meter (see below).
-_CLOSE_PROBE = torch.empty(1)
 # The vote's value for "no failure": above every rank number, so MIN finds the lowest failing rank.
 _NO_FAILURE = 2**62
 # How often the watcher asks the store, while collectives are in flight.
@@ -523,6 +521,7 @@ def close_process_groups() -> None:
     # the trainer's meter, whose limit that OOM has reached; an allocation counted there
     # would raise again here and leave the groups open, its peers blocked on them.
     with _disable_current_modes():
+        probe = torch.empty(1)
         for group in list(distributed_c10d._world.pg_map):
             try:
                 me, size = group.rank(), group.size()
@@ -532,7 +531,7 @@ def close_process_groups() -> None:
                 if peer == me:
                     continue
                 try:
-                    group.recv([_CLOSE_PROBE], peer, _CLOSE_TAG).wait(
+                    group.recv([probe], peer, _CLOSE_TAG).wait(
                         timedelta(milliseconds=1))
                 except RuntimeError:
                     pass
