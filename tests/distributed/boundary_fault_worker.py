@@ -14,22 +14,12 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
-from megatron.core import parallel_state
+from _published_fault import RANK, publish_forward_oom, two_rank_agreement
 
 from art.trainer_rank.ranks import agree as _agree
-from art.trainer_rank.ranks.phases import (
-    FAULT_COUNT_KEY,
-    FAULT_KEY,
-    PLAN,
-    Fault,
-    MicroBatchContext,
-    PhaseAgreement,
-)
+from art.trainer_rank.ranks.phases import PLAN
 
-RANK = int(os.environ["RANK"])
 # Long enough that waiting it out fails the test's bound.
 GROUP_TIMEOUT_S = 40
 # How long rank 0 lives on after it raised (rank 1 must end well before).
@@ -38,22 +28,12 @@ HOLD_S = 10
 
 def main() -> None:
     out_dir, port = sys.argv[1], int(sys.argv[2])
-    store = dist.TCPStore("127.0.0.1", port, 2, RANK == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=RANK, world_size=2,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=2)
-    phases = PhaseAgreement(fault_timeout_s=20)
-    dist.barrier()
+    phases = two_rank_agreement(port, tensor_parallel=2, group_timeout_s=GROUP_TIMEOUT_S)
     result: dict = {}
     if RANK == 1:
         # The fault of a rank of another replica (rank 3 of a TP=2 x DP=2 job), published
         # after this rank passed its boundary check.
-        context = MicroBatchContext(call=1, micro_batch=0, items=(2, 4), signature="s",
-                                    packed_tokens=64, usable_bytes=1000, predicted_bytes=900,
-                                    recompute_summary="selective recompute (core_attn)")
-        fault = Fault(3, "forward", "layer 1", "OutOfMemoryError: injected", context)
-        phases._store.add(FAULT_COUNT_KEY, 1)
-        phases._store.set(FAULT_KEY, fault.to_json())
+        publish_forward_oom(phases, 3, (2, 4))
         started = time.monotonic()
         try:
             with phases.collectives(PLAN, None):

@@ -15,21 +15,11 @@ import json
 import os
 import sys
 import time
-from datetime import timedelta
 
-import torch.distributed as dist
-from megatron.core import parallel_state
+from _published_fault import RANK, publish_forward_oom, two_rank_agreement
 
 from art.trainer_rank.ranks.lockstep import in_waves
-from art.trainer_rank.ranks.phases import (
-    FAULT_COUNT_KEY,
-    FAULT_KEY,
-    Fault,
-    MicroBatchContext,
-    PhaseAgreement,
-)
 
-RANK = int(os.environ["RANK"])
 # Long enough that waiting it out fails the test's bound.
 GROUP_TIMEOUT_S = 40
 # How long rank 1 keeps its process groups open (rank 0 must end well before).
@@ -38,12 +28,7 @@ HOLD_S = 12
 
 def main() -> None:
     out_dir, port = sys.argv[1], int(sys.argv[2])
-    store = dist.TCPStore("127.0.0.1", port, 2, RANK == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=RANK, world_size=2,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=1)
-    phases = PhaseAgreement(fault_timeout_s=20)
-    dist.barrier()
+    phases = two_rank_agreement(port, tensor_parallel=1, group_timeout_s=GROUP_TIMEOUT_S)
     result: dict = {}
     if RANK == 0:
         started = time.monotonic()
@@ -57,12 +42,7 @@ def main() -> None:
         result["waited_s"] = time.monotonic() - started
     else:
         time.sleep(1.0)  # rank 0 is inside the all-reduce by now
-        context = MicroBatchContext(call=1, micro_batch=0, items=(1,), signature="s",
-                                    packed_tokens=64, usable_bytes=1000, predicted_bytes=900,
-                                    recompute_summary="selective recompute (core_attn)")
-        fault = Fault(1, "forward", "layer 1", "OutOfMemoryError: injected", context)
-        phases._store.add(FAULT_COUNT_KEY, 1)
-        phases._store.set(FAULT_KEY, fault.to_json())
+        publish_forward_oom(phases, 1, (1,))
         time.sleep(HOLD_S)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
