@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "scripts"))  # the calibration harness lives beside its script
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# TrainerRank caches its probe in the user cache folder by default: the suite (and the torchrun
+# workers it starts, which inherit this) uses a folder of its own, shared by the session's
+# processes and never the user's.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="art-test-cache-")
+
+
+def pytest_sessionfinish(session, exitstatus) -> None:
+    shutil.rmtree(os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

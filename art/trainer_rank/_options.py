@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any
@@ -13,6 +14,7 @@ from art._paths import directory_problem, file_path_problem
 from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
+from art.trainer_rank.memory.probe_store import default_probe_cache_dir
 from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 
 ENV_PREFIX = "ART_TRAINER_RANK_"
@@ -47,10 +49,16 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
         "the failing rank; also how long a rank whose caller left the micro-batch loop waits "
         "for its peers to leave too (default 60)",
     ),
+    "PROBE_CACHE": (
+        "probe_cache",
+        "keep the probe's coefficients on disk and reuse them in later jobs when the same "
+        "software measured the same model, layout and policy (default true; false: in memory "
+        "only)",
+    ),
     "PROBE_CACHE_DIR": (
         "probe_cache_dir",
-        "directory for probe coefficients as JSON (unset: the profile file's directory, or "
-        "in memory only)",
+        "directory for cached probe coefficients (unset: the profile file's directory, else "
+        "$XDG_CACHE_HOME/art-trainer-rank/probes, else ~/.cache/art-trainer-rank/probes)",
     ),
 }
 # Upstream's test-only switches (layout anchors, hooks): accepted, nothing here reads them.
@@ -58,6 +66,7 @@ UPSTREAM_TEST_ONLY: frozenset[str] = frozenset({"TEST_HOOKS", "TEST_ANCHOR"})
 assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
 assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
 
+_BOOLEAN_FIELDS = ("escalate_to_full_recompute", "probe_layers", "probe_cache")
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
 
@@ -71,6 +80,7 @@ class TrainerRankOptions:
     trust_window: float = 2.0
     head_chunk_tokens: int = HEAD_CHUNK_TOKENS
     probe_layers: bool = True
+    probe_cache: bool = True
     probe_cache_dir: str | None = None
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
@@ -86,13 +96,25 @@ class TrainerRankOptions:
                 raise ValueError(f"TrainerRankOptions.{f.name}={value!r}: {problem}")
 
     def resolved_probe_cache_dir(self) -> str | None:
-        """Where probe coefficients are cached on disk: the explicit directory, else next to
-        the profile file (both are per-machine knowledge of the same model), else nowhere."""
+        """Where probe coefficients are cached on disk: nowhere when the cache is off; the
+        explicit directory; else next to the profile file (both are per-machine knowledge of
+        the same model); else the user cache folder, when it can be written (a cache never
+        stops a run: an unwritable default keeps the probe in memory, with a warning)."""
+        if not self.probe_cache:
+            return None
         if self.probe_cache_dir:
             return self.probe_cache_dir
         if self.profile_path:
             return os.path.dirname(os.path.abspath(self.profile_path))
-        return None
+        default = default_probe_cache_dir()
+        problem = directory_problem(default)
+        if problem is not None:
+            warnings.warn(f"the probe cache folder {default} {problem}: probe coefficients "
+                          "are kept in memory (set ART_TRAINER_RANK_PROBE_CACHE_DIR to a "
+                          "writable directory, or ART_TRAINER_RANK_PROBE_CACHE=false)",
+                          stacklevel=2)
+            return None
+        return str(default)
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> TrainerRankOptions:
@@ -153,7 +175,7 @@ def field_problem(field_name: str, value: Any) -> str | None:
         if value is None or (_is_int(value) and value > 0):
             return None
         return "must be a positive integer byte count, e.g. 268435456 (256 MiB), or unset"
-    if field_name in ("escalate_to_full_recompute", "probe_layers"):
+    if field_name in _BOOLEAN_FIELDS:
         return None if isinstance(value, bool) else "must be true or false"
     if field_name == "cold_start_fraction":
         if _is_number(value) and 0.0 < value <= 1.0:
@@ -180,7 +202,7 @@ def _parse(name: str, field_name: str, raw: str) -> Any:
         return text or None
     if field_name == "test_memory_limit_bytes":
         return test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: text})
-    if field_name in ("escalate_to_full_recompute", "probe_layers"):
+    if field_name in _BOOLEAN_FIELDS:
         if text.lower() in _TRUE:
             return True
         if text.lower() in _FALSE:

@@ -40,7 +40,8 @@ from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probe import modes_for, probe, probe_file, store_probe
+from art.trainer_rank.memory.probe import modes_for, probe
+from art.trainer_rank.memory.probe_store import probe_file, store_probe
 
 
 @dataclass

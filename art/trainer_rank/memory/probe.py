@@ -36,7 +36,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -70,6 +69,7 @@ from art.trainer_rank.memory.probe_runs import (
     restore_modes,
     set_modes,
 )
+from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -281,20 +281,14 @@ def _sparse_chunks(rows: dict[tuple[int, int], dict[str, float]], chunk: int
 
 
 
-def probe_file(directory: str | Path, key: str) -> Path:
-    """Where a probe stored under `key` lives in `directory`."""
-    return Path(directory) / f"probe-{key}.json"
+def _parsed(text: str) -> ProbeCoefficients | None:
+    """A cached probe's coefficients, or None when the file does not hold a whole probe (a
+    cache entry never fails a run: the probe measures again)."""
+    try:
+        return ProbeCoefficients.from_json(text)
+    except (ValueError, KeyError, TypeError):
+        return None
 
-
-def store_probe(coefficients: ProbeCoefficients, directory: str | Path) -> Path:
-    """Write `coefficients` to its file in `directory` whole: through a temporary file of this
-    process, so a reader (another rank, another run) never sees part of one."""
-    path = probe_file(directory, coefficients.key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(coefficients.to_json())
-    tmp.replace(path)
-    return path
 
 def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: Any,
           dtype: str, lora_rank: int,
@@ -326,9 +320,9 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         raise ValueError(f"grad_tokens {points[True]} must be a subset of tokens {tokens}")
     if key in _CACHE:
         return _CACHE[key]
-    path = probe_file(cache_dir, key) if cache_dir else None
-    if path is not None and path.is_file():
-        coefficients = ProbeCoefficients.from_json(path.read_text())
+    stored = stored_probe_text(cache_dir, key, device.type) if cache_dir else None
+    coefficients = _parsed(stored) if stored is not None else None
+    if coefficients is not None:
         _CACHE[key] = coefficients
         return coefficients
 
@@ -400,7 +394,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                                      tuple(fitted_tails))
     _CACHE[key] = coefficients
     if cache_dir:
-        store_probe(coefficients, cache_dir)
+        store_probe(coefficients, cache_dir, device.type)
     return coefficients
 
 

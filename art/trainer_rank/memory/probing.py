@@ -33,6 +33,7 @@ from art.trainer_rank.memory.chunked import fewest_chunked_points, has_chunked_l
 from art.trainer_rank.memory.coefficients import LayerMode
 from art.trainer_rank.memory.layer_terms import LayerCost
 from art.trainer_rank.memory.probe_runs import inner_model
+from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
 from art.trainer_rank.ranks import agree as _agree
 
 
@@ -175,7 +176,7 @@ class TrainerProbe:
             dtype=provider.dtype, layout=provider.layout, lora_rank=self.lora_rank,
             modes=[(m.kind, m.mode.key) for m in wanted],
             outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
-            device=next(inner_model(self.model).parameters()).device.type,
+            device=self._device_type,
             grad_tokens=grad_tokens,
         )
 
@@ -199,8 +200,7 @@ class TrainerProbe:
             # Several ranks run the probe's layers together (TP collectives): all of them probe
             # or none does. A cached copy counts only when every rank of the replica has one.
             key = self._key(modes, outputs, tokens, grad_tokens)
-            path = probe_module.probe_file(self.cache_dir, key) if self.cache_dir else None
-            cached = key in probe_module._CACHE or (path is not None and path.is_file())
+            cached = key in probe_module._CACHE or self._stored(key)
             if _agree.min_over_replica(int(cached)):
                 mine = run(self.cache_dir)
             else:
@@ -216,5 +216,14 @@ class TrainerProbe:
         what it found in this process's cache), from the replica root only."""
         if self.cache_dir is None or not _agree.is_replica_root():
             return
-        if not probe_module.probe_file(self.cache_dir, coefficients.key).is_file():
-            probe_module.store_probe(coefficients, self.cache_dir)
+        if not self._stored(coefficients.key):
+            store_probe(coefficients, self.cache_dir, self._device_type)
+
+    @property
+    def _device_type(self) -> str:
+        return next(inner_model(self.model).parameters()).device.type
+
+    def _stored(self, key: str) -> bool:
+        """Whether the cache directory holds a probe under `key` this software measured."""
+        return (self.cache_dir is not None
+                and stored_probe_text(self.cache_dir, key, self._device_type) is not None)
