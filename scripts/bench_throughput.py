@@ -1,0 +1,373 @@
+#!/usr/bin/env python
+"""TrainerRank against a bare Megatron loop on the same micro-batches -> bench/throughput.md.
+
+    .venv/bin/python scripts/bench_throughput.py            # every case (tens of minutes)
+    .venv/bin/python scripts/bench_throughput.py --quick    # small sizes, one pair each
+
+The bare loop is what a user would write without TrainerRank: for each micro-batch TrainerRank
+chose (same items, same packed row, same layout, same model object), embedding, decoder and
+output layer of the Megatron-Core model, then a plain log_softmax and gather of the target
+tokens, and the caller's loss and backward when grad is on. Both run in this process,
+interleaved in pairs (the order alternates from pair to pair so that a drift of the machine
+falls on both), and the table gives the median of each side and the median of the per-pair
+ratios. Cases: 16 sequences with grad; 1,000 and 10,000 short items without grad (per-item
+cost, and whether time grows linearly with the item count); one 8k-token row with grad;
+start-up (`TrainerRank(runtime)`) with an empty probe cache and with the probe cached, and the
+first call of an uncached job against a steady call. Timings are benchmarks, not tests.
+Goals: <= 1.03 at 16 sequences, <= 1.15 at 1,000 and 10,000 items, linear in the item count.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "scripts")]
+os.environ.setdefault("OMP_NUM_THREADS", "2")
+BENCH = ROOT / "bench"
+VOCAB = 512
+GOALS = {"16 sequences": 1.03, "1,000 short items": 1.15, "10,000 short items": 1.15}
+
+
+@dataclass
+class Case:
+    name: str
+    lengths: list[int]
+    grad: bool
+    pairs: int
+    trainer_s: list[float] = field(default_factory=list)
+    bare_s: list[float] = field(default_factory=list)
+    micro_batches: int = 0
+    packed_tokens: int = 0
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(t / b for t, b in zip(self.trainer_s, self.bare_s, strict=True))
+
+    @property
+    def items(self) -> int:
+        return len(self.lengths)
+
+
+def _provider(hidden: int, layers: int, attention: str) -> Any:
+    from art.megatron.geometry import geometry_from_hf_dict
+    from art.megatron.implementation import Implementation
+    from art.megatron.provider import Provider
+    from art.megatron.settings import load_settings
+
+    geometry = geometry_from_hf_dict(
+        dict(model_type="qwen3", num_hidden_layers=layers, hidden_size=hidden,
+             intermediate_size=3 * hidden, num_attention_heads=8, num_key_value_heads=4,
+             head_dim=hidden // 8, vocab_size=VOCAB, max_position_embeddings=16384,
+             torch_dtype="float32"),
+        name=f"qwen3-{layers}x{hidden}")
+    from peft import LoraConfig
+
+    return Provider(geometry,
+                    settings=load_settings({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
+                    lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
+                    dtype="float32", implementation=Implementation.cpu_local(attention))
+
+
+def _inputs(lengths: Sequence[int], seed: int) -> list[Any]:
+    import torch
+
+    from art.trainer_rank import ForwardInput
+
+    g = torch.Generator().manual_seed(seed)
+    return [ForwardInput(input_tokens=torch.randint(0, VOCAB, (n,), generator=g),
+                         target_tokens=torch.randint(0, VOCAB, (n,), generator=g))
+            for n in lengths]
+
+
+def _loss(picked: Any) -> Any:
+    return -picked.sum()
+
+
+def trainer_pass(trainer: Any, inputs: list[Any], grad: bool) -> tuple[float, list[list[int]]]:
+    """One call of forward_micro_batches as a driver makes it; the micro-batches it chose."""
+    chosen: list[list[int]] = []
+    started = time.perf_counter()
+    for mb in trainer.forward_micro_batches(inputs, no_grad=not grad):
+        if grad:
+            _loss(sum(out.target_logprobs.sum() for out in mb.outputs)).backward()
+        chosen.append(list(mb.indices))
+    return time.perf_counter() - started, chosen
+
+
+def bare_pass(model: Any, provider: Any, inputs: list[Any], chosen: list[list[int]],
+              grad: bool) -> float:
+    """The same micro-batches through the Megatron-Core model with nothing of TrainerRank but
+    its packing of the row: embedding, rotary table at the packed positions, decoder, output
+    layer, log_softmax, gather; the same loss and backward."""
+    import torch
+
+    from art.trainer_rank.compute.packing import pack_sequences
+
+    inner = model
+    while hasattr(inner, "module"):
+        inner = inner.module
+    started = time.perf_counter()
+    for indices in chosen:
+        with torch.set_grad_enabled(grad):
+            batch = pack_sequences([inputs[i].input_tokens for i in indices],
+                                   implementation=provider.implementation,
+                                   layout=provider.layout)
+            embedded = inner.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)
+            positions = batch.position_ids[0]
+            rotary = inner.rotary_pos_emb(int(positions.max()) + 1).index_select(0, positions)
+            hidden = inner.decoder(hidden_states=embedded, attention_mask=batch.attention_mask,
+                                   rotary_pos_emb=rotary,
+                                   packed_seq_params=batch.packed_seq_params)
+            weight = (inner.shared_embedding_or_output_weight()
+                      if inner.share_embeddings_and_output_weights else None)
+            logits, _ = inner.output_layer(hidden, weight=weight)
+            logprobs = torch.log_softmax(logits[:, 0].float(), dim=-1)
+            targets = torch.cat([inputs[i].target_tokens for i in indices])
+            starts = torch.cat([torch.arange(s, s + n) for s, n in
+                                zip(batch.offsets, batch.sequence_lengths_tokens, strict=True)])
+            picked = logprobs[starts].gather(1, targets.view(-1, 1)).squeeze(1)
+            if grad:
+                _loss(picked).backward()
+            del logits, logprobs, picked, hidden, embedded
+    return time.perf_counter() - started
+
+
+def _zero(trainer: Any) -> None:
+    for p in trainer.model.parameters():
+        p.grad = None
+
+
+def run_case(case: Case, trainer: Any, provider: Any, seed: int,
+             log: Callable[[str], None]) -> Case:
+    inputs = _inputs(case.lengths, seed)
+    # A warm-up call: the profile of this signature is learned, as in a job's steady state.
+    _, chosen = trainer_pass(trainer, inputs, case.grad)
+    _zero(trainer)
+    for pair in range(case.pairs):
+        order = ("trainer", "bare") if pair % 2 == 0 else ("bare", "trainer")
+        for side in order:
+            if side == "trainer":
+                seconds, chosen = trainer_pass(trainer, inputs, case.grad)
+                case.trainer_s.append(seconds)
+            else:
+                case.bare_s.append(bare_pass(trainer.model, provider, inputs, chosen,
+                                             case.grad))
+            _zero(trainer)
+        log(f"{case.name}: pair {pair + 1}/{case.pairs}: trainer {case.trainer_s[-1]:.2f} s, "
+            f"bare {case.bare_s[-1]:.2f} s")
+    case.micro_batches = len(chosen)
+    case.packed_tokens = sum(s.packed_tokens for s in trainer.stats_history[-len(chosen):])
+    return case
+
+
+def short_lengths(n: int, rng: random.Random) -> list[int]:
+    return [rng.randint(8, 32) for _ in range(n)]
+
+
+def sixteen_lengths(rng: random.Random, total: int = 4589) -> list[int]:
+    """16 seeded lengths summing to `total` (RL-like spread, none under 64)."""
+    if total < 16 * 64:
+        raise ValueError(f"16 sequences of at least 64 tokens need total >= 1024, got {total}")
+    weights = [rng.lognormvariate(0.0, 0.6) for _ in range(16)]
+    lengths = [64 + round((total - 16 * 64) * w / sum(weights)) for w in weights]
+    lengths[max(range(16), key=lengths.__getitem__)] += total - sum(lengths)
+    return lengths
+
+
+@dataclass
+class StartUp:
+    uncached_s: list[float] = field(default_factory=list)
+    cached_s: list[float] = field(default_factory=list)
+    first_call_uncached_s: list[float] = field(default_factory=list)
+    steady_call_s: list[float] = field(default_factory=list)
+
+
+def start_up(provider: Any, model: Any, pairs: int, lengths: list[int], seed: int,
+             log: Callable[[str], None]) -> StartUp:
+    """`TrainerRank(runtime)` with an empty cache folder, then with the probe it stored, each
+    as a new job would (the in-process copy cleared); and an uncached job's first call (the
+    head probed on first use, a cold cap) against a steady call of the same items."""
+    from art.megatron.train import TrainingRuntime
+    from art.trainer_rank import TrainerRank, TrainerRankOptions
+    from art.trainer_rank.memory import probe as probe_module
+
+    result = StartUp()
+    inputs = _inputs(lengths, seed)
+    for pair in range(pairs):
+        folder = tempfile.mkdtemp(prefix="art-bench-probe-")
+        options = TrainerRankOptions(probe_cache_dir=folder)
+        for cached in (False, True):
+            probe_module._CACHE.clear()
+            started = time.perf_counter()
+            trainer = TrainerRank(TrainingRuntime.for_model(model, provider,
+                                                            trainer_options=options))
+            (result.cached_s if cached else result.uncached_s).append(
+                time.perf_counter() - started)
+            if not cached:
+                seconds, _ = trainer_pass(trainer, inputs, True)
+                result.first_call_uncached_s.append(seconds)
+                _zero(trainer)
+                seconds, _ = trainer_pass(trainer, inputs, True)
+                result.steady_call_s.append(seconds)
+                _zero(trainer)
+            del trainer
+        log(f"start-up: pair {pair + 1}/{pairs}: uncached {result.uncached_s[-1]:.2f} s, "
+            f"cached {result.cached_s[-1]:.2f} s, first call {result.first_call_uncached_s[-1]:.2f}"
+            f" s, steady call {result.steady_call_s[-1]:.2f} s")
+    return result
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values)
+
+
+def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: Path) -> str:
+    lines = [
+        "# Throughput: TrainerRank against a bare Megatron-Core loop (CPU)",
+        "",
+        f"Written by `{meta['command']}` on {meta['date']} ({meta['machine']}). Model "
+        f"{meta['model']}; build {meta['build']}; rank-8 LoRA on every linear, fp32, selective "
+        "recompute, TP=1. Each case: one warm-up call, then interleaved pairs (trainer, bare "
+        "loop; the order alternates), the bare loop running the micro-batches TrainerRank "
+        "chose. Ratio: median over pairs of trainer / bare.",
+        "",
+        "| case | items | tokens | grad | micro-batches | pairs | trainer median s | bare "
+        "median s | ratio (median) | ratio range | trainer ms/item | bare ms/item | goal |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for c in cases:
+        ratios = [t / b for t, b in zip(c.trainer_s, c.bare_s, strict=True)]
+        goal = GOALS.get(c.name)
+        verdict = "" if goal is None else (f"<= {goal:.2f}: "
+                                           f"{'met' if c.ratio <= goal else 'NOT met'}")
+        lines.append(
+            f"| {c.name} | {c.items:,} | {sum(c.lengths):,} | {'yes' if c.grad else 'no'} | "
+            f"{c.micro_batches} | {c.pairs} | {_median(c.trainer_s):.2f} | "
+            f"{_median(c.bare_s):.2f} | {c.ratio:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
+            f"{1e3 * _median(c.trainer_s) / c.items:.2f} | {1e3 * _median(c.bare_s) / c.items:.2f}"
+            f" | {verdict} |")
+    by_name = {c.name: c for c in cases}
+    small, large = by_name.get("1,000 short items"), by_name.get("10,000 short items")
+    if small and large:
+        growth = (_median(large.trainer_s) / large.items) / (_median(small.trainer_s)
+                                                             / small.items)
+        lines += ["", f"Linear in the item count: the trainer's time per item at "
+                  f"{large.items:,} items is {growth:.2f}x its time per item at "
+                  f"{small.items:,} (1.00 is linear)."]
+    if start.uncached_s:
+        steady = _median(start.steady_call_s)
+        first = _median(start.first_call_uncached_s)
+        uncached = _median(start.uncached_s)
+        lines += [
+            "",
+            "## Start-up",
+            "",
+            "`TrainerRank(runtime)` on the same model, as a new job (in-process copies "
+            "cleared), with an empty probe cache folder and then with the probe the first "
+            "job stored; and the first call of the uncached job (which probes the head of its "
+            "output mix and runs a cold-capped first wave) against a steady call of the same "
+            f"items ({meta['start_up_items']}).",
+            "",
+            "| measure | median s | runs |",
+            "|---|---|---|",
+            f"| start-up, probe not cached | {uncached:.2f} | {len(start.uncached_s)} |",
+            f"| start-up, probe cached | {_median(start.cached_s):.2f} | "
+            f"{len(start.cached_s)} |",
+            f"| first call of the uncached job | {first:.2f} | "
+            f"{len(start.first_call_uncached_s)} |",
+            f"| steady call | {steady:.2f} | {len(start.steady_call_s)} |",
+            "",
+            f"An uncached job reaches the end of its first call after "
+            f"{(uncached + first) / steady:.1f} steady calls' time (start-up + first call); a "
+            f"cached one starts in {_median(start.cached_s) / steady:.2f} of a steady call.",
+        ]
+    text = "\n".join(lines) + "\n"
+    (out / "throughput.md").write_text(text)
+    (out / "throughput.json").write_text(json.dumps(
+        {"meta": meta, "cases": [asdict(c) | {"ratio": c.ratio} for c in cases],
+         "start_up": asdict(start)}, indent=1))
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small sizes, one pair per case")
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--attention", choices=("unfused", "flash"), default="unfused",
+                        help="the CPU build's attention (default: the CPU default)")
+    parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--cases", nargs="*", default=["16", "1000", "10000", "8k", "startup"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", default=str(BENCH))
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from art.megatron.train import TrainingRuntime
+    from art.trainer_rank import TrainerRank, TrainerRankOptions
+
+    torch.manual_seed(args.seed)
+    rng = random.Random(args.seed)
+    hidden = 128 if args.quick else args.hidden
+    provider = _provider(hidden, args.layers, args.attention)
+    provider.initialize_distributed()
+    model = provider.build_model(seed=args.seed)
+    pairs = 1 if args.quick else args.pairs
+
+    def log(message: str) -> None:
+        print(message, flush=True)
+
+    start = StartUp()
+    start_lengths = sixteen_lengths(rng, 1600 if args.quick else 4589)
+    if "startup" in args.cases:
+        start = start_up(provider, model, pairs, start_lengths, args.seed, log)
+    folder = tempfile.mkdtemp(prefix="art-bench-probe-")
+    trainer = TrainerRank(TrainingRuntime.for_model(
+        model, provider, trainer_options=TrainerRankOptions(probe_cache_dir=folder)))
+    plan: list[Case] = []
+    if "16" in args.cases:
+        plan.append(Case("16 sequences", sixteen_lengths(rng, 1600 if args.quick else 4589),
+                         True, pairs))
+    if "1000" in args.cases:
+        plan.append(Case("1,000 short items", short_lengths(100 if args.quick else 1000, rng),
+                         False, pairs))
+    if "10000" in args.cases:
+        plan.append(Case("10,000 short items",
+                         short_lengths(1000 if args.quick else 10000, rng), False,
+                         1 if args.quick else max(1, pairs - 1)))
+    if "8k" in args.cases:
+        plan.append(Case("one 8k-token row", [2048 if args.quick else 8192], True, pairs))
+    cases = [run_case(c, trainer, provider, args.seed, log) for c in plan]
+    meta = {
+        "command": "scripts/bench_throughput.py" + (" " + " ".join(argv or sys.argv[1:])
+                                                    if (argv or sys.argv[1:]) else ""),
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
+                   f"torch {torch.__version__}, {torch.get_num_threads()} threads",
+        "model": f"Qwen3-shaped, {args.layers} layers, hidden {hidden}, vocab {VOCAB}",
+        "build": f"local spec, {args.attention} attention (CPU)",
+        "start_up_items": f"16 sequences, {sum(start_lengths):,} tokens, grad",
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print(write_report(cases, start, meta, out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
