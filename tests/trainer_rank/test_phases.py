@@ -130,3 +130,21 @@ def test_groups_close_inside_a_meter_whose_limit_an_oom_reached():
     finally:
         if started:
             dist.destroy_process_group()
+
+
+def test_the_backward_guard_is_installed_only_while_a_caller_phase_is_open():
+    original = torch.autograd.backward
+    agreement = PhaseAgreement(fault_timeout_s=1.0)
+    x = torch.ones(2, requires_grad=True)
+    with agreement.caller_phase(CONTEXT, replica_size=1):
+        assert torch.autograd.backward is not original
+        with agreement.caller_phase(CONTEXT, replica_size=1):  # nested: still the guard
+            guard = torch.autograd.backward
+            (x * 2).sum().backward()  # one-rank replica: runs through the guard unchanged
+        assert torch.autograd.backward is guard
+    assert torch.autograd.backward is original and torch.equal(x.grad, torch.full((2,), 2.0))
+    # A caller phase left by an exception restores it too.
+    with pytest.raises(ValueError):
+        with agreement.caller_phase(CONTEXT, replica_size=1):
+            raise ValueError("the caller's loop body failed")
+    assert torch.autograd.backward is original

@@ -404,7 +404,7 @@ class PhaseAgreement:
     def caller_phase(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
         """While a micro-batch is with the caller: its backward (through
         torch.autograd.backward) is guarded like the forward."""
-        install_backward_guard()
+        BACKWARD_GUARD.acquire()
         token = (self, context, replica_size)
         _CALLER.stack.append(token)
         try:
@@ -417,6 +417,7 @@ class PhaseAgreement:
         finally:
             if token in _CALLER.stack:
                 _CALLER.stack.remove(token)
+            BACKWARD_GUARD.release()
 
     def _left_loop(self, context: MicroBatchContext, replica_size: int) -> None:
         """The caller closed the micro-batch generator while this micro-batch was with it (an
@@ -478,32 +479,56 @@ class _CallerState(threading.local):
 
 
 _CALLER = _CallerState()
-_ORIGINAL_BACKWARD: Any = None
 
 
-def install_backward_guard() -> None:
-    """Route torch.autograd.backward (what Tensor.backward calls) through the guard; outside
-    a caller phase it is a plain pass-through."""
-    global _ORIGINAL_BACKWARD
-    if _ORIGINAL_BACKWARD is not None:
-        return
-    _ORIGINAL_BACKWARD = torch.autograd.backward
+class _BackwardGuard:
+    """torch.autograd.backward (what Tensor.backward calls) routed through the innermost
+    caller phase of the calling thread, installed while any caller phase of the process is
+    open and the original restored when the last one closes. Counted over threads: another
+    thread's open phase keeps it installed."""
 
-    def backward(*args: Any, **kwargs: Any) -> Any:
-        if not _CALLER.stack:
-            return _ORIGINAL_BACKWARD(*args, **kwargs)
-        agreement, context, replica_size = _CALLER.stack[-1]
-        with agreement.collectives(CALLER_BACKWARD, context):
-            try:
-                return _ORIGINAL_BACKWARD(*args, **kwargs)
-            except Exception as exc:
-                # One rank: the caller catches an OOM and iterates on (recovered locally).
-                if not agreement.publishes(exc, replica_size):
-                    raise
-                raise agreement.abandon(exc, CALLER_BACKWARD, "", context) from None
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._open = 0
+        self._original: Any = None
+        self._installed: Any = None
 
-    backward.__doc__ = _ORIGINAL_BACKWARD.__doc__
-    torch.autograd.backward = backward
+    def acquire(self) -> None:
+        with self._lock:
+            self._open += 1
+            if self._open > 1:
+                return
+            self._original = original = torch.autograd.backward
+
+            def backward(*args: Any, **kwargs: Any) -> Any:
+                if not _CALLER.stack:
+                    return original(*args, **kwargs)
+                agreement, context, replica_size = _CALLER.stack[-1]
+                with agreement.collectives(CALLER_BACKWARD, context):
+                    try:
+                        return original(*args, **kwargs)
+                    except Exception as exc:
+                        # One rank: the caller catches an OOM and iterates on (recovered
+                        # locally).
+                        if not agreement.publishes(exc, replica_size):
+                            raise
+                        raise agreement.abandon(exc, CALLER_BACKWARD, "", context) from None
+
+            backward.__doc__ = original.__doc__
+            self._installed = torch.autograd.backward = backward
+
+    def release(self) -> None:
+        with self._lock:
+            self._open -= 1
+            if self._open > 0:
+                return
+            # Someone who replaced it after us keeps theirs (and calls ours until they restore).
+            if torch.autograd.backward is self._installed:
+                torch.autograd.backward = self._original
+            self._original = self._installed = None
+
+
+BACKWARD_GUARD = _BackwardGuard()
 
 
 def close_process_groups() -> None:
