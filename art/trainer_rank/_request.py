@@ -6,6 +6,7 @@ from a live model and a candidate micro-batch) and the estimator (which prices t
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from art.megatron.implementation import Implementation
@@ -60,6 +61,18 @@ class OutputRequest:
         if self.hidden_states:
             parts.append("hidden_states")
         return ",".join(parts) or "none"
+
+    @classmethod
+    def union(cls, requests: Iterable[OutputRequest]) -> OutputRequest:
+        """What a packed micro-batch computes: every output any of `requests` asks for."""
+        target = logits = hidden = False
+        top_k = 0
+        for r in requests:
+            target |= r.target_logprobs
+            top_k = max(top_k, r.top_k)
+            logits |= r.logits
+            hidden |= r.hidden_states
+        return cls(target_logprobs=target, top_k=top_k, logits=logits, hidden_states=hidden)
 
     @classmethod
     def parse(cls, text: str) -> OutputRequest:

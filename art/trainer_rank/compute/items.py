@@ -175,13 +175,10 @@ def group_shared_tokens(leaves: Sequence[ForwardInput]) -> int:
 
 def outputs_union(leaves: Sequence[ForwardInput]) -> OutputRequest:
     """The outputs the heads must compute for a set of sequences (the union of requests)."""
-    top_k = max((leaf.top_k or 0 for leaf in leaves), default=0)
-    return OutputRequest(
-        target_logprobs=any(leaf.target_tokens is not None for leaf in leaves),
-        top_k=top_k,
-        logits=any(leaf.logits for leaf in leaves),
-        hidden_states=any(leaf.hidden_states for leaf in leaves),
-    )
+    return OutputRequest.union(
+        OutputRequest(target_logprobs=leaf.target_tokens is not None, top_k=leaf.top_k or 0,
+                      logits=leaf.logits, hidden_states=leaf.hidden_states)
+        for leaf in leaves)
 
 
 def rebuild(value: Any, leaf_outputs: Sequence[Any]) -> Any:

@@ -30,9 +30,9 @@ from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_un
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
-from art.trainer_rank.decide.prefix_search import requests_union as _union
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
+from art.trainer_rank.memory.model import largest_fitting
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8
@@ -206,8 +206,9 @@ class Admission:
         recurrent = None
         if shared and self.shares_prefixes:
             recurrent = self._recurrent([self._item_tree(it) for it in items])
-        return self.price_lengths(lengths, _union(it.outputs for it in items), grad, recompute,
-                                  shared_tokens=shared, recurrent=recurrent)
+        outputs = OutputRequest.union(it.outputs for it in items)
+        return self.price_lengths(lengths, outputs, grad, recompute, shared_tokens=shared,
+                                  recurrent=recurrent)
 
     @staticmethod
     def _item_tree(item: Item) -> TreeShape:
@@ -269,19 +270,14 @@ class Admission:
             pricing = self.price_lengths((tokens,), outputs, grad)[0]
             return pricing.model_dynamic_bytes <= usable_bytes
 
-        lo, hi = 0, max(1, start_tokens)
-        while fits(hi):
-            lo, hi = hi, hi * 2
-            if hi > 1 << 26:
-                break
-        if lo:
-            while hi - lo > max(1, lo // 32):
-                mid = (lo + hi) // 2
-                lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+        start = max(1, start_tokens)
+        lo = 0
+        if fits(start):
+            lo = largest_fitting(fits, start, 2 * start, cap=1 << 26,
+                                 slack=lambda low: max(1, low // 32))
         elif start_tokens > 1:
-            hit = self.memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
-                                                        grad_enabled=grad)
-            lo = hit
+            lo = self.memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
+                                                       grad_enabled=grad)
         if len(self._model_max) > 4096:
             self._model_max.clear()
         self._model_max[key] = lo
@@ -346,7 +342,7 @@ class Admission:
         for item in queue[count:]:
             cand_lengths = lengths + item.sequence_lengths_tokens
             cand_shared = shared + item.shared_tokens
-            cand_outputs = _union((outputs, item.outputs))
+            cand_outputs = OutputRequest.union((outputs, item.outputs))
             priced = fitting((*chosen, item), cand_lengths, cand_shared, cand_outputs)
             if priced is None:
                 misfits += 1

@@ -4,25 +4,11 @@ A call of many short items is then planned in a logarithmic number of estimates.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.compute.items import Item
-
-
-def requests_union(requests: Iterable[OutputRequest]) -> OutputRequest:
-    """The outputs a packed micro-batch computes: the union of its items' requests."""
-    target = logits = hidden = False
-    top_k = 0
-    for r in requests:
-        target |= r.target_logprobs
-        top_k = max(top_k, r.top_k)
-        logits |= r.logits
-        hidden |= r.hidden_states
-    return OutputRequest(target_logprobs=target, top_k=top_k, logits=logits,
-                         hidden_states=hidden)
-
 
 T = TypeVar("T")
 
@@ -67,7 +53,7 @@ class QueuePrefixes:
         self._outputs: list[OutputRequest] = [OutputRequest(target_logprobs=False)]
         for item in queue:
             self._shared.append(self._shared[-1] + item.shared_tokens)
-            self._outputs.append(requests_union((self._outputs[-1], item.outputs)))
+            self._outputs.append(OutputRequest.union((self._outputs[-1], item.outputs)))
 
     def lengths(self, count: int) -> tuple[int, ...]:
         return tuple(n for item in self._queue[:count] for n in item.sequence_lengths_tokens)
