@@ -117,6 +117,13 @@ class Settings:
     no_effect: tuple[tuple[str, str], ...] = field(default=(), compare=False)
 
     def __post_init__(self) -> None:
+        if self.recompute_granularity != "full":
+            # The method and layer count describe full recompute only: left at their
+            # defaults (not named by a variable), they do not apply to another granularity.
+            for name in ("recompute_method", "recompute_num_layers"):
+                default = next(f.default for f in fields(self) if f.name == name)
+                if self.source_of(name) == "default" and getattr(self, name) == default:
+                    object.__setattr__(self, name, None)
         _validate(self)
 
     def layout(self, world_size: int | None = None) -> ParallelLayout:

@@ -55,6 +55,16 @@ def test_selective_leaves_method_and_num_layers_unset_by_default():
     assert s.recompute_modules == ("core_attn", "mlp")
 
 
+def test_settings_built_directly_for_selective_need_no_method_or_layer_count():
+    s = Settings(recompute_granularity="selective")
+    assert s.recompute_method is None and s.recompute_num_layers is None
+    assert Settings(recompute_granularity=None).recompute_method is None
+    # Named by a variable, a method is kept as given (what Megatron is handed).
+    named = load_settings({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
+                           "ART_MEGATRON_RECOMPUTE_METHOD": "uniform"})
+    assert named.recompute_method == "uniform"
+
+
 def test_sequence_parallel_words():
     tp2 = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"}
     assert load_settings({**tp2, "ART_MEGATRON_SEQUENCE_PARALLEL": "off"}).sequence_parallel \
