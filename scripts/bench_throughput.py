@@ -51,6 +51,8 @@ class Case:
     # False when an earlier case already ran this signature (grad mode, outputs): its profile
     # is learned, and the first pair's trainer call is the one that chooses the micro-batches.
     warm_up: bool = True
+    # The virtual limit of this case's trainer (None: the run's --limit-mib).
+    limit_mib: int | None = None
     trainer_s: list[float] = field(default_factory=list)
     bare_s: list[float] = field(default_factory=list)
     micro_batches: int = 0
@@ -259,10 +261,11 @@ def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: P
             continue
         ratios = [t / b for t, b in zip(c.trainer_s, c.bare_s, strict=True)]
         goal = GOALS.get(c.name)
+        limit = f" (limit {c.limit_mib:,} MiB)" if c.limit_mib else ""
         verdict = "" if goal is None else (f"<= {goal:.2f}: "
                                            f"{'met' if c.ratio <= goal else 'NOT met'}")
         lines.append(
-            f"| {c.name} | {c.items:,} | {sum(c.lengths):,} | {'yes' if c.grad else 'no'} | "
+            f"| {c.name}{limit} | {c.items:,} | {sum(c.lengths):,} | {'yes' if c.grad else 'no'} | "
             f"{c.micro_batches} | {c.pairs} | {_median(c.trainer_s):.2f} | "
             f"{_median(c.bare_s):.2f} | {c.ratio:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
             f"{1e3 * _median(c.trainer_s) / c.items:.2f} | {1e3 * _median(c.bare_s) / c.items:.2f}"
@@ -380,8 +383,19 @@ def main(argv: list[str] | None = None) -> int:
                          short_lengths(1000 if args.quick else 10000, rng), False,
                          1, warm_up="1000" not in args.cases))
     if "8k" in args.cases:
-        plan.append(Case("one 8k-token row", [2048 if args.quick else 8192], True, pairs))
-    cases = [run_case(c, trainer, provider, args.seed, log) for c in plan]
+        # Megatron's unfused attention keeps the row's s^2 scores: the row needs a larger
+        # limit than the other cases' (what a bigger GPU would give it).
+        plan.append(Case("one 8k-token row", [2048 if args.quick else 8192], True,
+                         min(pairs, 2), limit_mib=max(args.limit_mib, 16384)))
+    trainers = {args.limit_mib: trainer}
+    cases: list[Case] = []
+    for case in plan:
+        limit = case.limit_mib or args.limit_mib
+        if limit not in trainers:
+            trainers[limit] = TrainerRank(TrainingRuntime.for_model(
+                model, provider, trainer_options=TrainerRankOptions(
+                    probe_cache_dir=folder, test_memory_limit_bytes=limit * 2**20)))
+        cases.append(run_case(case, trainers[limit], provider, args.seed, log))
     meta = {
         "command": "scripts/bench_throughput.py" + (" " + " ".join(argv or sys.argv[1:])
                                                     if (argv or sys.argv[1:]) else ""),
