@@ -328,7 +328,8 @@ def update_readme(report: str, readme: Path = ROOT / "README.md") -> None:
     text = readme.read_text()
     if README_START not in text or README_END not in text:
         return
-    body = report.split("\n", 2)[2].strip()  # without the page title
+    # Without the page title; its sections sit under README's own heading.
+    body = report.split("\n", 2)[2].strip().replace("\n## ", "\n#### ")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
     readme.write_text(f"{head}{README_START}\n{body}\n{README_END}{tail}")
