@@ -342,3 +342,26 @@ def test_a_wave_of_many_short_items_finds_its_fitting_prefix_by_bisection():
             break
         total, expected = total + n, expected + 1
     assert fitting == expected and calls <= 2 * 2_000 .bit_length() + 4, (fitting, calls)
+
+
+def test_a_decision_reads_the_queue_only_near_its_answer(monkeypatch):
+    # Running sums built over the whole queue made every decision cost the queue's length:
+    # a call of 10,000 items packed a few at a time paid 10,000 x (its micro-batches).
+    from art.trainer_rank._request import OutputRequest
+
+    queue = items(*([20] * 10_000))
+    adm = admission()
+    warm(adm, True)
+    usable = 100 * 20 * 12  # about a dozen items per micro-batch
+    unions = 0
+    original = OutputRequest.union.__func__
+
+    def counted(cls, requests):
+        nonlocal unions
+        unions += 1
+        return original(cls, requests)
+
+    monkeypatch.setattr(OutputRequest, "union", classmethod(counted))
+    plan = adm.plan_next(queue, grad=True, usable_bytes=usable)
+    assert 1 < len(plan.items) < 50
+    assert unions <= 4 * len(plan.items) + 20, unions

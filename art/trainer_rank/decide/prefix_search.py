@@ -44,14 +44,17 @@ def largest_fitting_count(candidate: Callable[[int], T | None], known: int, most
 
 
 class QueuePrefixes:
-    """Running sums over a queue's prefixes (lengths, shared tokens, outputs), built once per
-    decision so that pricing a prefix does not re-walk the items before it."""
+    """Running sums over a queue's prefixes (shared tokens, outputs), extended only as far as a
+    decision asks, so that pricing a prefix neither re-walks the items before it nor walks the
+    queue past what the decision looks at (the doubling search stops near its answer)."""
 
     def __init__(self, queue: Sequence[Item]) -> None:
         self._queue = queue
         self._shared = [0]
         self._outputs: list[OutputRequest] = [OutputRequest(target_logprobs=False)]
-        for item in queue:
+
+    def _extend(self, count: int) -> None:
+        for item in self._queue[len(self._shared) - 1:count]:
             self._shared.append(self._shared[-1] + item.shared_tokens)
             self._outputs.append(OutputRequest.union((self._outputs[-1], item.outputs)))
 
@@ -59,7 +62,9 @@ class QueuePrefixes:
         return tuple(n for item in self._queue[:count] for n in item.sequence_lengths_tokens)
 
     def shared(self, count: int) -> int:
+        self._extend(count)
         return self._shared[count]
 
     def outputs(self, count: int) -> OutputRequest:
+        self._extend(count)
         return self._outputs[count]
