@@ -63,6 +63,14 @@ class Case:
         return statistics.median(t / b for t, b in zip(self.trainer_s, self.bare_s, strict=True))
 
     @property
+    def trainer_median_s(self) -> float:
+        return statistics.median(self.trainer_s)
+
+    @property
+    def bare_median_s(self) -> float:
+        return statistics.median(self.bare_s)
+
+    @property
     def items(self) -> int:
         return len(self.lengths)
 
@@ -120,11 +128,10 @@ def bare_pass(model: Any, provider: Any, inputs: list[Any], chosen: list[list[in
     layer, log_softmax, gather; the same loss and backward."""
     import torch
 
+    from art.trainer_rank.compute.forward import unwrap_model
     from art.trainer_rank.compute.packing import pack_sequences
 
-    inner = model
-    while hasattr(inner, "module"):
-        inner = inner.module
+    inner = unwrap_model(model)
     started = time.perf_counter()
     for indices in chosen:
         with torch.set_grad_enabled(grad):
@@ -238,10 +245,6 @@ def start_up(provider: Any, model: Any, pairs: int, lengths: list[int], seed: in
     return result
 
 
-def _median(values: Sequence[float]) -> float:
-    return statistics.median(values)
-
-
 def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: Path) -> str:
     lines = [
         "# Throughput: TrainerRank against a bare Megatron-Core loop (CPU)",
@@ -266,22 +269,22 @@ def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: P
                                            f"{'met' if c.ratio <= goal else 'NOT met'}")
         lines.append(
             f"| {c.name}{limit} | {c.items:,} | {sum(c.lengths):,} | {'yes' if c.grad else 'no'} | "
-            f"{c.micro_batches} | {c.pairs} | {_median(c.trainer_s):.2f} | "
-            f"{_median(c.bare_s):.2f} | {c.ratio:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
-            f"{1e3 * _median(c.trainer_s) / c.items:.2f} | {1e3 * _median(c.bare_s) / c.items:.2f}"
+            f"{c.micro_batches} | {c.pairs} | {c.trainer_median_s:.2f} | "
+            f"{c.bare_median_s:.2f} | {c.ratio:.3f} | {min(ratios):.3f}-{max(ratios):.3f} | "
+            f"{1e3 * c.trainer_median_s / c.items:.2f} | {1e3 * c.bare_median_s / c.items:.2f}"
             f" | {verdict} |")
     by_name = {c.name: c for c in cases}
     small, large = by_name.get("1,000 short items"), by_name.get("10,000 short items")
     if small and large:
-        growth = (_median(large.trainer_s) / large.items) / (_median(small.trainer_s)
-                                                             / small.items)
+        growth = (large.trainer_median_s / large.items) / (small.trainer_median_s / small.items)
         lines += ["", f"Linear in the item count: the trainer's time per item at "
                   f"{large.items:,} items is {growth:.2f}x its time per item at "
                   f"{small.items:,} (1.00 is linear)."]
     if start.uncached_s:
-        steady = _median(start.steady_call_s)
-        first = _median(start.first_call_uncached_s)
-        uncached = _median(start.uncached_s)
+        steady = statistics.median(start.steady_call_s)
+        first = statistics.median(start.first_call_uncached_s)
+        uncached = statistics.median(start.uncached_s)
+        cached = statistics.median(start.cached_s)
         lines += [
             "",
             "## Start-up",
@@ -295,7 +298,7 @@ def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: P
             "| measure | median s | runs |",
             "|---|---|---|",
             f"| start-up, probe not cached | {uncached:.2f} | {len(start.uncached_s)} |",
-            f"| start-up, probe cached | {_median(start.cached_s):.2f} | "
+            f"| start-up, probe cached | {cached:.2f} | "
             f"{len(start.cached_s)} |",
             f"| first call of the uncached job | {first:.2f} | "
             f"{len(start.first_call_uncached_s)} |",
@@ -303,7 +306,7 @@ def write_report(cases: list[Case], start: StartUp, meta: dict[str, Any], out: P
             "",
             f"An uncached job reaches the end of its first call after "
             f"{(uncached + first) / steady:.1f} steady calls' time (start-up + first call); a "
-            f"cached one starts in {_median(start.cached_s) / steady:.4f} of a steady call. "
+            f"cached one starts in {cached / steady:.4f} of a steady call. "
             "A first call cheaper than a steady one is expected on this build (not measured "
             "apart here): its cold-capped first wave splits the sequences over shorter rows, "
             "and Megatron's unfused attention costs the square of a row's length.",

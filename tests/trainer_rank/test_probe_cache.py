@@ -9,7 +9,6 @@ import os
 import warnings
 
 import pytest
-from _trainer_helpers import provider
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
@@ -17,13 +16,6 @@ from art.trainer_rank.memory import probe as probe_module
 from art.trainer_rank.memory import probe_runs, probe_store
 
 LIMIT = 16 * 2**20
-
-
-@pytest.fixture(scope="module")
-def built():
-    p = provider("selective")
-    p.initialize_distributed()
-    return p, p.build_model(seed=0)
 
 
 @pytest.fixture()

@@ -6,20 +6,13 @@ everything the trainer allocates), and the gradient snapshot kept for a caller-b
 from __future__ import annotations
 
 import pytest
-from _trainer_helpers import loss_of, make_inputs, provider
+from _trainer_helpers import loss_of, make_inputs
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
 from art.trainer_rank.memory.meter import MemoryMeter
 
 LIMIT = 6 * 2**20
-
-
-@pytest.fixture(scope="module")
-def built():
-    p = provider("selective")
-    p.initialize_distributed()
-    return p, p.build_model(seed=0)
 
 
 def _run(trainer: TrainerRank, lengths: list[int], *, grad: bool, **outputs) -> list:

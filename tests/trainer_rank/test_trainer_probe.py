@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _trainer_helpers import grads, make_inputs, provider
+from _trainer_helpers import grads, make_inputs
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
@@ -19,13 +19,6 @@ from art.trainer_rank.memory.probing import (
 )
 
 LIMIT = 16 * 2**20  # small: the probe stops at a few hundred tokens
-
-
-@pytest.fixture(scope="module")
-def built():
-    p = provider("selective")
-    p.initialize_distributed()
-    return p, p.build_model(seed=0)
 
 
 def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_first_use(built):
