@@ -44,9 +44,10 @@ def largest_fitting_count(candidate: Callable[[int], T | None], known: int, most
 
 
 class QueuePrefixes:
-    """Running sums over a queue's prefixes (shared tokens, outputs), extended only as far as a
-    decision asks, so that pricing a prefix neither re-walks the items before it nor walks the
-    queue past what the decision looks at (the doubling search stops near its answer)."""
+    """A queue's prefixes as the pricing reads them: running sums of shared tokens and of the
+    outputs union, extended only as far as a decision asks (the doubling search stops near its
+    answer), so a decision never walks the queue past what it looks at. A prefix's lengths are
+    one tuple of all its sequences, which the memory model reads whole."""
 
     def __init__(self, queue: Sequence[Item]) -> None:
         self._queue = queue
