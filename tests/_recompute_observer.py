@@ -20,15 +20,27 @@ def observe_backward_reruns(
 ) -> tuple[dict[int, frozenset[str]], list[int]]:
     """Per layer (1-based): the parts whose forward ran again in backward; and the order in
     which whole layers re-ran. Runs one forward and backward of `tokens` [1, s]."""
-    phase = {"backward": False}
+    counts, order = observe_backward_rerun_counts(model, tokens)
     rerun: dict[int, set[str]] = {}
+    for layer_number, label in counts:
+        rerun.setdefault(layer_number, set()).add(label)
+    return {k: frozenset(v) for k, v in rerun.items()}, order
+
+
+def observe_backward_rerun_counts(
+    model: torch.nn.Module, tokens: torch.Tensor
+) -> tuple[dict[tuple[int, str], int], list[int]]:
+    """How many times each (layer, part) ran forward again in backward (a part recomputed
+    twice, e.g. a selective checkpoint nested in a full one, counts 2)."""
+    phase = {"backward": False}
+    counts: dict[tuple[int, str], int] = {}
     layer_order: list[int] = []
     handles = []
 
     def watch(module: torch.nn.Module, layer_number: int, label: str) -> None:
         def hook(*_: object) -> None:
             if phase["backward"]:
-                rerun.setdefault(layer_number, set()).add(label)
+                counts[(layer_number, label)] = counts.get((layer_number, label), 0) + 1
                 if label == "layer":
                     layer_order.append(layer_number)
 
@@ -57,7 +69,7 @@ def observe_backward_reruns(
     finally:
         for h in handles:
             h.remove()
-    return {k: frozenset(v) for k, v in rerun.items()}, layer_order
+    return counts, layer_order
 
 
 def expected_reruns(er: EffectiveRecompute, moe_layers: tuple[bool, ...]

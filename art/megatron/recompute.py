@@ -78,6 +78,10 @@ class EffectiveRecompute:
 
     @property
     def summary(self) -> str:
+        if self.granularity == "full" and self.method == "block":
+            rest = (f", selective {'+'.join(self.modules)} on the rest" if self.modules
+                    else "")
+            return f"full recompute of the first {self.num_layers} layer(s) per chunk{rest}"
         if self.granularity == "full":
             return f"full recompute ({self.method}, {self.num_layers} layer(s) per checkpoint)"
         if self.granularity == "selective":
