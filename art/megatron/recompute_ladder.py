@@ -20,11 +20,22 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from enum import StrEnum
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 
 LINEAR_ATTENTION = "linear_attention"
+
+
+class RecomputeChoice(StrEnum):
+    """Which rung a grad micro-batch runs (`ART_TRAINER_RANK_RECOMPUTE`): the configured
+    policy or a decline; the configured policy when it fits, else the least-work rung above it
+    that fits; or the least-work rung that fits, below the configured one too."""
+
+    CONFIGURED = "configured"
+    ESCALATE = "escalate"
+    ADAPTIVE = "adaptive"
 
 
 @dataclass(frozen=True)
@@ -170,3 +181,40 @@ def build_ladder(configured: EffectiveRecompute,
         seen.add(recompute.key)
         rungs.append(RecomputeRung(rung_name(recompute), recompute))
     return tuple(rungs)
+
+
+@dataclass(frozen=True)
+class RecomputeLadder:
+    """The rungs of one model, and their order by recomputed work at a micro-batch's shape."""
+
+    rungs: tuple[RecomputeRung, ...]
+    geometry: ModelGeometry
+    tensor_parallel: int = 1
+
+    @property
+    def configured(self) -> RecomputeRung:
+        return self.rungs[0]
+
+    def flops(self, recompute: EffectiveRecompute, lengths: Sequence[int]) -> float:
+        return recomputed_flops(self.geometry, recompute, lengths, self.tensor_parallel)
+
+    def ordered(self, lengths: Sequence[int]) -> list[tuple[float, RecomputeRung]]:
+        """Every rung with its recomputed FLOPs at `lengths`, least work first (ties: ladder
+        order)."""
+        priced = [(self.flops(r.recompute, lengths), i, r) for i, r in enumerate(self.rungs)]
+        return [(flops, rung) for flops, _, rung in sorted(priced, key=lambda t: t[:2])]
+
+    def above(self, lengths: Sequence[int]) -> list[RecomputeRung]:
+        """The rungs that redo more work than the configured one at `lengths`, least first."""
+        here = self.flops(self.configured.recompute, lengths)
+        return [rung for flops, rung in self.ordered(lengths)
+                if flops > here and rung is not self.configured]
+
+    def below(self, lengths: Sequence[int]) -> list[RecomputeRung]:
+        """The rungs that redo less work than the configured one at `lengths`, least first."""
+        here = self.flops(self.configured.recompute, lengths)
+        return [rung for flops, rung in self.ordered(lengths)
+                if flops < here and rung is not self.configured]
+
+    def by_key(self, key: str) -> RecomputeRung | None:
+        return next((rung for rung in self.rungs if rung.recompute.key == key), None)

@@ -40,7 +40,7 @@ from art.trainer_rank.compute.items import (
     validate_items,
 )
 from art.trainer_rank.decide.admission import AdmissionPolicy, Plan, PlanMode
-from art.trainer_rank.decide.escalation import full_recompute
+from art.trainer_rank.decide.escalation import running_recompute
 from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.outcome import (
     CallOutcome,
@@ -124,7 +124,7 @@ class TrainerRank(SlotMethods):
         pricing = trainer_pricing(
             provider, self.model, runtime.memory_model,
             probe_layers=self.options.probe_layers,
-            escalate_to_full_recompute=self.options.escalate_to_full_recompute,
+            recompute_choice=self.options.recompute_choice,
             test_memory_limit_bytes=self.options.test_memory_limit_bytes,
             cache_dir=self.options.resolved_probe_cache_dir(),
             head_chunk_tokens=self.options.head_chunk_tokens)
@@ -139,6 +139,7 @@ class TrainerRank(SlotMethods):
             provider, pricing, self.profiles,
             AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
+                recompute=self.options.recompute,
                 cold_start_fraction=self.options.cold_start_fraction,
                 trust_window=self.options.trust_window,
             ),
@@ -364,7 +365,8 @@ class TrainerRank(SlotMethods):
                     plan = self._planned(pending, grad, usable, mode)
                 _agree.check_same_plan(
                     f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
-                    f"escalate={plan.escalate} usable={usable}"
+                    f"escalate={plan.escalate} "
+                    f"recompute={plan.recompute.key if plan.recompute else '-'} usable={usable}"
                 )
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
@@ -379,7 +381,7 @@ class TrainerRank(SlotMethods):
                 call.declined.append(error)
                 continue
             if plan.escalate:
-                logger.warning("escalating to full recompute: %s", plan.note)
+                logger.warning("escalating: %s", plan.note)
             context = MicroBatchContext(
                 call=call.number, micro_batch=call.micro_batches, items=tuple(plan.indices),
                 signature=plan.signature, packed_tokens=plan.shape.packed_tokens,
@@ -430,8 +432,8 @@ class TrainerRank(SlotMethods):
         replica = _agree.replica_size()
         stack = contextlib.ExitStack()
         with stack:
-            if plan.escalate:
-                stack.enter_context(full_recompute(self.model))
+            if plan.recompute is not None:
+                stack.enter_context(running_recompute(self.model, plan.recompute))
             meter = stack.enter_context(self._meter(usable))
             ooms_before = cuda_oom_count(self.device)
             slot_of = [c for item in plan.items for c in item.checkpoints]

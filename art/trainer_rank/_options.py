@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from art._paths import directory_problem, file_path_problem
+from art.megatron.recompute_ladder import RecomputeChoice
 from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
@@ -25,9 +26,17 @@ ENV_VARIABLES: dict[str, tuple[str, str]] = {
         "test_memory_limit_bytes",
         "virtual memory limit for CPU runs: live tensor bytes past it raise OutOfMemoryError",
     ),
+    "RECOMPUTE": (
+        "recompute",
+        "which recompute rung a grad micro-batch runs: configured (the configured policy, or "
+        "decline), escalate (default: the configured policy when it fits, else the least-work "
+        "rung above it that fits), adaptive (the least-work rung that fits, below the "
+        "configured one too)",
+    ),
     "ESCALATE_TO_FULL_RECOMPUTE": (
         "escalate_to_full_recompute",
-        "run an item that fits only under full recompute with full recompute (default true)",
+        "false: never run another recompute than the configured one (the same as "
+        "RECOMPUTE=configured; default true)",
     ),
     "COLD_START_FRACTION": (
         "cold_start_fraction",
@@ -76,6 +85,7 @@ class TrainerRankOptions:
     profile_path: str | None = None
     test_memory_limit_bytes: int | None = None
     escalate_to_full_recompute: bool = True
+    recompute: RecomputeChoice = RecomputeChoice.ESCALATE
     cold_start_fraction: float = 0.25
     trust_window: float = 2.0
     head_chunk_tokens: int = HEAD_CHUNK_TOKENS
@@ -89,11 +99,28 @@ class TrainerRankOptions:
     fault_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        if isinstance(self.recompute, str) and not isinstance(self.recompute, RecomputeChoice):
+            choice = _choice(self.recompute)
+            if choice is not None:
+                object.__setattr__(self, "recompute", choice)
         for f in fields(self):
             value = getattr(self, f.name)
             problem = field_problem(f.name, value)
             if problem is not None:
                 raise ValueError(f"TrainerRankOptions.{f.name}={value!r}: {problem}")
+        if not self.escalate_to_full_recompute and self.recompute == RecomputeChoice.ADAPTIVE:
+            raise ValueError(
+                "TrainerRankOptions: recompute='adaptive' runs other rungs than the configured "
+                "policy, but escalate_to_full_recompute=False forbids that; unset "
+                "ART_TRAINER_RANK_ESCALATE_TO_FULL_RECOMPUTE, or set "
+                "ART_TRAINER_RANK_RECOMPUTE=configured")
+
+    @property
+    def recompute_choice(self) -> RecomputeChoice:
+        """The rung choice in force: escalate_to_full_recompute=False means configured."""
+        if not self.escalate_to_full_recompute:
+            return RecomputeChoice.CONFIGURED
+        return self.recompute
 
     def resolved_probe_cache_dir(self) -> str | None:
         """Where probe coefficients are cached on disk: nowhere when the cache is off; the
@@ -143,6 +170,13 @@ class TrainerRankOptions:
         return replace(cls(**values), **overrides)
 
 
+def _choice(text: str) -> RecomputeChoice | None:
+    try:
+        return RecomputeChoice(text.strip().lower())
+    except ValueError:
+        return None
+
+
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -177,6 +211,10 @@ def field_problem(field_name: str, value: Any) -> str | None:
         return "must be a positive integer byte count, e.g. 268435456 (256 MiB), or unset"
     if field_name in _BOOLEAN_FIELDS:
         return None if isinstance(value, bool) else "must be true or false"
+    if field_name == "recompute":
+        if isinstance(value, RecomputeChoice):
+            return None
+        return "must be one of " + ", ".join(c.value for c in RecomputeChoice)
     if field_name == "cold_start_fraction":
         if _is_number(value) and 0.0 < value <= 1.0:
             return None
@@ -202,6 +240,9 @@ def _parse(name: str, field_name: str, raw: str) -> Any:
         return text or None
     if field_name == "test_memory_limit_bytes":
         return test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: text})
+    if field_name == "recompute":
+        choice = _choice(text)
+        return text if choice is None else choice
     if field_name in _BOOLEAN_FIELDS:
         if text.lower() in _TRUE:
             return True

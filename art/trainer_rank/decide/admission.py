@@ -16,6 +16,7 @@ from functools import cached_property
 from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
+from art.megatron.recompute_ladder import RecomputeChoice, RecomputeLadder
 from art.trainer_rank._request import MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank._types import (
     ADMITTED,
@@ -28,6 +29,7 @@ from art.trainer_rank._types import (
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
+from art.trainer_rank.decide.adaptive import lowered_plan
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
@@ -59,6 +61,9 @@ class Plan:
     sub_forwards: tuple[tuple[int, ...], ...]
     signature: str
     escalate: bool = False
+    # The rung this plan runs when it is not the configured policy (escalated above it, or
+    # adaptive below it); None: the configured policy.
+    recompute: EffectiveRecompute | None = None
     error: TrainerRankMemoryError | None = None
     note: str = ""
     # Larger candidates admission priced and turned down on the way to this plan.
@@ -98,6 +103,14 @@ class AdmissionPolicy:
     escalate_to_full_recompute: bool = True
     cold_start_fraction: float = 0.25
     trust_window: float = 2.0
+    recompute: RecomputeChoice = RecomputeChoice.ESCALATE
+
+    @property
+    def choice(self) -> RecomputeChoice:
+        """The rung choice in force (escalate_to_full_recompute=False: configured only)."""
+        if not self.escalate_to_full_recompute:
+            return RecomputeChoice.CONFIGURED
+        return self.recompute
 
 
 @dataclass
@@ -131,6 +144,9 @@ class Admission:
     # Whether the packer lays a group's shared prefixes out once (the built attention takes a
     # tree): then a hybrid's recurrent layers run the row's prefix trees, priced as such.
     shares_prefixes: bool = False
+    # The rungs a micro-batch may run instead of the configured policy (recompute_ladder.py);
+    # None: full recompute (`full_recompute`) is the only other one.
+    ladder: RecomputeLadder | None = None
 
     def __post_init__(self) -> None:
         self.clear_caches()
@@ -142,7 +158,7 @@ class Admission:
         self._priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = {}
         self._signatures: dict[tuple[int, bool, OutputRequest], str] = {}
         # (outputs, grad, usable bytes) -> the memory model's largest admissible row.
-        self._model_max: dict[tuple[OutputRequest, bool, int, int], int] = {}
+        self._model_max: dict[tuple[OutputRequest, bool, int, int, int], int] = {}
         # id -> the recompute itself (kept alive, so its id is never reused while cached).
         self._recomputes: dict[int, EffectiveRecompute] = {}
         self._models: dict[int, MemoryModelLike] = {}
@@ -256,18 +272,21 @@ class Admission:
             model = self._models[id(recompute)] = self.memory_model.with_recompute(recompute)
         return model
 
-    def _model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
-                          start_tokens: int = 1) -> int:
+    def model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
+                          start_tokens: int = 1,
+                          recompute: EffectiveRecompute | None = None) -> int:
         """The largest one-sequence row the memory model admits, to within 1/32 and never
         above it: the cold cap is a fraction of it, so a coarse bound saves half the
         estimates of an exact bisection (a cold decision's main cost)."""
-        key = (outputs, grad, usable_bytes, self.unallocated_gradient_bytes if grad else 0)
+        recompute = recompute or self.recompute
+        key = (outputs, grad, usable_bytes, self.unallocated_gradient_bytes if grad else 0,
+               id(recompute))
         hit = self._model_max.get(key)
         if hit is not None:
             return hit
 
         def fits(tokens: int) -> bool:
-            pricing = self.price_lengths((tokens,), outputs, grad)[0]
+            pricing = self.price_lengths((tokens,), outputs, grad, recompute)[0]
             return pricing.model_dynamic_bytes <= usable_bytes
 
         start = max(1, start_tokens)
@@ -276,8 +295,8 @@ class Admission:
             lo = largest_fitting(fits, start, 2 * start, cap=1 << 26,
                                  slack=lambda low: max(1, low // 32))
         elif start_tokens > 1:
-            lo = self.memory_model.max_tokens_that_fit(usable_bytes, outputs=outputs,
-                                                       grad_enabled=grad)
+            lo = self.model_for(recompute).max_tokens_that_fit(usable_bytes, outputs=outputs,
+                                                               grad_enabled=grad)
         if len(self._model_max) > 4096:
             self._model_max.clear()
         self._model_max[key] = lo
@@ -291,7 +310,7 @@ class Admission:
         if not pending:
             raise ValueError("plan_next needs at least one pending item")
         first_sig = self.signature(self.recompute, grad, pending[0].outputs)
-        cold = not self.profiles.has_profile(first_sig)
+        cold = not self._profiled(first_sig, grad, pending[0].outputs)
         queue = list(pending)
         cap_tokens: int | None = None
         if cold:
@@ -300,13 +319,13 @@ class Admission:
             at = min(range(len(queue)), key=lambda i: (queue[i].num_tokens, queue[i].index))
             smallest = queue.pop(at)
             queue.insert(0, smallest)
-            model_max = self._model_max_tokens(usable_bytes, smallest.outputs, grad,
+            model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                start_tokens=smallest.num_tokens)
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
         else:
-            cap_tokens = self._growth_cap(first_sig, grad, pending[0].outputs)
+            cap_tokens = self.growth_cap(first_sig, grad, pending[0].outputs)
         first = queue[0]
         pricing, shape, sig = self.price_items([first], grad)
         if pricing.dynamic_bytes > usable_bytes:
@@ -354,12 +373,18 @@ class Admission:
             chosen.append(item)
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = priced
-        return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected)
+        return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected,
+                              grad=grad, usable_bytes=usable_bytes)
 
     def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
-                  sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0) -> Plan:
-        """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note."""
+                  sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0, *,
+                  grad: bool, usable_bytes: int) -> Plan:
+        """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note;
+        adaptive: under the least-work rung below the configured one that fits."""
         chosen = sorted(chosen, key=lambda it: it.index)
+        lowered = lowered_plan(self, chosen, grad, usable_bytes)
+        if lowered is not None:
+            return replace(lowered, rejected_candidates=rejected)
         note = ""
         if cold:
             note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
@@ -384,13 +409,13 @@ class Admission:
         """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
         of what the memory model alone admits (at least its smallest item); a profile that saw
         the model under-predict grows only to the edge of its trust window."""
-        if not self.profiles.has_profile(sig):
+        if not self._profiled(sig, grad, outputs):
             smallest = min(items, key=lambda it: (it.num_tokens, it.index))
-            model_max = self._model_max_tokens(usable_bytes, smallest.outputs, grad,
+            model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                start_tokens=smallest.num_tokens)
             return True, max(smallest.num_tokens,
                              int(self.policy.cold_start_fraction * model_max))
-        return False, self._growth_cap(sig, grad, outputs)
+        return False, self.growth_cap(sig, grad, outputs)
 
     def fits_together(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> bool:
         """Whether `items` run as one micro-batch under the recompute in force. One item always
@@ -424,9 +449,37 @@ class Admission:
         chosen = sorted(items, key=lambda it: it.index)
         pricing, shape, sig = self.price_items(chosen, grad)
         cold, cap = self._cap(chosen, grad, usable_bytes, sig, shape.outputs)
-        return self._admitted(chosen, pricing, shape, sig, cold, cap)
+        return self._admitted(chosen, pricing, shape, sig, cold, cap, grad=grad,
+                              usable_bytes=usable_bytes)
 
-    def _growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
+    # -- the recompute rungs ---------------------------------------------------------------
+
+    def rungs_above(self, lengths: Sequence[int]) -> list[EffectiveRecompute]:
+        """The rungs a grad micro-batch of `lengths` may escalate to, least work first."""
+        if self.policy.choice == RecomputeChoice.CONFIGURED:
+            return []
+        if self.ladder is not None:
+            return [rung.recompute for rung in self.ladder.above(lengths)]
+        full = self.full_recompute
+        return [full] if full is not None and full.key != self.recompute.key else []
+
+    def rungs_below(self, lengths: Sequence[int]) -> list[EffectiveRecompute]:
+        """Adaptive only: the rungs that redo less work than the configured one, least first."""
+        if self.policy.choice != RecomputeChoice.ADAPTIVE or self.ladder is None:
+            return []
+        return [rung.recompute for rung in self.ladder.below(lengths)]
+
+    def _profiled(self, sig: str, grad: bool, outputs: OutputRequest) -> bool:
+        """Whether the memory model has been measured for this output mix: under the
+        configured policy, or (adaptive, which may never run it) under any rung."""
+        if self.profiles.has_profile(sig):
+            return True
+        if self.policy.choice != RecomputeChoice.ADAPTIVE or self.ladder is None:
+            return False
+        return any(self.profiles.has_profile(self.signature(rung.recompute, grad, outputs))
+                   for rung in self.ladder.rungs)
+
+    def growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
         """Where the profile has seen the memory model under-predict, sizes may grow only to
         the edge of the trust window (largest size seen x trust_window), each step measured,
         instead of jumping to what the corrected model alone would admit (the error may grow
@@ -462,21 +515,22 @@ class Admission:
                 )
         full = self.full_recompute
         full_pricing: Pricing | None = None
-        if grad and full is not None and full.key != self.recompute.key:
-            full_pricing, full_shape, full_sig = self.price(item.leaves, grad, full)
-            if full_pricing.dynamic_bytes <= usable_bytes and (
-                self.policy.escalate_to_full_recompute
-            ):
+        for rung in self.rungs_above(shape.sequence_lengths_tokens) if grad else ():
+            rung_pricing, rung_shape, rung_sig = self.price(item.leaves, grad, rung)
+            if full is not None and rung.key == full.key:
+                full_pricing = rung_pricing
+            if rung_pricing.dynamic_bytes <= usable_bytes:
                 return Plan(
                     decision=ESCALATED,
                     items=(item,),
-                    pricing=full_pricing,
-                    shape=full_shape,
+                    pricing=rung_pricing,
+                    shape=rung_shape,
                     sub_forwards=(tuple(range(len(item.leaves))),),
-                    signature=full_sig,
+                    signature=rung_sig,
                     escalate=True,
+                    recompute=rung,
                     note=f"{self.recompute.summary} needs {gib(pricing.dynamic_bytes)}; "
-                    f"escalated to {full.summary}",
+                    f"escalated to {rung.summary}, the least recompute above it that fits",
                 )
         error = decline_error(self, item, grad, usable_bytes, pricing, shape, full_pricing)
         return Plan(

@@ -8,6 +8,7 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 from art.megatron.recompute import EffectiveRecompute
+from art.megatron.recompute_ladder import RecomputeChoice
 from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank._types import ForwardInput, TrainerRankMemoryError
 from art.trainer_rank.compute.items import Item
@@ -15,7 +16,8 @@ from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 
 
 class EscalationPolicy(Protocol):
-    escalate_to_full_recompute: bool
+    @property
+    def choice(self) -> RecomputeChoice: ...
 
 
 class Decider(Protocol):
@@ -90,9 +92,24 @@ def decline_error(
             remedies.append(
                 "switch to full recompute (ART_MEGATRON_RECOMPUTE_GRANULARITY=full, "
                 "ART_MEGATRON_RECOMPUTE_METHOD=uniform, ART_MEGATRON_RECOMPUTE_NUM_LAYERS=1)"
-                + ("" if admission.policy.escalate_to_full_recompute else
-                   " or enable escalate_to_full_recompute")
+                + ("" if admission.policy.choice != RecomputeChoice.CONFIGURED else
+                   " or let it escalate (ART_TRAINER_RANK_RECOMPUTE=escalate)")
             )
+        ladder = getattr(admission, "ladder", None)
+        if admission.policy.choice == RecomputeChoice.CONFIGURED and ladder is not None:
+            # What escalation would have run: the least-work rung above that fits.
+            for rung in ladder.above(shape.sequence_lengths_tokens):
+                if rung.recompute.key == full.key:
+                    break
+                rung_pricing, _, _ = admission.price(item.leaves, grad, rung.recompute)
+                if rung_pricing.dynamic_bytes <= usable_bytes:
+                    lines.append(
+                        f"The least recompute above {admission.recompute.summary} that fits "
+                        f"is {rung.recompute.summary} ({gib(rung_pricing.dynamic_bytes)}).")
+                    remedies.insert(0, "let the trainer escalate this micro-batch "
+                                       "(ART_TRAINER_RANK_RECOMPUTE=escalate runs "
+                                       f"{rung.recompute.summary})")
+                    break
     elif not grad:
         lines.append(
             "Without grad no activations are retained, so recompute cannot help; "

@@ -156,10 +156,11 @@ def plan_call(admission: Admission, items: Sequence[Item], grad: bool, usable_by
     the same ladder under full recompute when escalation is allowed; else declined."""
     items = sorted(items, key=lambda it: it.index)
     policies: list[EffectiveRecompute] = [admission.recompute]
-    full = admission.full_recompute
-    if (grad and full is not None and full.key != admission.recompute.key
-            and admission.policy.escalate_to_full_recompute):
-        policies.append(full)
+    if grad:
+        lengths = tuple(n for it in items for n in it.sequence_lengths_tokens)
+        # Adaptive: the rungs below the configured one first; then, escalating, above it.
+        policies = [*admission.rungs_below(lengths), admission.recompute,
+                    *admission.rungs_above(lengths)]
     tried: list[tuple[EffectiveRecompute, int, Pricing]] = []
     for recompute in policies:
         count = 1
@@ -188,19 +189,24 @@ def _call_plan(admission: Admission, items: list[Item], chunks: list[list[Item]]
         n = sum(len(it.leaves) for it in chunk)
         sub_forwards.append(tuple(range(cursor, cursor + n)))
         cursor += n
-    escalate = recompute is not admission.recompute
+    other = recompute is not admission.recompute
+    escalate = other and recompute in admission.rungs_above(
+        tuple(n for it in items for n in it.sequence_lengths_tokens))
     notes = []
     if len(chunks) > 1:
         notes.append(f"{len(items)} items in {len(chunks)} sub-forwards, every graph held "
                      "until the caller's backward")
     if escalate:
         notes.append(f"{admission.recompute.summary} does not fit; escalated to "
-                     f"{recompute.summary}")
+                     f"{recompute.summary}, the least recompute above it that fits")
+    elif other:
+        notes.append(f"adaptive: {recompute.summary} fits, less recompute than "
+                     f"{admission.recompute.summary}")
     return Plan(
         decision=ESCALATED if escalate else (SPLIT if len(chunks) > 1 else ADMITTED),
         items=tuple(items), pricing=pricing, shape=shape, sub_forwards=tuple(sub_forwards),
-        signature=sig, escalate=escalate, note="; ".join(notes),
-        rejected_candidates=rejected,
+        signature=sig, escalate=escalate, recompute=recompute if other else None,
+        note="; ".join(notes), rejected_candidates=rejected,
     )
 
 

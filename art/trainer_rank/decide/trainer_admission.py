@@ -44,6 +44,7 @@ def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileS
         packed_length=lambda lengths, shared=0: packed_length_tokens(
             lengths, layout, shared if share else 0),
         full_recompute=pricing.full_recompute,
+        ladder=pricing.ladder,
         held_output_bytes=lambda shape: held_output_bytes(
             shape, provider.geometry, provider.dtype),
         next_tp_model=next_tp_model,

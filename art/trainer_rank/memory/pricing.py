@@ -1,5 +1,5 @@
 """The memory models one TrainerRank prices with: its own (probe coefficients measured at
-start-up for every policy it may run, escalation included; the head chunk it runs), the same
+start-up for every rung it may run; the head chunk it runs), the same
 without coefficients, and the one a doubled tensor-parallel size would have."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from art.megatron.recompute import EffectiveRecompute
+from art.megatron.recompute_ladder import RecomputeChoice, RecomputeLadder, build_ladder
 from art.trainer_rank.memory.device import device_usable_bytes
 from art.trainer_rank.memory.model import MemoryModel
 from art.trainer_rank.memory.probing import TrainerProbe
@@ -21,11 +22,12 @@ class TrainerPricing:
     memory_model: Any  # a MemoryModel, or whatever the runtime brought
     probe: TrainerProbe | None
     default_memory_model: Any | None  # the same without probe coefficients, when it has them
-    full_recompute: EffectiveRecompute | None  # what escalation switches to, if resolvable
+    full_recompute: EffectiveRecompute | None  # the most frugal rung, if resolvable
+    ladder: RecomputeLadder  # every rung a micro-batch may run, the configured one first
 
 
 def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_layers: bool,
-                    escalate_to_full_recompute: bool, test_memory_limit_bytes: int | None,
+                    recompute_choice: RecomputeChoice, test_memory_limit_bytes: int | None,
                     cache_dir: str | None, head_chunk_tokens: int) -> TrainerPricing:
     """The runtime's own memory model when it brings one; else MemoryModel with probe
     coefficients (when `probe_layers`), priced with the head chunk this trainer runs."""
@@ -33,6 +35,8 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
         full = provider.recompute_as("full", "uniform", 1)
     except ValueError:
         full = None
+    ladder = RecomputeLadder(build_ladder(provider.effective_recompute, provider.recompute_as),
+                             provider.geometry, provider.layout.tensor_parallel)
     probe: TrainerProbe | None = None
     memory_model = given
     if memory_model is None:
@@ -41,8 +45,8 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
             # Measured coefficients, not the default formulas: every policy this trainer
             # may run, escalation included.
             policies = [provider.effective_recompute]
-            if full is not None and escalate_to_full_recompute:
-                policies.append(full)
+            if recompute_choice != RecomputeChoice.CONFIGURED:
+                policies = [rung.recompute for rung in ladder.rungs]
             usable = _agree.min_over_replica(device_usable_bytes(
                 next(model.parameters()).device, test_memory_limit_bytes))
             # The probe runs only at sizes whose micro-batch fits the limit (what it
@@ -59,7 +63,7 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
     default_memory_model = (
         with_coefficients(None)
         if with_coefficients is not None and memory_model.coefficients is not None else None)
-    return TrainerPricing(memory_model, probe, default_memory_model, full)
+    return TrainerPricing(memory_model, probe, default_memory_model, full, ladder)
 
 
 def next_tp_memory_model(provider: Any, head_chunk_tokens: int) -> tuple[int, MemoryModel]:
