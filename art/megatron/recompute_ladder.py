@@ -150,7 +150,7 @@ def rung_name(recompute: EffectiveRecompute) -> str:
 
 def build_ladder(configured: EffectiveRecompute,
                  resolve: Callable[..., EffectiveRecompute]) -> tuple[RecomputeRung, ...]:
-    """Every rung for this model, the configured policy among them (deduplicated by what each
+    """Every rung for this model, the configured policy first (deduplicated by what each
     layer runs). `resolve(granularity, method, num_layers, modules)` is the provider's
     `recompute_as`: it validates a rung exactly as Megatron would."""
     candidates: list[EffectiveRecompute] = [configured]
@@ -174,11 +174,14 @@ def build_ladder(configured: EffectiveRecompute,
     except ValueError:
         pass
     rungs: list[RecomputeRung] = []
-    seen: set[str] = set()
+    seen: set[tuple[object, ...]] = set()
     for recompute in candidates:
-        if recompute.key in seen:
+        # Two settings that run the same per layer (mlp on MoE layers is ignored) are one rung.
+        runs = tuple((lr.full_checkpoint_unit, lr.full_unit_layers, lr.selective_modules,
+                      lr.recomputed_norms) for lr in recompute.layers)
+        if runs in seen:
             continue
-        seen.add(recompute.key)
+        seen.add(runs)
         rungs.append(RecomputeRung(rung_name(recompute), recompute))
     return tuple(rungs)
 

@@ -18,6 +18,7 @@ from art.trainer_rank.cli.args import (
     shared_prefix_caveat,
     workload_batch,
 )
+from art.trainer_rank.cli.rungs import price_rungs
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,20 +85,29 @@ def flag_settings(args: argparse.Namespace, env: dict[str, str]) -> Any:
     return load_settings(merged, labels=labels)
 
 
-def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None):
-    """The MemoryModel the flags (then ART_MEGATRON_*) describe, validated as a launch with
+def build_provider(args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
+    """The Provider the flags (then ART_MEGATRON_*) describe, validated as a launch with
     those settings would be (settings parser, then the provider's layout, kernel and
     recompute checks against the model): what TrainerRank could not build is refused."""
     from art.megatron.geometry import load_geometry
     from art.megatron.provider import Provider
-    from art.trainer_rank.memory.model import MemoryModel
 
     environ = dict(os.environ if env is None else env)
     geometry = load_geometry(args.model)
     settings = flag_settings(args, environ)
     implementation = implementation_from_args(args, args.device)
-    provider = Provider(geometry, settings=settings, dtype=args.dtype or geometry.dtype,
-                        implementation=implementation)
+    return Provider(geometry, settings=settings, dtype=args.dtype or geometry.dtype,
+                    implementation=implementation)
+
+
+def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None,
+                       provider: Any = None):
+    """The MemoryModel of `build_provider`'s provider (built here when not given)."""
+    from art.trainer_rank.memory.model import MemoryModel
+
+    environ = dict(os.environ if env is None else env)
+    provider = provider or build_provider(args, environ)
+    geometry, implementation = provider.geometry, provider.implementation
     return MemoryModel(
         geometry, layout=provider.layout, recompute=provider.effective_recompute,
         implementation=implementation, lora=lora_shape_from_args(args), dtype=provider.dtype,
@@ -110,10 +120,12 @@ def run(args: argparse.Namespace) -> int:
     """Print the estimate (or JSON); exit status 0, or 3 when --gpu-memory is given and the
     peak does not fit; 2 for an invalid request (argparse's usage errors are 2 as well)."""
     try:
-        model = build_memory_model(args)
+        provider = build_provider(args)
+        model = build_memory_model(args, provider=provider)
         batch = workload_batch(args, vocab_size=model.geometry.vocab_size,
                                layouts=[model.layout])
         estimate = model.estimate(batch)
+        rungs = price_rungs(provider, model, batch, args.gpu_memory)
     except ValueError as exc:
         print(f"estimate: {exc}", file=sys.stderr)
         return 2
@@ -132,9 +144,12 @@ def run(args: argparse.Namespace) -> int:
         if args.gpu_memory is not None:
             payload["gpu_memory_bytes"] = args.gpu_memory
             payload["fits"] = fits
+        payload["recompute_rungs"] = None if rungs is None else rungs.to_dict()
         print(json.dumps(payload, indent=2))
         return status
     _print_table(model, estimate, args.gpu_memory, fits)
+    if rungs is not None:
+        print("\n".join(rungs.lines()))
     return status
 
 

@@ -32,13 +32,16 @@ from art.trainer_rank.cli.planner import (
     GPU_MEMORY_GIB,
     MemoryModelFactory,
     PlanResult,
+    Policy,
     candidate_layouts,
     current_cell,
+    layout_env,
     layout_name,
     memory_model_for,
     plan,
     scaled_batch,
 )
+from art.trainer_rank.cli.rungs import RungChoices, price_rungs
 
 _PLOT_STYLES: tuple[dict[str, Any], ...] = (
     {"linestyle": "-", "linewidth": 3.0, "alpha": 0.6},
@@ -141,6 +144,35 @@ def implementation_from_args(args: Any) -> Implementation:
     return workload_implementation(args, "cuda")
 
 
+def configured_rungs(result: PlanResult, env: Any) -> tuple[Any, RungChoices] | None:
+    """The rungs of the recommended layout (else the one with the most model-parallel ranks)
+    under the ART_MEGATRON_RECOMPUTE_* policy of `env`, priced for the plan's micro-batch;
+    None without grad."""
+    from art.megatron.provider import Provider
+    from art.megatron.settings import ENV_PREFIX, load_settings
+
+    if not result.batch.grad_enabled:
+        return None
+    rec = result.recommended
+    runnable = [c for c in result.cells if not c.unavailable]
+    if not runnable:
+        return None
+    cell = rec or max(runnable, key=lambda c: c.gpus_per_replica)
+    recompute_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX + "RECOMPUTE_")}
+    settings = load_settings({**layout_env(cell.layout), **recompute_env})
+    provider = Provider(result.geometry, settings=settings, dtype=result.dtype,
+                        implementation=result.implementation)
+    memory_model, _ = memory_model_for(
+        result.geometry, cell.layout, Policy("configured", settings.recompute_granularity,
+                                             settings.recompute_method,
+                                             settings.recompute_num_layers,
+                                             settings.recompute_modules),
+        implementation=result.implementation, lora_rank=result.lora_rank, dtype=result.dtype,
+        alloc_conf=result.alloc_conf, lora=result.lora)
+    return cell.layout, price_rungs(provider, memory_model, result.batch,
+                                    result.gpu_memory_bytes)
+
+
 def run(args: Any) -> int:
     """Print the plan (or JSON); 0 when something fits, 3 when nothing does (argparse's
     usage errors are 2), 2 for an invalid request."""
@@ -162,6 +194,11 @@ def run(args: Any) -> int:
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)
         return 2
+    try:
+        rungs = configured_rungs(result, os.environ)
+    except ValueError as exc:
+        print(f"plan: {exc}", file=sys.stderr)
+        return 2
     caveat = shared_prefix_caveat(args, implementation_from_args(args))
     if caveat:
         print(caveat, file=sys.stderr)
@@ -169,9 +206,14 @@ def run(args: Any) -> int:
     if args.json:
         out = result.to_dict()
         out["plot"] = None if plot_path is None else str(plot_path)
+        out["recompute_rungs"] = None if rungs is None else {
+            "layout": layout_name(rungs[0]), **rungs[1].to_dict()}
         print(json.dumps(out, indent=2))
     else:
         print(result.report())
+        if rungs is not None:
+            print(f"\nat {layout_name(rungs[0])} under your ART_MEGATRON_RECOMPUTE_* policy:")
+            print("\n".join(rungs[1].lines()))
         if plot_path is not None:
             print(f"\nplot written to {plot_path}")
     return 0 if result.recommended is not None else 3

@@ -5,22 +5,60 @@ cold cap (no profile for it yet) or trust window; the profile it leaves is keyed
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Protocol
 
+from art.megatron.recompute import EffectiveRecompute
 from art.megatron.recompute_ladder import RecomputeChoice
-from art.trainer_rank._types import ADMITTED, COLD_CAPPED
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.compute.items import Item
+from art.trainer_rank.decide.priced import Pricing
+from art.trainer_rank.decide.profiles import ProfileStore
 
-if TYPE_CHECKING:
-    from art.trainer_rank.decide.admission import Admission, Plan
+
+class ChoicePolicy(Protocol):
+    cold_start_fraction: float
+
+    @property
+    def choice(self) -> RecomputeChoice: ...
 
 
-def lowered_plan(admission: Admission, chosen: Sequence[Item], grad: bool, usable_bytes: int
-                 ) -> Plan | None:
+class RungDecider(Protocol):
+    """What the choice reads of the admission."""
+
+    recompute: EffectiveRecompute
+    profiles: ProfileStore
+    policy: ChoicePolicy
+
+    def rungs_below(self, lengths: Sequence[int]) -> list[EffectiveRecompute]: ...
+
+    def price_items(self, items: Sequence[Item], grad: bool,
+                    recompute: EffectiveRecompute | None = None
+                    ) -> tuple[Pricing, MicroBatchShape, str]: ...
+
+    def model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
+                         start_tokens: int = 1,
+                         recompute: EffectiveRecompute | None = None) -> int: ...
+
+    def growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None: ...
+
+
+@dataclass(frozen=True)
+class LoweredRung:
+    """The rung below the configured policy a micro-batch runs under, priced."""
+
+    recompute: EffectiveRecompute
+    pricing: Pricing
+    shape: MicroBatchShape
+    signature: str
+    cold: bool  # no profile for this rung yet: capped at cap_tokens
+    cap_tokens: int | None
+
+
+def lowered_rung(admission: RungDecider, chosen: Sequence[Item], grad: bool,
+                 usable_bytes: int) -> LoweredRung | None:
     """Adaptive: `chosen` under the least-work rung below the configured one that fits,
     within that rung's own cold cap (no profile yet) or trust window; None: none does."""
-    from art.trainer_rank.decide.admission import Plan  # noqa: F811 (the runtime import)
-
     if not grad or admission.policy.choice != RecomputeChoice.ADAPTIVE:
         return None
     lengths = tuple(n for it in chosen for n in it.sequence_lengths_tokens)
@@ -34,20 +72,11 @@ def lowered_plan(admission: Admission, chosen: Sequence[Item], grad: bool, usabl
             model_max = admission.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                    start_tokens=smallest.num_tokens,
                                                    recompute=rung)
-            cap = max(smallest.num_tokens,
-                      int(admission.policy.cold_start_fraction * model_max))
+            cap: int | None = max(smallest.num_tokens,
+                                  int(admission.policy.cold_start_fraction * model_max))
         else:
             cap = admission.growth_cap(sig, grad, shape.outputs)
         if cap is not None and shape.packed_tokens > cap:
             continue
-        note = (f"adaptive: {rung.summary} fits, less recompute than "
-                f"{admission.recompute.summary}")
-        if cold:
-            note += f"; no profile for it yet: capped at {cap} tokens"
-        return Plan(
-            decision=COLD_CAPPED if cold else ADMITTED,
-            items=tuple(chosen), pricing=pricing, shape=shape,
-            sub_forwards=(tuple(range(sum(len(it.leaves) for it in chosen))),),
-            signature=sig, recompute=rung, note=note,
-        )
+        return LoweredRung(rung, pricing, shape, sig, cold, cap)
     return None

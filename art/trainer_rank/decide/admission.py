@@ -29,7 +29,7 @@ from art.trainer_rank._types import (
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
-from art.trainer_rank.decide.adaptive import lowered_plan
+from art.trainer_rank.decide.adaptive import lowered_rung
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
@@ -382,9 +382,18 @@ class Admission:
         """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note;
         adaptive: under the least-work rung below the configured one that fits."""
         chosen = sorted(chosen, key=lambda it: it.index)
-        lowered = lowered_plan(self, chosen, grad, usable_bytes)
+        lowered = lowered_rung(self, chosen, grad, usable_bytes)
         if lowered is not None:
-            return replace(lowered, rejected_candidates=rejected)
+            note = (f"adaptive: {lowered.recompute.summary} fits, less recompute than "
+                    f"{self.recompute.summary}")
+            if lowered.cold:
+                note += f"; no profile for it yet: capped at {lowered.cap_tokens} tokens"
+            return Plan(
+                decision=COLD_CAPPED if lowered.cold else ADMITTED, items=tuple(chosen),
+                pricing=lowered.pricing, shape=lowered.shape,
+                sub_forwards=(tuple(range(sum(len(it.leaves) for it in chosen))),),
+                signature=lowered.signature, recompute=lowered.recompute, note=note,
+                rejected_candidates=rejected)
         note = ""
         if cold:
             note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
