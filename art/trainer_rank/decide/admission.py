@@ -309,7 +309,21 @@ class Admission:
         items from its queue whatever the decision (a declined item is reported, not retried)."""
         if not pending:
             raise ValueError("plan_next needs at least one pending item")
-        first_sig = self.signature(self.recompute, grad, pending[0].outputs)
+        return self._plan_next(pending, grad, usable_bytes,
+                               self._packing_rung(pending[0], grad, usable_bytes))
+
+    def _packing_rung(self, first: Item, grad: bool, usable_bytes: int) -> EffectiveRecompute:
+        """The rung the queue is packed under: the configured policy; adaptive, the least-work
+        rung under which the first item fits alone (more items then fit only as that rung
+        allows, so the micro-batch recomputes as little as its first item needs)."""
+        for rung in self.rungs_below(first.sequence_lengths_tokens) if grad else ():
+            if self.price_items([first], grad, rung)[0].dynamic_bytes <= usable_bytes:
+                return rung
+        return self.recompute
+
+    def _plan_next(self, pending: Sequence[Item], grad: bool, usable_bytes: int,
+                   recompute: EffectiveRecompute) -> Plan:
+        first_sig = self.signature(recompute, grad, pending[0].outputs)
         cold = not self._profiled(first_sig, grad, pending[0].outputs)
         queue = list(pending)
         cap_tokens: int | None = None
@@ -320,15 +334,18 @@ class Admission:
             smallest = queue.pop(at)
             queue.insert(0, smallest)
             model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
-                                               start_tokens=smallest.num_tokens)
+                                               start_tokens=smallest.num_tokens,
+                                               recompute=recompute)
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
         else:
             cap_tokens = self.growth_cap(first_sig, grad, pending[0].outputs)
         first = queue[0]
-        pricing, shape, sig = self.price_items([first], grad)
+        pricing, shape, sig = self.price_items([first], grad, recompute)
         if pricing.dynamic_bytes > usable_bytes:
+            if recompute is not self.recompute:  # the smallest item does not fit that rung
+                return self._plan_next(pending, grad, usable_bytes, self.recompute)
             return self._does_not_fit(first, grad, usable_bytes, pricing, shape, sig)
 
         # The longest fitting prefix of the queue, by bisection (the price grows with the
@@ -345,7 +362,7 @@ class Admission:
                 return None
             recurrent = (self._recurrent([self._item_tree(it) for it in chosen])
                          if shared and self.shares_prefixes else None)
-            priced = self.price_lengths(lengths, outputs, grad, shared_tokens=shared,
+            priced = self.price_lengths(lengths, outputs, grad, recompute, shared_tokens=shared,
                                         recurrent=recurrent)
             return priced if priced[0].dynamic_bytes <= usable_bytes else None
 
@@ -374,15 +391,19 @@ class Admission:
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = priced
         return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected,
-                              grad=grad, usable_bytes=usable_bytes)
+                              grad=grad, usable_bytes=usable_bytes, recompute=recompute)
 
     def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
                   sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0, *,
-                  grad: bool, usable_bytes: int) -> Plan:
-        """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note;
-        adaptive: under the least-work rung below the configured one that fits."""
+                  grad: bool, usable_bytes: int,
+                  recompute: EffectiveRecompute | None = None) -> Plan:
+        """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note,
+        under `recompute` (None: the configured policy; else a rung below it that fits, which
+        adaptive packed under); adaptive, otherwise: under the least-work rung below the
+        configured one that fits."""
         chosen = sorted(chosen, key=lambda it: it.index)
-        lowered = lowered_rung(self, chosen, grad, usable_bytes)
+        lowered = (lowered_rung(self, chosen, grad, usable_bytes)
+                   if recompute is None or recompute is self.recompute else None)
         if lowered is not None:
             note = (f"adaptive: {lowered.recompute.summary} fits, less recompute than "
                     f"{self.recompute.summary}")
@@ -400,6 +421,11 @@ class Admission:
         elif cap_tokens is not None:
             note = (f"measured above the memory model: growing at most x"
                     f"{self.policy.trust_window:g} per micro-batch (cap {cap_tokens} tokens)")
+        lower = recompute if recompute is not None and recompute is not self.recompute else None
+        if lower is not None:
+            note = "; ".join(n for n in (
+                f"adaptive: {lower.summary} fits, less recompute than "
+                f"{self.recompute.summary}", note) if n)
         return Plan(
             decision=COLD_CAPPED if cold else ADMITTED,
             items=tuple(chosen),
@@ -407,6 +433,7 @@ class Admission:
             shape=shape,
             sub_forwards=(tuple(range(sum(len(it.leaves) for it in chosen))),),
             signature=sig,
+            recompute=lower,
             note=note,
             rejected_candidates=rejected,
         )
@@ -414,27 +441,31 @@ class Admission:
     # -- a given set of items as one micro-batch (a data-parallel wave's share) ---------------
 
     def _cap(self, items: Sequence[Item], grad: bool, usable_bytes: int, sig: str,
-             outputs: OutputRequest) -> tuple[bool, int | None]:
+             outputs: OutputRequest, recompute: EffectiveRecompute | None = None
+             ) -> tuple[bool, int | None]:
         """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
         of what the memory model alone admits (at least its smallest item); a profile that saw
         the model under-predict grows only to the edge of its trust window."""
         if not self._profiled(sig, grad, outputs):
             smallest = min(items, key=lambda it: (it.num_tokens, it.index))
             model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
-                                               start_tokens=smallest.num_tokens)
+                                               start_tokens=smallest.num_tokens,
+                                               recompute=recompute)
             return True, max(smallest.num_tokens,
                              int(self.policy.cold_start_fraction * model_max))
         return False, self.growth_cap(sig, grad, outputs)
 
     def fits_together(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> bool:
-        """Whether `items` run as one micro-batch under the recompute in force. One item always
-        has a plan of its own (admitted, split, escalated or declined)."""
+        """Whether `items` run as one micro-batch under the rung they are packed under (the
+        configured policy; adaptive: the least-work rung their first item fits alone). One
+        item always has a plan of its own (admitted, split, escalated or declined)."""
         if len(items) <= 1:
             return True
-        pricing, shape, sig = self.price_items(items, grad)
+        rung = self._packing_rung(items[0], grad, usable_bytes)
+        pricing, shape, sig = self.price_items(items, grad, rung)
         if pricing.dynamic_bytes > usable_bytes:
             return False
-        _, cap = self._cap(items, grad, usable_bytes, sig, shape.outputs)
+        _, cap = self._cap(items, grad, usable_bytes, sig, shape.outputs, rung)
         return cap is None or shape.packed_tokens <= cap
 
     def fitting_prefix(self, items: Sequence[Item], usable_bytes: Callable[[bool], int]) -> int:
@@ -455,11 +486,12 @@ class Admission:
         is planned as `plan_next` plans it."""
         if len(items) == 1 or not self.fits_together(items, grad, usable_bytes):
             return self.plan_next(items, grad, usable_bytes)
+        rung = self._packing_rung(items[0], grad, usable_bytes)
         chosen = sorted(items, key=lambda it: it.index)
-        pricing, shape, sig = self.price_items(chosen, grad)
-        cold, cap = self._cap(chosen, grad, usable_bytes, sig, shape.outputs)
+        pricing, shape, sig = self.price_items(chosen, grad, rung)
+        cold, cap = self._cap(chosen, grad, usable_bytes, sig, shape.outputs, rung)
         return self._admitted(chosen, pricing, shape, sig, cold, cap, grad=grad,
-                              usable_bytes=usable_bytes)
+                              usable_bytes=usable_bytes, recompute=rung)
 
     # -- the recompute rungs ---------------------------------------------------------------
 
