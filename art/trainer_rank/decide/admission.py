@@ -10,7 +10,7 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import StrEnum
 from functools import cached_property
 from typing import Any
@@ -31,6 +31,7 @@ from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_un
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
 from art.trainer_rank.decide.adaptive import lowered_rung
 from art.trainer_rank.decide.decline import decline_error
+from art.trainer_rank.decide.nograd_split import split_no_grad
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
@@ -542,7 +543,7 @@ class Admission:
         sig: str,
     ) -> Plan:
         if not grad and len(item.leaves) > 1:
-            split = self._split(item, usable_bytes)
+            split = split_no_grad(self, item, usable_bytes)
             if split is not None:
                 groups, worst, worst_shape, worst_sig = split
                 return Plan(
@@ -583,46 +584,3 @@ class Admission:
             signature=sig,
             error=error,
         )
-
-    def _split(
-        self, item: Item, usable_bytes: int
-    ) -> tuple[tuple[tuple[int, ...], ...], Pricing, MicroBatchShape, str] | None:
-        """Greedy consecutive sub-forwards that each fit. Without grad nothing is retained
-        between them except their outputs, which stay alive until the item is yielded, so each
-        sub-forward is priced with the outputs of the ones before it. None when one sequence
-        cannot fit."""
-        groups: list[tuple[int, ...]] = []
-        current: list[int] = []
-        held = 0
-        worst: tuple[Pricing, MicroBatchShape, str] | None = None
-        best_current: tuple[Pricing, MicroBatchShape, str] | None = None
-
-        def priced_with_held(indices: list[int]) -> tuple[Pricing, MicroBatchShape, str]:
-            pricing, shape, sig = self.price([item.leaves[i] for i in indices], False)
-            return replace(pricing, held_bytes=held), shape, sig
-
-        def close_group() -> None:
-            nonlocal held, worst
-            assert best_current is not None
-            groups.append(tuple(current))
-            if worst is None or best_current[0].dynamic_bytes > worst[0].dynamic_bytes:
-                worst = best_current
-            if self.held_output_bytes is not None:
-                held += self.held_output_bytes(best_current[1])
-
-        for index in range(len(item.leaves)):
-            trial = current + [index]
-            priced = priced_with_held(trial)
-            if priced[0].dynamic_bytes <= usable_bytes:
-                current, best_current = trial, priced
-                continue
-            if not current:
-                return None
-            close_group()
-            alone = priced_with_held([index])
-            if alone[0].dynamic_bytes > usable_bytes:
-                return None
-            current, best_current = [index], alone
-        close_group()
-        assert worst is not None
-        return (tuple(groups), *worst)
