@@ -5,8 +5,11 @@
     .venv/bin/python scripts/bench_recompute.py --quick    # small sizes, one round
 
 One fixed RL-shaped workload (seeded groups of rollouts sharing their prompt, long-tailed
-lengths, target logprobs, a policy-gradient loss and backward per micro-batch) under a virtual
-memory limit at which selective recompute does not fit the longest groups. Three settings,
+lengths, target logprobs, a policy-gradient loss and backward per micro-batch) under virtual
+memory limits at which selective recompute does not fit the longest group: a fraction of the
+way from what that group needs under full recompute to what it needs under selective
+core_attn (`--fractions`, default 0.8 and 0.4: a limit just under selective's need and a tight
+one). Three settings,
 each on a model built from the same weights:
 - always full: built with full recompute (uniform, 1), ART_TRAINER_RANK_RECOMPUTE=configured
   (ART's default policy, run as it is);
@@ -110,31 +113,25 @@ def record(setting: Setting, stats: list[Any], outputs: int, sequences: int) -> 
     setting.outputs_missing += sequences - outputs
 
 
-def chosen_limit(trainer: Any, items: list[Any], selective: Any) -> tuple[int, dict[str, int]]:
+def chosen_limit(trainer: Any, items: list[Any], selective: Any, fraction: float
+                 ) -> tuple[int, dict[str, int]]:
     """The usable bytes at which the longest group fits under full recompute but not under
-    selective core_attn: 40% of the way from the first to the second."""
+    selective core_attn: `fraction` of the way from the first to the second."""
     from art.trainer_rank.compute.items import make_items
 
     largest = max(make_items(items), key=lambda it: it.num_tokens)
     admission = trainer.admission
     full = admission.price(largest.leaves, True)[0].dynamic_bytes
     sel = admission.price(largest.leaves, True, selective)[0].dynamic_bytes
-    return int(full + 0.4 * (sel - full)), {"largest_group_tokens": largest.num_tokens,
+    return int(full + fraction * (sel - full)), {"largest_group_tokens": largest.num_tokens,
                                             "full_bytes": int(full), "selective_bytes": int(sel)}
 
 
-def write_report(settings: list[Setting], meta: dict[str, Any], out: Path) -> str:
+def _run_lines(settings: list[Setting], run: dict[str, Any]) -> list[str]:
     base = next(s for s in settings if s.name == "always full").median_s
     lines = [
-        "# Recompute: always full against escalate and adaptive (CPU)",
-        "",
-        f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}. Model: "
-        f"{meta['model']}, rank-8 LoRA on every linear, fp32, default CPU build. Workload: "
-        f"{meta['workload']}. Virtual limit {meta['limit_mib']:.1f} MiB usable per "
-        f"micro-batch: the longest group ({meta['largest_group_tokens']:,} tokens) needs "
-        f"{meta['selective_mib']:.1f} MiB under selective core_attn and "
-        f"{meta['full_mib']:.1f} MiB under full recompute. {meta['rounds']} timed round(s) "
-        "after one warm-up call each, interleaved.",
+        f"### Limit {run['limit_mib']:.1f} MiB usable per micro-batch ({run['fraction']:g} of "
+        "the way from full to selective for the longest group)",
         "",
         "| setting | built with | RECOMPUTE | median s | ratio to always full | goal | "
         "micro-batches | OOMs | declined | outputs missing |",
@@ -152,12 +149,29 @@ def write_report(settings: list[Setting], meta: dict[str, Any], out: Path) -> st
         rungs = "; ".join(f"{name}: {n}" for name, n in sorted(s.rungs.items()))
         lines.append(f"- {s.name}: {rungs}")
     lines += ["", "Every round: " + ", ".join(
-        f"{s.name} " + " / ".join(f"{t:.2f}" for t in s.seconds) for s in settings) + " s."]
-    report = "\n".join(lines) + "\n"
+        f"{s.name} " + " / ".join(f"{t:.2f}" for t in s.seconds) for s in settings) + " s.", ""]
+    return lines
+
+
+def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) -> str:
+    lines = [
+        "# Recompute: always full against escalate and adaptive (CPU)",
+        "",
+        f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}. Model: "
+        f"{meta['model']}, rank-8 LoRA on every linear, fp32, default CPU build. Workload: "
+        f"{meta['workload']}. The longest group ({meta['largest_group_tokens']:,} tokens) "
+        f"needs {meta['selective_mib']:.1f} MiB under selective core_attn and "
+        f"{meta['full_mib']:.1f} MiB under full recompute. {meta['rounds']} timed round(s) "
+        "per setting after one warm-up call each, interleaved.",
+        "",
+    ]
+    for run in runs:
+        lines += _run_lines([Setting(**s) for s in run["settings"]], run)
+    report = "\n".join(lines).rstrip() + "\n"
     out.mkdir(parents=True, exist_ok=True)
     (out / "recompute.md").write_text(report)
-    (out / "recompute.json").write_text(json.dumps(
-        {"meta": meta, "settings": [asdict(s) for s in settings]}, indent=2) + "\n")
+    (out / "recompute.json").write_text(json.dumps({"meta": meta, "runs": runs}, indent=2)
+                                        + "\n")
     return report
 
 
@@ -165,7 +179,7 @@ def update_readme(report: str, readme: Path = ROOT / "README.md") -> None:
     text = readme.read_text()
     if README_START not in text or README_END not in text:
         return
-    body = report.split("\n", 2)[2].strip()
+    body = report.split("\n", 2)[2].strip().replace("\n### ", "\n#### ")
     head, rest = text.split(README_START, 1)
     _, tail = rest.split(README_END, 1)
     readme.write_text(f"{head}{README_START}\n{body}\n{README_END}{tail}")
@@ -179,6 +193,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.4],
+                        help="limits, as fractions of the way from full recompute's to "
+                             "selective's need for the longest group (each < 1)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=str(BENCH))
     parser.add_argument("--report-only", action="store_true",
@@ -187,17 +204,17 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     if args.report_only:
         saved = json.loads((out / "recompute.json").read_text())
-        settings = [Setting(**s) for s in saved["settings"]]
-        report = write_report(settings, saved["meta"], out)
+        report = write_report(saved["runs"], saved["meta"], out)
         update_readme(report)
         print(report)
         return 0
     warnings.filterwarnings("ignore")
     import torch
 
-    from _workload import WorkloadSpec, forward_inputs, rl_groups
     from art.megatron.train import TrainingRuntime
     from art.trainer_rank import TrainerRank, TrainerRankOptions
+
+    from _workload import WorkloadSpec, forward_inputs, rl_groups
 
     torch.manual_seed(args.seed)
     vocab = 512
@@ -226,25 +243,35 @@ def main(argv: list[str] | None = None) -> int:
     roomy = trainer("full", "configured", roomy_limit)
     _, stats, _ = one_pass(roomy, inputs)
     offset = roomy_limit - min(s.available_bytes for s in stats)
-    usable, priced = chosen_limit(roomy, inputs, providers["selective"].effective_recompute)
-    limit = usable + offset
-    del roomy
-    settings = [Setting("always full", "full", "configured"),
-                Setting("escalate from selective", "selective", "escalate"),
-                Setting("adaptive from full", "full", "adaptive")]
-    trainers = {s.name: trainer(s.built_with, s.recompute, limit) for s in settings}
-    for s in settings:  # warm-up: the profiles of every rung this setting runs
-        _, stats, _ = one_pass(trainers[s.name], inputs)
-        print(f"{s.name}: warm-up, {len(stats)} micro-batches", flush=True)
     rounds = 1 if args.quick else args.rounds
-    for r in range(rounds):
-        order = settings[r % 3:] + settings[:r % 3]
-        for s in order:
-            seconds, stats, outputs = one_pass(trainers[s.name], inputs)
-            s.seconds.append(seconds)
-            s.ooms = s.declined = s.outputs_missing = 0
-            record(s, stats, outputs, sequences)
-            print(f"round {r + 1}/{rounds}: {s.name} {seconds:.2f} s ({s.rungs})", flush=True)
+    runs: list[dict[str, Any]] = []
+    bad: list[str] = []
+    for fraction in args.fractions:
+        if not 0 <= fraction < 1:
+            raise SystemExit(f"--fractions {fraction}: each must be in [0, 1)")
+        usable, priced = chosen_limit(roomy, inputs, providers["selective"].effective_recompute,
+                                      fraction)
+        settings = [Setting("always full", "full", "configured"),
+                    Setting("escalate from selective", "selective", "escalate"),
+                    Setting("adaptive from full", "full", "adaptive")]
+        trainers = {s.name: trainer(s.built_with, s.recompute, usable + offset)
+                    for s in settings}
+        for s in settings:  # warm-up: the profiles of every rung this setting runs
+            _, stats, _ = one_pass(trainers[s.name], inputs)
+            print(f"{s.name}: warm-up, {len(stats)} micro-batches", flush=True)
+        for r in range(rounds):
+            order = settings[r % 3:] + settings[:r % 3]
+            for s in order:
+                seconds, stats, outputs = one_pass(trainers[s.name], inputs)
+                s.seconds.append(seconds)
+                s.ooms = s.declined = s.outputs_missing = 0
+                record(s, stats, outputs, sequences)
+                print(f"limit {usable / 2**20:.1f} MiB, round {r + 1}/{rounds}: {s.name} "
+                      f"{seconds:.2f} s ({s.rungs})", flush=True)
+        runs.append({"fraction": fraction, "limit_mib": usable / 2**20,
+                     "settings": [asdict(s) for s in settings]})
+        bad += [s.name for s in settings if s.ooms or s.outputs_missing or s.declined]
+        del trainers
     tokens = sum(g.num_tokens for g in groups)
     meta = {
         "command": "scripts/bench_recompute.py" + (" " + " ".join(argv or sys.argv[1:])
@@ -256,17 +283,15 @@ def main(argv: list[str] | None = None) -> int:
         "workload": f"{spec.groups} prompts x {spec.rollouts_per_group} rollouts sharing their "
                     f"prompt, {spec.min_tokens}-{spec.max_tokens} tokens each (seed "
                     f"{args.seed}), {tokens:,} tokens",
-        "limit_mib": usable / 2**20,
         "largest_group_tokens": priced["largest_group_tokens"],
         "selective_mib": priced["selective_bytes"] / 2**20,
         "full_mib": priced["full_bytes"] / 2**20,
         "rounds": rounds,
     }
-    report = write_report(settings, meta, out)
+    report = write_report(runs, meta, out)
     if not args.quick:
         update_readme(report)
     print(report)
-    bad = [s.name for s in settings if s.ooms or s.outputs_missing or s.declined]
     return 1 if bad else 0
 
 
