@@ -14,7 +14,9 @@ each on a model built from the same weights:
 - always full: built with full recompute (uniform, 1), ART_TRAINER_RANK_RECOMPUTE=configured
   (ART's default policy, run as it is);
 - escalate from selective: built with selective core_attn, RECOMPUTE=escalate;
-- adaptive from full: built with full recompute, RECOMPUTE=adaptive.
+- adaptive from full: built with full recompute, RECOMPUTE=adaptive;
+and, as the floor no setting can beat, adaptive from full with the limit raised to what the
+longest group needs without recompute (so no micro-batch recomputes anything).
 Each runs the workload once to learn its profiles (not timed), then the rounds interleave the
 three (the order rotates from round to round). The table gives the median wall time of each
 and its ratio to always full, the rungs that ran, OOMs, and whether every output came back.
@@ -44,6 +46,7 @@ BENCH = ROOT / "bench"
 README_START = "<!-- bench_recompute.py: start -->"
 README_END = "<!-- bench_recompute.py: end -->"
 GOAL = 0.80
+FLOOR = "floor: no recompute (limit raised to fit it)"
 FULL_ENV = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "full",
             "ART_MEGATRON_RECOMPUTE_METHOD": "uniform",
             "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "1"}
@@ -67,7 +70,8 @@ class Setting:
         return statistics.median(self.seconds)
 
 
-def _provider(env: dict[str, str], hidden: int, layers: int, vocab: int) -> Any:
+def _provider(env: dict[str, str], hidden: int, layers: int, vocab: int,
+              attention: str = "unfused") -> Any:
     from peft import LoraConfig
 
     from art.megatron.geometry import geometry_from_hf_dict
@@ -83,7 +87,7 @@ def _provider(env: dict[str, str], hidden: int, layers: int, vocab: int) -> Any:
         name=f"qwen3-{layers}x{hidden}")
     return Provider(geometry, settings=load_settings(env),
                     lora=LoraConfig(r=8, lora_alpha=16, target_modules="all-linear"),
-                    dtype="float32", implementation=Implementation.cpu_local())
+                    dtype="float32", implementation=Implementation.cpu_local(attention))
 
 
 def one_pass(trainer: Any, inputs: list[Any]) -> tuple[float, list[Any], int]:
@@ -113,8 +117,8 @@ def record(setting: Setting, stats: list[Any], outputs: int, sequences: int) -> 
     setting.outputs_missing += sequences - outputs
 
 
-def chosen_limit(trainer: Any, items: list[Any], selective: Any, fraction: float
-                 ) -> tuple[int, dict[str, int]]:
+def chosen_limit(trainer: Any, items: list[Any], selective: Any, none_recompute: Any,
+                 fraction: float) -> tuple[int, dict[str, int]]:
     """The usable bytes at which the longest group fits under full recompute but not under
     selective core_attn: `fraction` of the way from the first to the second."""
     from art.trainer_rank.compute.items import make_items
@@ -123,8 +127,10 @@ def chosen_limit(trainer: Any, items: list[Any], selective: Any, fraction: float
     admission = trainer.admission
     full = admission.price(largest.leaves, True)[0].dynamic_bytes
     sel = admission.price(largest.leaves, True, selective)[0].dynamic_bytes
+    none = admission.price(largest.leaves, True, none_recompute)[0].dynamic_bytes
     return int(full + fraction * (sel - full)), {"largest_group_tokens": largest.num_tokens,
-                                            "full_bytes": int(full), "selective_bytes": int(sel)}
+                                            "full_bytes": int(full), "selective_bytes": int(sel),
+                                            "none_bytes": int(none)}
 
 
 def _run_lines(settings: list[Setting], run: dict[str, Any]) -> list[str]:
@@ -139,7 +145,7 @@ def _run_lines(settings: list[Setting], run: dict[str, Any]) -> list[str]:
     ]
     for s in settings:
         ratio = s.median_s / base
-        goal = "-" if s.name == "always full" else (
+        goal = "-" if s.name in ("always full", FLOOR) else (
             f"<= {GOAL:.2f} {'met' if ratio <= GOAL else 'missed'}")
         lines.append(f"| {s.name} | {s.built_with} | {s.recompute} | {s.median_s:.2f} | "
                      f"{ratio:.3f} | {goal} | {s.micro_batches} | {s.ooms} | {s.declined} | "
@@ -158,7 +164,8 @@ def write_report(runs: list[dict[str, Any]], meta: dict[str, Any], out: Path) ->
         "# Recompute: always full against escalate and adaptive (CPU)",
         "",
         f"Command: `{meta['command']}` on {meta['machine']}, {meta['date']}. Model: "
-        f"{meta['model']}, rank-8 LoRA on every linear, fp32, default CPU build. Workload: "
+        f"{meta['model']}, rank-8 LoRA on every linear, fp32, "
+        f"{meta.get('build', 'default CPU build')}. Workload: "
         f"{meta['workload']}. The longest group ({meta['largest_group_tokens']:,} tokens) "
         f"needs {meta['selective_mib']:.1f} MiB under selective core_attn and "
         f"{meta['full_mib']:.1f} MiB under full recompute. {meta['rounds']} timed round(s) "
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--rollouts", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--attention", choices=("unfused", "flash"), default="unfused",
+                        help="the CPU build's attention (default: the CPU default)")
     parser.add_argument("--fractions", type=float, nargs="+", default=[0.8, 0.4],
                         help="limits, as fractions of the way from full recompute's to "
                              "selective's need for the longest group (each < 1)")
@@ -226,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     sequences = sum(len(g) for g in inputs)
     hidden = 64 if args.quick else args.hidden
     layers = 4 if args.quick else args.layers
-    providers = {"full": _provider(FULL_ENV, hidden, layers, vocab),
-                 "selective": _provider(SELECTIVE_ENV, hidden, layers, vocab)}
+    providers = {"full": _provider(FULL_ENV, hidden, layers, vocab, args.attention),
+                 "selective": _provider(SELECTIVE_ENV, hidden, layers, vocab, args.attention)}
     providers["full"].initialize_distributed()
     models = {kind: p.build_model(seed=args.seed) for kind, p in providers.items()}
     folder = tempfile.mkdtemp(prefix="art-bench-probe-")
@@ -250,17 +259,20 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= fraction < 1:
             raise SystemExit(f"--fractions {fraction}: each must be in [0, 1)")
         usable, priced = chosen_limit(roomy, inputs, providers["selective"].effective_recompute,
-                                      fraction)
+                                      providers["full"].recompute_as(None), fraction)
+        floor = int(priced["none_bytes"] * 1.1)
         settings = [Setting("always full", "full", "configured"),
                     Setting("escalate from selective", "selective", "escalate"),
-                    Setting("adaptive from full", "full", "adaptive")]
-        trainers = {s.name: trainer(s.built_with, s.recompute, usable + offset)
+                    Setting("adaptive from full", "full", "adaptive"),
+                    Setting(FLOOR, "full", "adaptive")]
+        trainers = {s.name: trainer(s.built_with, s.recompute,
+                                    (floor if s.name == FLOOR else usable) + offset)
                     for s in settings}
         for s in settings:  # warm-up: the profiles of every rung this setting runs
             _, stats, _ = one_pass(trainers[s.name], inputs)
             print(f"{s.name}: warm-up, {len(stats)} micro-batches", flush=True)
         for r in range(rounds):
-            order = settings[r % 3:] + settings[:r % 3]
+            order = settings[r % len(settings):] + settings[:r % len(settings)]
             for s in order:
                 seconds, stats, outputs = one_pass(trainers[s.name], inputs)
                 s.seconds.append(seconds)
@@ -280,6 +292,8 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{os.cpu_count()} CPU cores, {platform.processor() or platform.machine()}, "
                    f"torch {torch.__version__}",
         "model": f"Qwen3-shaped, {layers} layers, hidden {hidden}",
+        "build": ("default CPU build (unfused attention)" if args.attention == "unfused"
+                  else "CPU build with the segmented flash attention"),
         "workload": f"{spec.groups} prompts x {spec.rollouts_per_group} rollouts sharing their "
                     f"prompt, {spec.min_tokens}-{spec.max_tokens} tokens each (seed "
                     f"{args.seed}), {tokens:,} tokens",

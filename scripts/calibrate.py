@@ -10,6 +10,9 @@
         --out bench/calibration/hybrid  # Gated DeltaNet + attention, dense and MoE
     .venv/bin/python scripts/calibrate.py --tp 2 --geometries hybrid-128 hybrid-moe-128 \
         --out bench/calibration/hybrid-tp2  # the hybrids on two torchrun ranks
+    .venv/bin/python scripts/calibrate.py --rungs --out bench/calibration/rungs  # recompute
+        # rungs switched at run time on models built with another policy, dense and hybrid,
+        # TP=1 and TP=2
     .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
         --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
@@ -53,7 +56,26 @@ TARGET = (1.00, 1.05)
 TP2_GEOMETRY = "gqa-128"  # the TP=2 subset's model
 
 
+RUNG_GEOMETRIES = ("gqa-128", "hybrid-128")
+
+
+def rung_matrix(args: argparse.Namespace, tensor_parallel: int) -> list:
+    """`--rungs`: each recompute rung switched at run time on a model built with selective
+    core_attn or with full recompute (`_calibration.cells.RUNGS_BY_BUILT`), a dense and a
+    hybrid model, seeded grad rows."""
+    from _calibration.cells import rung_cells
+
+    geometries = tuple(args.geometries or RUNG_GEOMETRIES)
+    rows = args.rows_per_model or (1 if args.quick else 3 if tensor_parallel == 1 else 2)
+    return rung_cells(args.seed + tensor_parallel - 1, geometries=geometries, rows=rows,
+                      tensor_parallel=tensor_parallel,
+                      max_tokens=1500 if args.quick else min(args.max_tokens, 3000
+                                                             if tensor_parallel > 1 else 4096))
+
+
 def tp1_cells(args: argparse.Namespace) -> list:
+    if args.rungs:
+        return rung_matrix(args, 1)
     from _calibration.cells import (
         DENSE_GEOMETRIES,
         HYBRID_GEOMETRIES,
@@ -136,7 +158,8 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from _calibration.harness import merge_rank_rows, run_cells
 
-    cells = tp2_cells(args.quick, args.seed, args.build, args.geometries, args.rows_per_model)
+    cells = (rung_matrix(args, 2) if args.rungs else
+             tp2_cells(args.quick, args.seed, args.build, args.geometries, args.rows_per_model))
     rank = int(os.environ.get("RANK", "0"))
     results = run_cells(cells, tensor_parallel=2,
                         progress=(lambda m: print(m, flush=True)) if rank == 0 else None,
@@ -152,7 +175,8 @@ def worker(args: argparse.Namespace) -> int:
 
 def run_tp2(quick: bool, seed: int, build: str = "local",
             geometries: Sequence[str] | None = None,
-            rows_per_model: int | None = None, probe_dir: str | None = None) -> list[dict]:
+            rows_per_model: int | None = None, probe_dir: str | None = None,
+            rungs: bool = False, max_tokens: int = 4096) -> list[dict]:
     """The TP=2 cells on two torchrun ranks; each rank's probes are stored under
     `probe_dir`/rank<R> (for `--reprice`)."""
     from art.megatron.distributed import free_port
@@ -165,7 +189,8 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
                    ["--quick"] if quick else []) + (
                    ["--geometries", *geometries] if geometries else []) + (
                    ["--rows-per-model", str(rows_per_model)] if rows_per_model else []) + (
-                   ["--worker-probes", probe_dir] if probe_dir else [])
+                   ["--worker-probes", probe_dir] if probe_dir else []) + (
+                   ["--rungs", "--max-tokens", str(max_tokens)] if rungs else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -192,7 +217,7 @@ def summarize(rows: list[dict]) -> str:
     d_high = max(rows, key=lambda r: r["default_ratio"])
 
     def name(r: dict) -> str:
-        return (f"{r['geometry']} / {r['policy']} / LoRA r{r['lora_rank']} / "
+        return (f"{r['geometry']} / {_policy(r)} / LoRA r{r['lora_rank']} / "
                 f"TP{r['tensor_parallel']} / {_lengths(r)} / {r['outputs']} / "
                 f"{'grad, ' + r['loss'] + ' loss' if r['grad'] else 'no grad'}")
 
@@ -220,7 +245,7 @@ def summarize(rows: list[dict]) -> str:
     ]
     policies: dict[str, list[dict]] = {}
     for r in rows:
-        policies.setdefault(f"{r['policy']} (TP{r['tensor_parallel']})", []).append(r)
+        policies.setdefault(f"{_policy(r)} (TP{r['tensor_parallel']})", []).append(r)
     for pol, rs in policies.items():
         lines.append(
             f"| {pol} | {len(rs)} | {min(x['ratio'] for x in rs):.4f} | "
@@ -235,12 +260,18 @@ def summarize(rows: list[dict]) -> str:
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['geometry']} | {r['policy']} | {r['lora_rank']} | {r['tensor_parallel']} | "
+            f"| {r['geometry']} | {_policy(r)} | {r['lora_rank']} | {r['tensor_parallel']} | "
             f"{_lengths(r)} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
             f"{r['loss'] if r['grad'] else '-'} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
             f"{r['ratio']:.4f} | {r['default_ratio']:.4f} | {r['peak_at']} |")
     return "\n".join(lines) + "\n"
+
+
+def _policy(row: dict) -> str:
+    """The policy a row ran; a rung switched at run time names the policy it was built with."""
+    built = row.get("built_with") or ""
+    return f"{row['policy']}, switched on {built}" if built else str(row["policy"])
 
 
 def _lengths(row: dict) -> str:
@@ -314,6 +345,9 @@ def main() -> int:
                         help="with --reprice: probe again (TP=1) each model whose probe is "
                              "not stored under the current probe's key, e.g. after a change "
                              "to what the probe measures")
+    parser.add_argument("--rungs", action="store_true",
+                        help="the recompute rungs switched at run time (RUNGS_BY_BUILT) on "
+                             "gqa-128 and hybrid-128 instead of the policy matrix")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-probes", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -351,9 +385,10 @@ def main() -> int:
 
     start = time.time()
     rows: list[dict] = []
-    if 2 in args.tp and tp2_wanted(args.geometries):
+    if 2 in args.tp and (args.rungs or tp2_wanted(args.geometries)):
         rows += run_tp2(args.quick, args.seed, args.build, args.geometries,
-                        args.rows_per_model, probe_dir=str(Path(probe_dir).resolve()))
+                        args.rows_per_model, probe_dir=str(Path(probe_dir).resolve()),
+                        rungs=args.rungs, max_tokens=args.max_tokens)
         print(f"TP=2: {len(rows)} cells in {time.time() - start:.0f} s", flush=True)
     if 1 in args.tp:
         initialize_distributed()

@@ -107,6 +107,13 @@ class Cell:
     # tokens the first two sequences also share after the prompt (a tree of depth 3).
     shared_prefix: int = 0
     deeper: int = 0
+    # Set: the model is built with this policy and `policy` (a recompute rung's name, see
+    # art/megatron/recompute_ladder.py) is switched on for this micro-batch at run time.
+    built_with: str = ""
+
+    @property
+    def built_policy(self) -> str:
+        return self.built_with or self.policy
 
     @property
     def logical_tokens(self) -> int:
@@ -203,6 +210,34 @@ def shared_prefix_cells(seed: int, *, geometries: tuple[str, ...], policies: tup
                 loss = LOSSES[i % 2] if grad and "logprobs" in outputs else "synthetic"
                 cells.append(Cell(geo, policy, 8, tensor_parallel, lengths, outputs, grad,
                                   loss=loss, build=build, shared_prefix=prompt, deeper=deeper))
+    return cells
+
+
+# The policy a model is built with -> the rungs switched on it at run time (4-layer models).
+RUNGS_BY_BUILT: dict[str, tuple[str, ...]] = {
+    "selective default": ("none", "selective core_attn+mlp",
+                          "full block 1 (selective core_attn on the rest)",
+                          "full block 3 (selective core_attn on the rest)", "full uniform 1"),
+    "full uniform 1": ("none", "selective core_attn",
+                       "full block 2 (selective core_attn on the rest)"),
+}
+
+
+def rung_cells(seed: int, *, geometries: tuple[str, ...], rows: int, tensor_parallel: int = 1,
+               max_tokens: int = MAX_TOKENS) -> list[Cell]:
+    """Seeded grad rows for each rung switched at run time on a model built with another
+    policy (`RUNGS_BY_BUILT`): without grad no rung keeps anything, so only grad rows."""
+    rng = random.Random(seed + 2000)
+    cells: list[Cell] = []
+    for geo in geometries:
+        for built, rungs in RUNGS_BY_BUILT.items():
+            for rung in rungs:
+                for i in range(rows):
+                    lengths = draw_lengths(rng, high=max_tokens, multiple=tensor_parallel)
+                    outputs = GRAD_OUTPUTS[rng.randrange(len(GRAD_OUTPUTS))]
+                    loss = LOSSES[i % 2] if "logprobs" in outputs else "synthetic"
+                    cells.append(Cell(geo, rung, 8, tensor_parallel, lengths, outputs, True,
+                                      loss=loss, built_with=built))
     return cells
 
 

@@ -15,6 +15,7 @@ prediction of allocated bytes; it is reported alongside).
 
 from __future__ import annotations
 
+import contextlib
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
@@ -111,13 +112,24 @@ class CalibrationModel:
         self._warm_grads()
         if warm_up is not None:
             warm_up(self)
-        modes, outputs = probe_request(geometry, self.provider.effective_recompute, cells)
+        from art.megatron.recompute_ladder import build_ladder
+
+        self.ladder = build_ladder(self.provider.effective_recompute,
+                                   self.provider.recompute_as)
+        modes, outputs = probe_request(geometry, [self.recompute_for(c) for c in cells]
+                                       or [self.provider.effective_recompute], cells)
         self.coefficients = probe(
             self.model, geometry=geometry, layout=self.layout,
             implementation=self.implementation, dtype=dtype, lora_rank=lora_rank,
             modes=modes, outputs=outputs, tokens=probe_tokens, cache_dir=probe_dir,
         )
         self.memory = self.memory_default.with_coefficients(self.coefficients)
+
+    def recompute_for(self, cell: Cell) -> Any:
+        """The per-layer policy `cell` runs: the built one, or the rung it switches on."""
+        if not cell.built_with:
+            return self.provider.effective_recompute
+        return rung_by_name(self.ladder, cell.policy)
 
     def _warm_grads(self) -> None:
         """One small step so LoRA grads exist before any measured micro-batch (resident)."""
@@ -133,14 +145,24 @@ class CalibrationModel:
         start = time.perf_counter()
         torch.manual_seed(seed)
         sequences = cell_sequences(cell, self.geometry.vocab_size, self.device)
-        measured, measured_forward = run_micro_batch(
-            self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
-            self.device, loss_name=cell.loss, sequences=sequences,
-            observe_allocations=observe_allocations)
+        recompute = self.recompute_for(cell)
+        memory, memory_default = self.memory, self.memory_default
+        switch: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if cell.built_with:
+            from art.trainer_rank.decide.escalation import running_recompute
+
+            switch = running_recompute(self.model, recompute)
+            memory = memory.with_recompute(recompute)
+            memory_default = memory_default.with_recompute(recompute)
+        with switch:
+            measured, measured_forward = run_micro_batch(
+                self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
+                self.device, loss_name=cell.loss, sequences=sequences,
+                observe_allocations=observe_allocations)
         batch = micro_batch_shape(cell.lengths, outputs, cell.grad, self.layout,
                                   self.implementation, sequences)
-        est = self.memory.estimate(batch)
-        default = self.memory_default.estimate(batch)
+        est = memory.estimate(batch)
+        default = memory_default.estimate(batch)
         return CellResult(
             cell=cell, measured_bytes=measured, measured_forward_bytes=measured_forward,
             predicted_bytes=max(est.forward_peak_bytes, est.backward_peak_bytes),
@@ -183,13 +205,24 @@ def calibration_sequence_parallel(geometry: ModelGeometry, tensor_parallel: int)
     return tensor_parallel > 1 and geometry.is_moe
 
 
-def probe_request(geometry: ModelGeometry, recompute: Any, cells: Sequence[Cell]
+def probe_request(geometry: ModelGeometry, recomputes: Sequence[Any], cells: Sequence[Cell]
                   ) -> tuple[set[LayerMode], set[tuple[OutputRequest, bool]]]:
-    """What a model's probe measures for its cells: layer modes and (outputs, grad) tails."""
+    """What a model's probe measures for its cells: the layer modes of every policy they run,
+    and (outputs, grad) tails."""
     outputs = {(OutputRequest.parse(c.outputs), c.grad) for c in cells}
     grads = {g for _, g in outputs} or {True}
-    modes = {m for g in grads for m in modes_for(geometry, recompute, g)}
+    modes = {m for recompute in recomputes for g in grads
+             for m in modes_for(geometry, recompute, g)}
     return modes, outputs
+
+
+def rung_by_name(rungs: Sequence[Any], name: str) -> Any:
+    """The per-layer policy of the ladder rung called `name`."""
+    for rung in rungs:
+        if rung.name == name:
+            return rung.recompute
+    raise ValueError(f"no recompute rung {name!r} for this model; rungs: "
+                     f"{', '.join(r.name for r in rungs)}")
 
 
 def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | None = None
@@ -202,11 +235,18 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
     first = cells[0]
     geometry = calibration_geometries()[first.geometry]
     implementation = implementation_for(first.build) or Implementation.detect()
-    provider = calibration_provider(geometry, POLICY_BY_NAME[first.policy],
+    provider = calibration_provider(geometry, POLICY_BY_NAME[first.built_policy],
                                     lora_rank=first.lora_rank,
                                     tensor_parallel=first.tensor_parallel, dtype=first.dtype,
                                     implementation=implementation)
-    modes, outputs = probe_request(geometry, provider.effective_recompute, cells)
+    recomputes = [provider.effective_recompute]
+    if any(c.built_with for c in cells):
+        from art.megatron.recompute_ladder import build_ladder
+
+        ladder = build_ladder(provider.effective_recompute, provider.recompute_as)
+        recomputes = [rung_by_name(ladder, c.policy) if c.built_with
+                      else provider.effective_recompute for c in cells]
+    modes, outputs = probe_request(geometry, recomputes, cells)
     return probe_key(geometry=geometry, layout=provider.settings.layout(first.tensor_parallel),
                      implementation=implementation, dtype=first.dtype,
                      lora_rank=first.lora_rank, modes=modes, outputs=outputs,
@@ -369,7 +409,8 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
     geometries = calibration_geometries()
     groups: dict[tuple[str, str, int, str, str], list[Cell]] = {}
     for c in cells:
-        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype, c.build), []).append(c)
+        groups.setdefault((c.geometry, c.built_policy, c.lora_rank, c.dtype, c.build),
+                          []).append(c)
     results: list[CellResult] = []
     for (geo, policy, rank, dtype, build), group in groups.items():
         model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
@@ -384,7 +425,7 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
             if on_result:
                 on_result(result)
             if progress:
-                progress(f"{geo} {policy} r{rank} {cell.lengths} {cell.outputs} "
+                progress(f"{geo} {cell.policy} r{rank} {cell.lengths} {cell.outputs} "
                          f"{'grad' if cell.grad else 'nograd'}: measured "
                          f"{result.measured_bytes / 2**20:.2f} MiB, ratio {result.ratio:.4f} "
                          f"(defaults {result.default_ratio:.3f})")
@@ -427,12 +468,19 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
 
     geometry = calibration_geometries()[cell.geometry]
     impl = implementation or implementation_for(cell.build) or Implementation.cpu_local()
-    policy = POLICY_BY_NAME[cell.policy]
-    recompute = resolve_recompute(
-        granularity=policy.granularity, method=policy.method, num_layers=policy.num_layers,
-        modules=policy.modules, moe_layers=geometry.moe_layers,
-        layer_types=geometry.layer_types, norm_fused_into_linear=impl.norm_fused_into_linear,
-    )
+    policy = POLICY_BY_NAME[cell.built_policy]
+
+    def resolve(granularity: Any, method: Any, num_layers: Any, modules: Any) -> Any:
+        return resolve_recompute(
+            granularity=granularity, method=method, num_layers=num_layers, modules=modules,
+            moe_layers=geometry.moe_layers, layer_types=geometry.layer_types,
+            norm_fused_into_linear=impl.norm_fused_into_linear)
+
+    recompute = resolve(policy.granularity, policy.method, policy.num_layers, policy.modules)
+    if cell.built_with:
+        from art.megatron.recompute_ladder import build_ladder
+
+        recompute = rung_by_name(build_ladder(recompute, resolve), cell.policy)
     layout = ParallelLayout(tensor_parallel=cell.tensor_parallel,
                             sequence_parallel=calibration_sequence_parallel(
                                 geometry, cell.tensor_parallel))
@@ -449,7 +497,8 @@ def cell_of(row: dict[str, Any]) -> Cell:
                 tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
                 str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
                 row.get("loss") or "synthetic", row.get("build") or "local",
-                int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0))
+                int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0),
+                row.get("built_with") or "")
 
 
 def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
@@ -468,7 +517,7 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     cells = [cell_of(r) for r in rows]
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, c in enumerate(cells):
-        groups.setdefault((c.geometry, c.policy, c.lora_rank, c.dtype, c.build,
+        groups.setdefault((c.geometry, c.built_policy, c.lora_rank, c.dtype, c.build,
                            c.tensor_parallel), []).append(i)
     out: list[dict[str, Any]] = [dict(r) for r in rows]
     for (geo, policy, rank, dtype, build, tp), indices in groups.items():

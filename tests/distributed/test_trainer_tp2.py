@@ -24,6 +24,27 @@ def two_ranks(tmp_path_factory) -> list[dict]:
 
 
 @pytest.mark.torchrun
+def test_adaptive_at_tp2_runs_one_rung_per_micro_batch_on_every_rank(two_ranks,
+                                                                      megatron_process):
+    """Built with full recompute, adaptive runs less on both ranks alike (the rung is part
+    of the plan the replica agrees on), with the outputs of the selective TP=1 reference."""
+    import trainer_worker
+
+    tp1 = trainer_worker.run("tp")
+    rows = [row["tp_adaptive"] for row in two_ranks]
+    assert rows[0]["recompute"] == rows[1]["recompute"]
+    assert "no recompute" in rows[0]["recompute"]
+    assert not any(r.startswith("full recompute (uniform") for r in rows[0]["recompute"])
+    for row in rows:
+        assert sorted(row["seen"]) == sorted(tp1["seen"])
+        for index, leaves in tp1["seen"].items():
+            for want, got in zip(leaves, row["seen"][index]):
+                assert got["logprobs"] == pytest.approx(want["logprobs"], abs=2e-5)
+                assert got["hidden_sum"] == pytest.approx(want["hidden_sum"], rel=1e-4, abs=1e-3)
+        assert all(m is not None and m <= u for m, u in zip(row["measured"], row["usable"]))
+
+
+@pytest.mark.torchrun
 @pytest.mark.parametrize("mode", ["tp", "tp_sp"])
 def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process, mode):
     import trainer_worker

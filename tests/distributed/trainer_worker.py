@@ -52,7 +52,12 @@ def run(mode: str) -> dict:
         settings=load_settings({
             "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(tp),
             "ART_MEGATRON_SEQUENCE_PARALLEL": "true" if mode == "tp_sp" else "false",
-            "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
+            # tp_adaptive: built with full recompute, each micro-batch runs the least-work
+            # rung that fits (every rank the same).
+            **({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "full",
+                "ART_MEGATRON_RECOMPUTE_METHOD": "uniform",
+                "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "1"} if mode == "tp_adaptive" else
+               {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
         }),
         dtype="float32",
         implementation=Implementation.cpu_local(),
@@ -62,7 +67,9 @@ def run(mode: str) -> dict:
     limit = (32 - 2 * rank) * 2**20
     trainer = TrainerRank(build_runtime_for_provider(
         provider, build_optimizer=False, wrap_ddp=False, trainable_parameter_mode="base_model",
-        trainer_options=TrainerRankOptions(test_memory_limit_bytes=limit)))
+        trainer_options=TrainerRankOptions(
+            test_memory_limit_bytes=limit,
+            recompute="adaptive" if mode == "tp_adaptive" else "escalate")))
     result: dict = {"rank": rank, "tp": tp, "world": world}
     if mode == "dp":
         try:
@@ -103,6 +110,7 @@ def run(mode: str) -> dict:
         seen={str(k): v for k, v in seen.items()},
         usable=[s.usable_limit_bytes for s in trainer.stats_history],
         decisions=[s.decision for s in trainer.stats_history],
+        recompute=[s.recompute_summary for s in trainer.stats_history],
         measured=[s.measured_peak_bytes for s in trainer.stats_history],
         final_norm_grad=final_norm.grad.tolist(),
         dp_rank=parallel_state.get_data_parallel_rank(),
@@ -120,7 +128,7 @@ def run(mode: str) -> dict:
 def main() -> None:
     out_dir = sys.argv[1]
     rank = int(os.environ.get("RANK", "0"))
-    result = {"tp": run("tp"), "tp_sp": run("tp_sp")}
+    result = {"tp": run("tp"), "tp_sp": run("tp_sp"), "tp_adaptive": run("tp_adaptive")}
     # Same process group, new Megatron layout: TP=1, DP = WORLD_SIZE.
     parallel_state.destroy_model_parallel()
     result["dp"] = run("dp")

@@ -66,6 +66,31 @@ def test_off_grid_cells_priced_within_target_by_probe_and_by_default_formulas(
         assert r.reserve_bytes == 0  # CPU: the virtual limit counts live bytes exactly
 
 
+def test_rungs_switched_at_run_time_are_priced_in_band(megatron_process):
+    """Recompute rungs switched on a model built with another policy (what escalate and
+    adaptive run): the selective model running no recompute, full recompute of its first one
+    and three layers and uniform full; the full-recompute model running selective core_attn.
+    The probe and the default formulas price each within [1.00, 1.05] of the measured peak."""
+    from _calibration.cells import RUNGS_BY_BUILT, off_probe_points
+    from _calibration.harness import Cell, run_cells
+
+    picks = [("selective default", "none", (217, 91)),
+             ("selective default", "full block 1 (selective core_attn on the rest)", (173,)),
+             ("selective default", "full block 3 (selective core_attn on the rest)",
+              (97, 80, 51)),
+             ("selective default", "full uniform 1", (333,)),
+             ("full uniform 1", "selective core_attn", (141, 70))]
+    assert all(rung in RUNGS_BY_BUILT[built] for built, rung, _ in picks)
+    assert all(off_probe_points(sum(n), SLICE_PROBE_TOKENS) for _, _, n in picks)
+    cells = [Cell("gqa-128", rung, 8, 1, lengths, "logprobs", True, loss="rl",
+                  built_with=built) for built, rung, lengths in picks]
+    results = run_cells(cells, probe_tokens=SLICE_PROBE_TOKENS)
+    for r in results:
+        assert 1.0 <= r.ratio <= 1.05, ("probe", r.cell, r.measured_bytes, r.predicted_bytes)
+        assert 1.0 <= r.default_ratio <= 1.05, (
+            "defaults", r.cell, r.measured_bytes, r.predicted_default_bytes)
+
+
 def test_default_formulas_price_the_gpu_shaped_build_from_measurement(megatron_process):
     """On the CPU stand-ins of the GPU build's fused kernels (flash attention, fused norm and
     SwiGLU) the MLP sets the backward peak: with mlp recompute the rebuilt fc1's forward
