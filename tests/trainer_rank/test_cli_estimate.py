@@ -96,3 +96,25 @@ def test_module_entry_point_prints_the_table():
     )
     assert proc.returncode == 0, proc.stderr
     assert "PEAK per rank" in proc.stdout and "full recompute" in proc.stdout
+
+
+def test_the_rungs_and_what_each_setting_runs(capsys):
+    """The seed's group at TP=2 under selective recompute: every rung priced least work
+    first, and escalate runs the least-work rung above selective that fits 107.192 GB."""
+    data = _json(capsys, [*SEED, "--tp", "2", "--recompute", "selective", "--gpu-memory",
+                          "107.192GB"])
+    table = data["recompute_rungs"]
+    rungs = table["rungs"]
+    work = [r["recomputed_gflops"] for r in rungs]
+    assert work == sorted(work) and work[0] == 0 and rungs[-1]["name"] == "full uniform 1"
+    (configured,) = [r for r in rungs if r["configured"]]
+    assert configured["name"] == "selective core_attn" and configured["fits"] is False
+    picks = table["picks"]
+    assert picks["configured"] is None
+    above = [r for r in rungs if r["recomputed_gflops"] > configured["recomputed_gflops"]]
+    first_fit = next(r for r in above if r["fits"])
+    assert picks["escalate"] == first_fit["name"] and first_fit["name"].startswith("full block")
+    assert all(r["peak_bytes"] > 107_192_000_000 for r in above[:above.index(first_fit)])
+    assert picks["adaptive"] == next(r["name"] for r in rungs if r["fits"])
+    no_grad = _json(capsys, [*SEED, "--tp", "2", "--recompute", "selective", "--no-grad"])
+    assert no_grad["recompute_rungs"] is None

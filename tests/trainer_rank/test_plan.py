@@ -120,6 +120,9 @@ def test_json_has_the_documented_keys() -> None:
         if cell["unavailable"] is None:
             assert cell["estimate"]["peak_bytes"] == cell["peak_bytes"]
             assert cell["headroom_bytes"] == cell["limit_bytes"] - cell["peak_bytes"]
+    rungs = data["recompute_rungs"]  # the recommended layout under the configured policy
+    assert rungs["layout"] == "TP4" and rungs["rungs"][-1]["name"] == "full uniform 1"
+    assert set(rungs["picks"]) == {"configured", "escalate", "adaptive"}
     rec = data["recommended"]
     assert rec["policy"] == "selective+mlp"  # four GPUs: it fits at TP4 (see above)
     assert rec["env"]["ART_MEGATRON_RECOMPUTE_GRANULARITY"] == "selective"
