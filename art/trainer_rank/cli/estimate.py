@@ -147,13 +147,13 @@ def run(args: argparse.Namespace) -> int:
         payload["recompute_rungs"] = None if rungs is None else rungs.to_dict()
         print(json.dumps(payload, indent=2))
         return status
-    _print_table(model, estimate, args.gpu_memory, fits)
-    if rungs is not None:
-        print("\n".join(rungs.lines()))
+    _print_table(model, estimate, args.gpu_memory, fits,
+                 [] if rungs is None else rungs.lines())
     return status
 
 
-def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool | None) -> None:
+def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool | None,
+                 rung_lines: list[str]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -178,6 +178,8 @@ def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool |
         table.add_row("", name, f"{value / gib:.3f}",
                       estimate.peak_at if name == "dynamic" else "")
     console.print(table)
+    if rung_lines:
+        print("\n".join(rung_lines))
     if gpu_memory is not None:
         verdict = "fits" if fits else "DOES NOT FIT"
         console.print(f"{verdict}: peak {estimate.peak_bytes / 2**30:.3f} GiB vs usable "

@@ -210,10 +210,10 @@ def run(args: Any) -> int:
             "layout": layout_name(rungs[0]), **rungs[1].to_dict()}
         print(json.dumps(out, indent=2))
     else:
-        print(result.report())
-        if rungs is not None:
-            print(f"\nat {layout_name(rungs[0])} under your ART_MEGATRON_RECOMPUTE_* policy:")
-            print("\n".join(rungs[1].lines()))
+        lines = [] if rungs is None else [
+            f"at {layout_name(rungs[0])} under your ART_MEGATRON_RECOMPUTE_* policy:",
+            *rungs[1].lines()]
+        print(result.report(lines))
         if plot_path is not None:
             print(f"\nplot written to {plot_path}")
     return 0 if result.recommended is not None else 3

@@ -251,9 +251,10 @@ class PlanResult:
         lines.insert(1, "  ".join("-" * w for w in widths).rstrip())
         return "\n".join(lines)
 
-    def report(self) -> str:
-        """What `plan` prints: the workload, the grid, per-layout summaries, the recommendation
-        and the term table of the recommended cell."""
+    def report(self, rung_lines: Sequence[str] = ()) -> str:
+        """What `plan` prints: the workload, the grid, per-layout summaries, `rung_lines` (the
+        recompute rungs of one layout), the recommendation and the term table of the
+        recommended cell."""
         b = self.batch
         out = [
             f"plan for {self.model} ({self.dtype}, LoRA rank {self.lora_rank}, "
@@ -274,6 +275,8 @@ class PlanResult:
         if self.geometry.is_moe:
             out[-1:-1] = ["MoE: priced with expert parallel 1 (plan varies TP and CP; try EP "
                           "with `estimate --ep`)"]
+        if rung_lines:
+            out += [*rung_lines, ""]
         rec = self.recommended
         if rec is None:
             refused = sorted({layout_name(c.layout) for c in self.cells
