@@ -29,7 +29,6 @@ from art.trainer_rank._types import (
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
-from art.trainer_rank.decide.adaptive import lowered_rung
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.nograd_split import split_no_grad
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
@@ -325,7 +324,7 @@ class Admission:
     def _plan_next(self, pending: Sequence[Item], grad: bool, usable_bytes: int,
                    recompute: EffectiveRecompute) -> Plan:
         first_sig = self.signature(recompute, grad, pending[0].outputs)
-        cold = not self._profiled(first_sig, grad, pending[0].outputs)
+        cold = not self.profiles.has_profile(first_sig)
         queue = list(pending)
         cap_tokens: int | None = None
         if cold:
@@ -399,23 +398,9 @@ class Admission:
                   grad: bool, usable_bytes: int,
                   recompute: EffectiveRecompute | None = None) -> Plan:
         """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note,
-        under `recompute` (None: the configured policy; else a rung below it that fits, which
-        adaptive packed under); adaptive, otherwise: under the least-work rung below the
-        configured one that fits."""
+        under `recompute` (None: the configured policy; else the rung below it that adaptive
+        packed under)."""
         chosen = sorted(chosen, key=lambda it: it.index)
-        lowered = (lowered_rung(self, chosen, grad, usable_bytes)
-                   if recompute is None or recompute is self.recompute else None)
-        if lowered is not None:
-            note = (f"adaptive: {lowered.recompute.summary} fits, less recompute than "
-                    f"{self.recompute.summary}")
-            if lowered.cold:
-                note += f"; no profile for it yet: capped at {lowered.cap_tokens} tokens"
-            return Plan(
-                decision=COLD_CAPPED if lowered.cold else ADMITTED, items=tuple(chosen),
-                pricing=lowered.pricing, shape=lowered.shape,
-                sub_forwards=(tuple(range(sum(len(it.leaves) for it in chosen))),),
-                signature=lowered.signature, recompute=lowered.recompute, note=note,
-                rejected_candidates=rejected)
         note = ""
         if cold:
             note = f"no profile for this signature yet: capped at {cap_tokens} tokens"
@@ -447,7 +432,7 @@ class Admission:
         """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
         of what the memory model alone admits (at least its smallest item); a profile that saw
         the model under-predict grows only to the edge of its trust window."""
-        if not self._profiled(sig, grad, outputs):
+        if not self.profiles.has_profile(sig):
             smallest = min(items, key=lambda it: (it.num_tokens, it.index))
             model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                start_tokens=smallest.num_tokens,
@@ -510,16 +495,6 @@ class Admission:
         if self.policy.choice != RecomputeChoice.ADAPTIVE or self.ladder is None:
             return []
         return [rung.recompute for rung in self.ladder.below(lengths)]
-
-    def _profiled(self, sig: str, grad: bool, outputs: OutputRequest) -> bool:
-        """Whether the memory model has been measured for this output mix: under the
-        configured policy, or (adaptive, which may never run it) under any rung."""
-        if self.profiles.has_profile(sig):
-            return True
-        if self.policy.choice != RecomputeChoice.ADAPTIVE or self.ladder is None:
-            return False
-        return any(self.profiles.has_profile(self.signature(rung.recompute, grad, outputs))
-                   for rung in self.ladder.rungs)
 
     def growth_cap(self, sig: str, grad: bool, outputs: OutputRequest) -> int | None:
         """Where the profile has seen the memory model under-predict, sizes may grow only to
