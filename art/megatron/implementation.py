@@ -85,15 +85,18 @@ class Implementation:
                    device="cuda")
 
     @classmethod
-    def detect(cls) -> Implementation:
-        """What `model_builder` will build on this machine."""
+    def detect(cls, context_parallel: int = 1) -> Implementation:
+        """What `model_builder` will build on this machine. Context parallel runs in the
+        segmented flash attention (see context_parallel.py), so CP > 1 builds the local spec
+        with it: on CUDA without Transformer Engine even where TE is installed, and on CPU
+        instead of Megatron's unfused attention (which refuses CP)."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
 
-        if cuda_available() and transformer_engine_available():
+        if cuda_available() and transformer_engine_available() and context_parallel == 1:
             return cls.gpu_te()
         if cuda_available():
             return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch")
-        return cls.cpu_local()
+        return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
 
 
 def torch_cuda_rms_norm_fused() -> bool:

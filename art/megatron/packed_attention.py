@@ -29,13 +29,22 @@ is packed only for a model built with this module (see `Implementation.attention
 
 from __future__ import annotations
 
+import bisect
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from art.megatron.attention_layout import AttentionLayout, AttentionSegment, KeySpan
+from art.megatron.context_parallel import (
+    ContextParallelSplit,
+    SplitRowLayout,
+    all_gather_rows,
+    context_parallel_group,
+    sum_over_ranks,
+)
 from art.megatron.implementation import cuda_sdpa_kernel
 
 # Module-level references, called at run time (the CPU tests put stand-ins here).
@@ -227,11 +236,51 @@ def _kernel_for(query: Tensor, key: Tensor, value: Tensor) -> str:
     )
 
 
+@dataclass(frozen=True)
+class _QueryPiece:
+    """Query rows of one segment (in the rows this rank holds) and the key blocks they see
+    (in row coordinates): (span, causal), the causal one square and last."""
+
+    rows: slice
+    blocks: tuple[tuple[KeySpan, bool], ...]
+
+
+def _query_pieces(layout: AttentionLayout, split: ContextParallelSplit | None
+                  ) -> list[_QueryPiece]:
+    """Every segment as one piece; under context parallel, every part of a segment inside
+    one of this rank's two chunks, which sees the segment's context, the segment's rows
+    before it (in full) and itself (causally)."""
+    if split is None:
+        return [_QueryPiece(slice(seg.start, seg.end), tuple(_blocks(seg)))
+                for seg in layout.segments]
+    starts = [seg.start for seg in layout.segments]
+    pieces = []
+    local_start = 0
+    for run in split.runs():
+        index = bisect.bisect_right(starts, run.start) - 1
+        while index < len(layout.segments) and layout.segments[index].start < run.end:
+            seg = layout.segments[index]
+            first, last = max(seg.start, run.start), min(seg.end, run.end)
+            blocks = [(span, False) for span in seg.context]
+            if first > seg.start:
+                blocks.append((KeySpan(seg.start, first - seg.start), False))
+            blocks.append((KeySpan(first, last - first), True))
+            rows = slice(local_start + first - run.start, local_start + last - run.start)
+            pieces.append(_QueryPiece(rows, tuple(blocks)))
+            index += 1
+        local_start += run.length
+    return pieces
+
+
 class _SegmentedFlash(torch.autograd.Function):
+    """Under context parallel the query, key and value are this rank's rows; the keys and
+    values of the whole row are gathered in forward and again in backward (only the local
+    ones are saved), and the key/value gradients are summed over the CP ranks."""
+
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, query: Tensor, key: Tensor, value: Tensor, layout: AttentionLayout, scale: float,
-        kernel_name: str,
+        kernel_name: str, split: ContextParallelSplit | None,
     ) -> Tensor:
         kernel = _KERNELS[kernel_name]
         s, b, heads, dim = query.shape
@@ -239,11 +288,12 @@ class _SegmentedFlash(torch.autograd.Function):
         # the same storage is what backward reads, so the output exists once.
         out = query.new_empty(s, b, heads, dim)
         lse = torch.empty(b, heads, s, dtype=torch.float32, device=query.device)
-        q, k, v, o = (_heads_first(t) for t in (query, key, value, out))
-        for segment in layout.segments:
-            rows = slice(segment.start, segment.end)
+        key_row, value_row = _whole_row(key, value, split)
+        q, k, v, o = (_heads_first(t) for t in (query, key_row, value_row, out))
+        for piece in _query_pieces(layout, split):
+            rows = piece.rows
             q_seg = q[:, :, rows]
-            blocks = _blocks(segment)
+            blocks = piece.blocks
             acc: Tensor | None = None  # fp32 running output, merged block by block
             running_lse: Tensor | None = None
             for span, causal in blocks:
@@ -270,9 +320,11 @@ class _SegmentedFlash(torch.autograd.Function):
                 o[:, :, rows] = acc
                 lse[:, :, rows] = running_lse
                 del acc, running_lse
+        del key_row, value_row, k, v
         ctx.layout = layout
         ctx.scale = scale
         ctx.kernel_name = kernel_name
+        ctx.split = split
         flat = out.view(s, b, heads * dim)
         ctx.save_for_backward(query, key, value, flat, lse)
         return flat
@@ -281,56 +333,78 @@ class _SegmentedFlash(torch.autograd.Function):
     def backward(ctx: Any, grad_flat: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         query, key, value, flat, lse = ctx.saved_tensors
         layout: AttentionLayout = ctx.layout
+        split: ContextParallelSplit | None = ctx.split
         kernel = _KERNELS[ctx.kernel_name]
         s, b, heads, dim = query.shape
         out = flat.view(s, b, heads, dim)
         grad = grad_flat.contiguous().view(s, b, heads, dim)
+        key_row, value_row = _whole_row(key, value, split)
         # Accumulators: dq is written once per block of its own segment, dk / dv gather the
         # blocks of every segment that sees them, in fp32 for low-precision models.
         acc_dtype = torch.float32 if query.dtype in (torch.bfloat16, torch.float16) else query.dtype
         dquery = torch.zeros(query.shape, dtype=acc_dtype, device=query.device)
-        dkey = torch.zeros(key.shape, dtype=acc_dtype, device=key.device)
-        dvalue = torch.zeros(value.shape, dtype=acc_dtype, device=value.device)
-        q, k, v, o, g = (_heads_first(t) for t in (query, key, value, out, grad))
+        dkey = torch.zeros(key_row.shape, dtype=acc_dtype, device=key.device)
+        dvalue = torch.zeros(value_row.shape, dtype=acc_dtype, device=value.device)
+        q, k, v, o, g = (_heads_first(t) for t in (query, key_row, value_row, out, grad))
         dq, dk, dv = (_heads_first(t) for t in (dquery, dkey, dvalue))
-        for segment in layout.segments:
-            rows = slice(segment.start, segment.end)
+        for piece in _query_pieces(layout, split):
+            rows = piece.rows
             q_seg, o_seg, g_seg = q[:, :, rows], o[:, :, rows], g[:, :, rows]
             # The whole row's statistics, contiguous [b, heads, L] as the kernels read them.
             lse_seg = lse[:, :, rows].contiguous()
-            for span, causal in _blocks(segment):
+            for span, causal in piece.blocks:
                 keys = slice(span.start, span.end)
                 kernel.backward_into(g_seg, q_seg, k[:, :, keys], v[:, :, keys], o_seg, lse_seg,
                                      causal, ctx.scale, dq[:, :, rows], dk[:, :, keys],
                                      dv[:, :, keys])
+        del key_row, value_row, k, v
+        if split is not None:
+            # Each rank's queries saw every rank's keys: the key/value gradients are the sum.
+            group = context_parallel_group()
+            dkey = split.local(sum_over_ranks(dkey, group))
+            dvalue = split.local(sum_over_ranks(dvalue, group))
         return (dquery.to(query.dtype), dkey.to(key.dtype), dvalue.to(value.dtype), None, None,
-                None)
+                None, None)
+
+
+def _whole_row(key: Tensor, value: Tensor, split: ContextParallelSplit | None
+               ) -> tuple[Tensor, Tensor]:
+    """The keys and values of the whole row: these, or every CP rank's gathered."""
+    if split is None:
+        return key, value
+    group = context_parallel_group()
+    return all_gather_rows(key, split, group), all_gather_rows(value, split, group)
 
 
 def segmented_flash_attention(
-    query: Tensor, key: Tensor, value: Tensor, layout: AttentionLayout, scale: float
+    query: Tensor, key: Tensor, value: Tensor, layout: AttentionLayout | SplitRowLayout,
+    scale: float
 ) -> Tensor:
     """query [s, b, heads, d], key / value [s, b, groups, d] -> [s, b, heads * d].
 
     GQA: query head h uses key/value group h // (heads / groups), as Megatron repeats them.
-    CPU and CUDA tensors (see the module docstring for the kernels).
+    CPU and CUDA tensors (see the module docstring for the kernels). A `SplitRowLayout`:
+    these are this context-parallel rank's rows of the layout's row (see context_parallel).
     """
     if query.device.type not in ("cpu", "cuda"):
         raise ValueError(
             f"segmented flash attention runs torch's CPU or CUDA attention kernels; got "
             f"{query.device} tensors"
         )
-    if query.shape[0] != layout.total_tokens:
+    split = layout.split if isinstance(layout, SplitRowLayout) else None
+    row = layout.layout if isinstance(layout, SplitRowLayout) else layout
+    rows = split.local_tokens if split is not None else row.total_tokens
+    if query.shape[0] != rows or (split is not None and split.total_tokens != row.total_tokens):
         raise ValueError(
-            f"the attention layout covers {layout.total_tokens} rows but the query has "
-            f"{query.shape[0]}; pack the row and its layout together"
+            f"the attention layout covers {row.total_tokens} rows ({rows} on this rank) but "
+            f"the query has {query.shape[0]}; pack the row and its layout together"
         )
     if query.shape[2] % key.shape[2]:
         raise ValueError(
             f"{query.shape[2]} query heads cannot share {key.shape[2]} key/value groups"
         )
-    return _SegmentedFlash.apply(query, key, value, layout, scale,
-                                 _kernel_for(query, key, value))
+    return _SegmentedFlash.apply(query, key, value, row, scale,
+                                 _kernel_for(query, key, value), split)
 
 
 def _megatron_module_base() -> type:
@@ -343,8 +417,9 @@ class SegmentedFlashAttention(_megatron_module_base()):  # type: ignore[misc]
     """Drop-in for Megatron's `DotProductAttention` in the local layer spec.
 
     Takes the packed row's `AttentionLayout` as `packed_seq_params`; with none (a plain
-    `GPTModel.forward`) the row is one causal sequence. A dense attention mask is refused: it
-    would be the [S, S] tensor this module exists to avoid.
+    `GPTModel.forward`) the row is one causal sequence. Under context parallel it takes a
+    `SplitRowLayout`: the layout and which of its rows this rank holds. A dense attention mask
+    is refused: it would be the [S, S] tensor this module exists to avoid.
     """
 
     def __init__(
@@ -359,12 +434,6 @@ class SegmentedFlashAttention(_megatron_module_base()):  # type: ignore[misc]
         pg_collection: Any = None,
     ) -> None:
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(
-                f"segmented flash attention does not split rows over context-parallel ranks "
-                f"(context parallel {config.context_parallel_size}); set "
-                "ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"
-            )
         dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         if dropout:
             raise ValueError(
@@ -396,7 +465,16 @@ class SegmentedFlashAttention(_megatron_module_base()):  # type: ignore[misc]
     ) -> Tensor:
         if attention_bias is not None:
             raise ValueError("segmented flash attention takes no attention bias")
-        if isinstance(packed_seq_params, AttentionLayout):
+        layout: AttentionLayout | SplitRowLayout
+        if self.config.context_parallel_size > 1 and not isinstance(packed_seq_params,
+                                                                    SplitRowLayout):
+            raise ValueError(
+                f"segmented flash attention at context parallel "
+                f"{self.config.context_parallel_size} needs a SplitRowLayout as "
+                "packed_seq_params (which rows of the packed row this rank holds); run the model "
+                "through art.trainer_rank's compute path, which splits the row"
+            )
+        if isinstance(packed_seq_params, (AttentionLayout, SplitRowLayout)):
             layout = packed_seq_params
         elif packed_seq_params is None and attention_mask is None:
             layout = AttentionLayout.causal_blocks([query.shape[0]])

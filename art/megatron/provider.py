@@ -49,7 +49,8 @@ class Provider:
         self.geometry: ModelGeometry = (
             model if isinstance(model, ModelGeometry) else load_geometry(model)
         )
-        self.implementation: Implementation = implementation or Implementation.detect()
+        self.implementation: Implementation = (
+            implementation or Implementation.detect(self.settings.context_parallel_size))
         self.dtype: str = dtype or self.geometry.dtype
         if self.dtype not in model_builder.DTYPES:
             raise ValueError(
@@ -284,14 +285,26 @@ class Provider:
 
     def _check_implementation(self) -> None:
         impl, s = self.implementation, self.settings
-        if impl.spec == "local" and s.context_parallel_size > 1:
-            # Megatron's local DotProductAttention asserts context_parallel_size == 1 at build.
+        if s.context_parallel_size > 1:
             named = s.named("context_parallel_size",
                             f"ART_MEGATRON_CONTEXT_PARALLEL_SIZE={s.context_parallel_size}")
-            raise ValueError(
-                f"{named} needs Transformer Engine attention (TE spec on CUDA); the local spec "
-                f"built here ({impl.key}) supports only 1"
-            )
+            g = self.geometry
+            if impl.spec != "local" or impl.attention != "flash":
+                # Megatron's local DotProductAttention asserts CP == 1 at build; TE's THD CP
+                # needs a per-sequence split the packer does not make.
+                raise ValueError(
+                    f"{named} runs in the segmented flash attention (local spec); the "
+                    f"implementation asked for here ({impl.key}) cannot split the row. Leave the "
+                    "implementation to the runtime (it builds that attention when CP > 1) or "
+                    "use 1"
+                )
+            if g.is_hybrid or g.is_moe:
+                kind = ("Gated DeltaNet layers (their recurrence crosses the CP ranks)"
+                        if g.is_hybrid else "MoE layers")
+                raise ValueError(
+                    f"{named}: {g.name} has {kind}, which do not run under context parallel "
+                    "here yet (dense attention models do); use 1 and tensor parallel"
+                )
         if impl.device == "cpu" and s.expert_model_parallel_size > 1:
             # gloo's all_to_all_single rejects the split sizes the alltoall dispatcher passes.
             named = s.named("expert_model_parallel_size",

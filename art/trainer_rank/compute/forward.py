@@ -16,6 +16,13 @@ from typing import Any
 
 from torch import Tensor
 
+from art.megatron.attention_layout import AttentionLayout
+from art.megatron.context_parallel import (
+    ContextParallelSplit,
+    SplitRowLayout,
+    gather_row,
+    split_for_this_rank,
+)
 from art.trainer_rank.compute.packing import PackedBatch
 
 
@@ -49,17 +56,11 @@ def _check_single_stage(inner: Any) -> None:
             f"pipeline stage (pre_process={inner.pre_process}, post_process="
             f"{inner.post_process}); set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
         )
-    config = inner.config
-    if config.context_parallel_size > 1:
-        raise ValueError(
-            f"context parallel size {config.context_parallel_size}: this compute path returns "
-            "every output for the full sequence on every rank and does not split a packed row "
-            "over context-parallel ranks; set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use "
-            "tensor parallel to shard activations"
-        )
 
 
-def _rotary(inner: Any, batch: PackedBatch, decoder_input: Tensor) -> Tensor | None:
+def _rotary(inner: Any, batch: PackedBatch, decoder_input: Tensor,
+            positions: Tensor | None = None) -> Tensor | None:
+    """The rotary table at `positions` (default: the whole row's position ids)."""
     if getattr(inner, "position_embedding_type", None) != "rope":
         return None
     if getattr(batch.packed_seq_params, "qkv_format", None) == "thd":
@@ -67,8 +68,11 @@ def _rotary(inner: Any, batch: PackedBatch, decoder_input: Tensor) -> Tensor | N
             None, inner.decoder, decoder_input, inner.config, batch.packed_seq_params
         )
         return inner.rotary_pos_emb(seq_len, packed_seq=True)
-    positions = batch.position_ids[0]
-    table = inner.rotary_pos_emb(int(positions.max().item()) + 1)  # [P, 1, 1, dim]
+    positions = batch.position_ids[0] if positions is None else positions
+    # packed_seq=True: the whole table; Megatron would otherwise cut it for this CP rank by
+    # row index, and here the rows carry their own positions.
+    table = inner.rotary_pos_emb(int(batch.position_ids.max().item()) + 1,
+                                 packed_seq=True)  # [P, 1, 1, dim]
     return table.index_select(0, positions.to(table.device))
 
 
@@ -95,22 +99,45 @@ def decoder_hidden_states(model: Any, batch: PackedBatch) -> Tensor:
                 f"sequence parallel needs the packed row to be a multiple of TP={tp} tokens, got "
                 f"{batch.padded_tokens}; pack with the same ParallelLayout the model was built with"
             )
+    split = (split_for_this_rank(batch.padded_tokens)
+             if inner.config.context_parallel_size > 1 else None)
+    tokens, positions = batch.tokens, batch.position_ids
+    packed_seq_params = batch.packed_seq_params
+    if split is not None:
+        # This CP rank's rows of the row; attention sees the rest through the split layout.
+        tokens, positions = split.local(tokens, dim=1), split.local(positions, dim=1)
+        packed_seq_params = _split_layout(batch, split)
     # [1, S] -> [S, 1, H] ([S/TP, 1, H] under sequence parallel: the embedding scatters it).
-    decoder_input = inner.embedding(input_ids=batch.tokens, position_ids=batch.position_ids)
-    rotary_pos_emb = _rotary(inner, batch, decoder_input)
+    decoder_input = inner.embedding(input_ids=tokens, position_ids=positions)
+    rotary_pos_emb = _rotary(inner, batch, decoder_input, positions[0])
     hidden = inner.decoder(
         hidden_states=decoder_input,
         attention_mask=batch.attention_mask,
         rotary_pos_emb=rotary_pos_emb,
-        packed_seq_params=batch.packed_seq_params,
+        packed_seq_params=packed_seq_params,
     )
     if sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
             hidden, tensor_parallel_output_grad=False
         )
+    if split is not None:
+        # Every CP rank runs the output heads on the whole row (upstream returns every output
+        # for the full sequence on every rank), so its gradient here is the whole gradient.
+        hidden = gather_row(hidden, split, replicated_grad=True)
     if hidden.shape[0] != batch.padded_tokens or hidden.shape[1] != 1:
         raise AssertionError(
             f"decoder returned shape {tuple(hidden.shape)}, expected "
             f"[{batch.padded_tokens}, 1, hidden]"
         )
     return hidden.reshape(batch.padded_tokens, hidden.shape[-1])
+
+
+def _split_layout(batch: PackedBatch, split: ContextParallelSplit) -> SplitRowLayout:
+    if not isinstance(batch.packed_seq_params, AttentionLayout):
+        raise ValueError(
+            f"context parallel {split.size} runs the segmented flash attention, which takes the "
+            "row's AttentionLayout; this batch was packed for another attention "
+            f"({type(batch.packed_seq_params).__name__}); build the model with "
+            "ART_MEGATRON_ATTENTION_BACKEND=flash"
+        )
+    return SplitRowLayout(batch.packed_seq_params, split)

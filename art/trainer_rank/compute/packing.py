@@ -8,9 +8,10 @@ sequence. Which rows attend to which is the row's `AttentionLayout`: the local s
 flash attention takes it as is, Megatron's unfused attention gets its dense bool mask, and the
 Transformer Engine spec gets `PackedSeqParams` with cu_seqlens (THD, no tree: sequences are not
 shared there). The row is padded to what the parallel layout needs: a multiple of TP when
-sequence parallel scatters it over the TP ranks, and, with context parallelism, every sequence
-to a multiple of 2 x CP (the load-balanced split gives each CP rank two chunks of every
-sequence). Padding is one extra pseudo-sequence at the end with its own causal block, so it
+sequence parallel scatters it over the TP ranks, and, with context parallelism, a multiple of
+2 x CP (x TP under sequence parallel) so every CP rank holds two equal chunks of it; for TE's THD
+attention every sequence is padded to a multiple of 2 x CP too (it splits each one on its own).
+Padding is one extra pseudo-sequence at the end with its own causal block, so it
 never touches a real token and never produces NaN rows; `unpack` drops it.
 """
 
@@ -70,16 +71,23 @@ class PackedBatch:
 def row_multiple_tokens(layout: ParallelLayout) -> int:
     """What the whole packed row length must be a multiple of for this layout."""
     multiple = 1
-    if layout.sequence_parallel:
-        multiple = math.lcm(multiple, layout.tensor_parallel)
     if layout.context_parallel > 1:
+        # 2 x CP equal chunks, and each CP rank's share a multiple of TP under sequence parallel.
         multiple = math.lcm(multiple, 2 * layout.context_parallel)
+    if layout.sequence_parallel:
+        multiple = math.lcm(multiple, layout.tensor_parallel * layout.context_parallel)
     return multiple
 
 
-def sequence_multiple_tokens(layout: ParallelLayout) -> int:
-    """What every single sequence is padded to (context parallel splits each one in 2 x CP)."""
-    return 2 * layout.context_parallel if layout.context_parallel > 1 else 1
+def sequence_multiple_tokens(layout: ParallelLayout,
+                             implementation: Implementation | None = None) -> int:
+    """What every single sequence is padded to: TE's THD context parallel splits each one in
+    2 x CP; the segmented flash attention splits the row as a whole (see context_parallel),
+    so it pads no sequence. None = the implementation is not known: pad (the larger row)."""
+    if layout.context_parallel == 1 or (implementation is not None
+                                         and implementation.attention_takes_tree):
+        return 1
+    return 2 * layout.context_parallel
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -87,15 +95,16 @@ def _round_up(value: int, multiple: int) -> int:
 
 
 def packed_length_tokens(
-    sequence_lengths_tokens: Sequence[int], layout: ParallelLayout, shared_tokens: int = 0
+    sequence_lengths_tokens: Sequence[int], layout: ParallelLayout, shared_tokens: int = 0,
+    implementation: Implementation | None = None,
 ) -> int:
     """The padded row length `pack_sequences` produces, without building anything.
 
     `shared_tokens`: rows the groups' prefix trees save (`Item.shared_tokens`, summed); only
-    layouts whose attention takes a tree share (see `shares_prefixes`), and those have CP=1.
+    attention that takes a tree shares (see `shares_prefixes`), and it pads no sequence.
     The memory model prices `MicroBatchShape.padded_tokens` with this.
     """
-    per_sequence = sequence_multiple_tokens(layout)
+    per_sequence = sequence_multiple_tokens(layout, implementation)
     total = sum(_round_up(int(n), per_sequence) for n in sequence_lengths_tokens)
     return _round_up(total - shared_tokens, row_multiple_tokens(layout))
 
@@ -119,22 +128,33 @@ def packed_tokens_problem(sequence_lengths_tokens: Sequence[int], packed_tokens:
 def shares_prefixes(implementation: Implementation, layout: ParallelLayout) -> bool:
     """Whether a group's shared prefix is laid out once: the built attention must take a
     tree layout (`Implementation.attention_takes_tree`: the local spec's segmented flash
-    attention on CPU or CUDA, or unfused with its dense mask); TE's THD attention cannot,
-    and context parallel splits whole sequences."""
-    return implementation.attention_takes_tree and layout.context_parallel == 1
+    attention on CPU or CUDA, under context parallel too, or unfused with its dense mask);
+    TE's THD attention cannot."""
+    return implementation.attention_takes_tree
 
 
 def check_layout_supported(implementation: Implementation, layout: ParallelLayout) -> None:
     """Refuse layouts the built model cannot run, before any memory is spent on them.
 
     Sequence parallel is accepted on both specs: model_builder swaps the local spec's torch
-    norms for ones that run on sequence shards.
+    norms for ones that run on sequence shards. Context parallel runs in the segmented flash
+    attention (local spec, CPU or CUDA), which splits the row and gathers keys and values.
     """
-    if layout.context_parallel > 1 and implementation.spec == "local":
+    if layout.context_parallel == 1:
+        return
+    if implementation.spec == "te":
         raise ValueError(
-            f"context parallel {layout.context_parallel} needs the Transformer Engine layer spec: "
-            "Megatron-Core's unfused DotProductAttention (local spec) only supports context "
-            "parallel size 1. Set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor parallel"
+            f"context parallel {layout.context_parallel} with the Transformer Engine spec: TE's "
+            "THD context parallel needs every sequence split on its own, which this packer does "
+            "not do yet; build the local spec (segmented flash attention, CUDA without TE) or "
+            "set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor parallel"
+        )
+    if implementation.attention != "flash":
+        raise ValueError(
+            f"context parallel {layout.context_parallel} with Megatron's unfused "
+            "DotProductAttention: it only supports context parallel size 1; build the "
+            "segmented flash attention (Implementation.cpu_local('flash'), what the runtime "
+            "builds on CPU when CP > 1) or set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"
         )
 
 
@@ -163,7 +183,7 @@ def pack_sequences(
             "sequences"
         )
     share = shares_prefixes(implementation, layout)
-    per_sequence = sequence_multiple_tokens(layout)
+    per_sequence = sequence_multiple_tokens(layout, implementation)
     lengths = [int(s.numel()) for s in sequences]
     tokens: list[Tensor] = []
     positions: list[Tensor] = []

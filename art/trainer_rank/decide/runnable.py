@@ -15,13 +15,6 @@ def layout_refusal(layout: ParallelLayout, implementation: Implementation) -> st
             f"pipeline parallel size {layout.pipeline_parallel}: TrainerRank runs the whole "
             "model on each rank; set ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE=1"
         )
-    if layout.context_parallel > 1:
-        return (
-            f"context parallel size {layout.context_parallel}: the compute path returns "
-            "every output for the full sequence on every rank and does not split a packed "
-            "row over CP ranks; set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor "
-            "parallel"
-        )
     try:
         check_layout_supported(implementation, layout)
     except ValueError as exc:

@@ -42,7 +42,7 @@ def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileS
         f"{replace(layout, data_parallel=1).summary}|{provider.dtype}",
         adapter=adapter_signature(provider.lora_config),
         packed_length=lambda lengths, shared=0: packed_length_tokens(
-            lengths, layout, shared if share else 0),
+            lengths, layout, shared if share else 0, provider.implementation),
         full_recompute=pricing.full_recompute,
         ladder=pricing.ladder,
         held_output_bytes=lambda shape: held_output_bytes(
