@@ -84,6 +84,15 @@ class Implementation:
         return cls(spec="local", attention="flash", norm=norm, swiglu_fused=False,
                    device="cuda")
 
+    def for_context_parallel(self) -> Implementation:
+        """What the runtime builds for CP > 1 on this implementation's device: the local spec
+        with the segmented flash attention (see `detect`)."""
+        if self.spec == "local" and self.attention == "flash":
+            return self
+        if self.device == "cuda":
+            return Implementation.cuda_local("fused" if self.norm == "fused" else "torch")
+        return Implementation.cpu_local("flash")
+
     @classmethod
     def detect(cls, context_parallel: int = 1) -> Implementation:
         """What `model_builder` will build on this machine. Context parallel runs in the

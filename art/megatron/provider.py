@@ -292,9 +292,12 @@ class Provider:
             if impl.spec != "local" or impl.attention != "flash":
                 # Megatron's local DotProductAttention asserts CP == 1 at build; TE's THD CP
                 # needs a per-sequence split the packer does not make.
+                what = ("Megatron's unfused DotProductAttention, which refuses CP at build"
+                        if impl.spec == "local" else "Transformer Engine's THD attention, "
+                        "which needs every sequence split on its own (not done here)")
                 raise ValueError(
                     f"{named} runs in the segmented flash attention (local spec); the "
-                    f"implementation asked for here ({impl.key}) cannot split the row. Leave the "
+                    f"implementation asked for here ({impl.key}) has {what}. Leave the "
                     "implementation to the runtime (it builds that attention when CP > 1) or "
                     "use 1"
                 )

@@ -8,6 +8,7 @@ import pytest
 import torch
 from peft import LoraConfig
 
+from art.megatron import cpu_runtime
 from art.megatron.geometry import ATTENTION, LINEAR_ATTENTION, load_geometry, shipped_model_names
 from art.megatron.implementation import Implementation
 from art.megatron.provider import Provider
@@ -158,7 +159,8 @@ def test_layernorm_recompute_with_transformer_engine_spec():
                       "ART_MEGATRON_RECOMPUTE_MODULES": "mla_up_proj"}, GPU,
          "needs multi-latent attention"),
         ("tiny-qwen3", {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"}, CPU,
-         "CONTEXT_PARALLEL_SIZE=2 needs Transformer Engine"),
+         "CONTEXT_PARALLEL_SIZE=2 runs in the segmented flash attention .* unfused "
+         "DotProductAttention"),
         ("tiny-qwen3", {"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": "2"}, CPU,
          "has no MoE layers"),
         ("tiny-qwen3-moe", {"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": "2"}, CPU,
@@ -168,6 +170,23 @@ def test_layernorm_recompute_with_transformer_engine_spec():
 def test_configurations_megatron_would_mishandle_are_rejected(model, env, impl, fragment):
     with pytest.raises(ValueError, match=fragment):
         Provider(model, settings=load_settings(env), implementation=impl)
+
+
+def test_context_parallel_builds_the_segmented_flash_attention_and_refuses_what_it_cannot_split(
+        monkeypatch):
+    env = {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"}
+    dense = Provider("tiny-qwen3", settings=load_settings(env))
+    assert (dense.implementation.spec, dense.implementation.attention) == ("local", "flash")
+    assert Provider("tiny-qwen3", settings=load_settings({})).implementation.attention == "unfused"
+    # CUDA with Transformer Engine installed still builds the local spec for CP (TE's THD CP
+    # would need a per-sequence split).
+    monkeypatch.setattr(cpu_runtime, "cuda_available", lambda: True)
+    monkeypatch.setattr(cpu_runtime, "transformer_engine_available", lambda: True)
+    assert Implementation.detect(2).spec == "local" and Implementation.detect(1).spec == "te"
+    monkeypatch.undo()
+    for model, kind in (("tiny-qwen3_5", "Gated DeltaNet"), ("tiny-qwen3-moe", "MoE layers")):
+        with pytest.raises(ValueError, match=f"CONTEXT_PARALLEL_SIZE=2: .*{kind}"):
+            Provider(model, settings=load_settings(env))
 
 
 def test_hybrid_models_build_on_cpu(megatron_process):

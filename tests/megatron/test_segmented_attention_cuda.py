@@ -225,7 +225,7 @@ def _expected_blocks(layout, kernel, heads, groups):
 
 
 def _run(q, k, v, layout, kernel_name):
-    out = pa._SegmentedFlash.apply(q, k, v, layout, SCALE, kernel_name)
+    out = pa._SegmentedFlash.apply(q, k, v, layout, SCALE, kernel_name, None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
     return out, grad, torch.autograd.grad(out, (q, k, v), grad)
 

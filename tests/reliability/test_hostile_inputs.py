@@ -556,7 +556,7 @@ def _cli_cases() -> list[Case]:
          run(*est, "--recompute", "selective", "--recompute-modules", "core_atn"), 2,
          ("--recompute-modules", "'core_atn'")),
         ("estimate --cp 2 on the local spec", run(*est, "--cp", "2", "--attention", "unfused"),
-         2, ("--cp=2", "Transformer Engine")),
+         2, ("--cp=2", "unfused DotProductAttention", "segmented flash attention")),
         ("estimate --ep 2 on a dense model", run(*est, "--ep", "2"), 2, ("--ep=2", "no MoE")),
         ("estimate --pp 5 on 36 layers", run(*est, "--pp", "5"), 2, ("--pp=5", "36 layers")),
         ("estimate --sp at TP 1", run(*est, "--sp"), 2, ("--sp=true", "TENSOR_MODEL_PARALLEL")),

@@ -9,6 +9,7 @@ from contextlib import redirect_stderr, redirect_stdout
 
 import pytest
 
+from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.cli.main import main as cli_main
 from art.trainer_rank.cli.plan import plot_plan
@@ -147,12 +148,13 @@ def test_layouts_megatron_cannot_build_are_marked_not_priced() -> None:
     assert tp8.unavailable and "num_key_value_heads=4" in tp8.unavailable
     assert tp8.estimate is None and not tp8.fits
     assert "n/a" in result.table()
-    # The local spec (unfused attention) has no context parallel.
+    # Megatron's unfused attention refuses CP, but the runtime builds the segmented flash
+    # attention for CP > 1, so plan prices CP cells as that build: they are not marked.
     rc, text = run_cli(["plan", "--model", "tiny-qwen3", "--tokens", "512", "--gpus", "2",
                         "--gpu-memory", "1GiB", "--attention", "unfused", "--json"])
     data = json.loads(text)
     cp2 = [c for c in data["cells"] if c["context_parallel"] == 2]
-    assert cp2 and all("CONTEXT_PARALLEL" in c["unavailable"] for c in cp2)
+    assert cp2 and all(c["unavailable"] is None and c["runnable"] for c in cp2)
 
 
 def test_recommendation_prefers_least_recompute_then_fewest_gpus() -> None:
@@ -235,28 +237,52 @@ def _te():
 
 
 def test_layouts_trainer_rank_refuses_are_priced_marked_and_never_recommended() -> None:
-    # Context parallel builds with the TE spec, so it is priced, but TrainerRank refuses it
-    # at construction: plan marks it and recommends only what TrainerRank runs.
-    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200)
-    cp2 = result.cell("full", 1, 2)
-    assert cp2.fits and not cp2.runnable and "context parallel size 2" in cp2.not_runnable
-    assert "TrainerRank cannot run it yet" in cp2.verdict()
-    assert all(c.runnable for c in result.cells if c.layout.context_parallel == 1)
+    # Pipeline parallel builds and is priced, but TrainerRank refuses it at construction:
+    # plan marks it and recommends only what TrainerRank runs.
+    pp2 = ParallelLayout(tensor_parallel=1, pipeline_parallel=2, data_parallel=1)
+    tp2 = next(lo for lo in candidate_layouts(2) if lo.tensor_parallel == 2)
+    result = plan("Qwen3-8B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200,
+                  layouts=[tp2, pp2])
+    refused = result.cell("full", 1, 1)
+    assert refused.fits and not refused.runnable
+    assert "pipeline parallel size 2" in refused.not_runnable
+    assert "TrainerRank cannot run it yet" in refused.verdict()
     rec = result.recommended
-    assert rec is not None and rec.layout.context_parallel == 1
-    assert any("TP1 CP2: " in line and "cannot run this layout yet" in line
+    assert rec is not None and rec.layout == tp2
+    assert any("TP1 PP2: " in line and "cannot run this layout yet" in line
                for line in result.layout_summaries())
     # When only a refused layout fits, nothing is recommended and the report says why.
-    cp_only = [lo for lo in candidate_layouts(2) if lo.context_parallel == 2]
-    only = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200,
-                layouts=cp_only)
+    only = plan("Qwen3-8B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200, layouts=[pp2])
     assert any(c.fits for c in only.cells) and only.recommended is None
-    assert "only TP1 CP2, which it cannot run yet" in only.report()
+    assert "only TP1 PP2, which it cannot run yet" in only.report()
+
+
+def test_context_parallel_cells_are_runnable_on_dense_models_and_unbuildable_on_hybrids() -> None:
+    # Dense attention runs under CP (segmented flash attention over the CP group): priced,
+    # runnable, and recommendable.
+    dense = plan("Qwen3-8B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200)
+    cp2 = dense.cell("full", 1, 2)
+    assert cp2.fits and cp2.runnable and not cp2.unavailable
+    assert all(c.runnable for c in dense.cells)
+    only_cp = plan("Qwen3-8B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200,
+                   layouts=[lo for lo in candidate_layouts(2) if lo.context_parallel == 2])
+    assert only_cp.recommended is not None and only_cp.recommended.layout.context_parallel == 2
+    # The seed's hybrid: Gated DeltaNet's recurrence crosses CP ranks, which is not built, so
+    # its CP cells are not buildable, say why, and are never recommended.
+    result = plan("Qwen3.5-27B", batch=SEED_BATCH, gpus=2, gpu_memory_bytes=H200)
+    for cell in result.cells:
+        if cell.layout.context_parallel > 1:
+            assert not cell.runnable and "Gated DeltaNet" in cell.unavailable
+        else:
+            assert cell.runnable
+    assert result.recommended is not None and result.recommended.layout.context_parallel == 1
+    assert any(line.startswith("TP1 CP2: not buildable") and "Gated DeltaNet" in line
+               for line in result.layout_summaries())
     rc, text = run_cli([*SEED_ARGS, "--gpus", "2", "--json"])
-    data = json.loads(text)
-    cells = {(c["policy"], c["layout"]): c for c in data["cells"]}
+    cells = {(c["policy"], c["layout"]): c for c in json.loads(text)["cells"]}
+    assert rc == 0
     assert cells[("full", "TP1 CP2")]["runnable"] is False
-    assert "context parallel" in cells[("full", "TP1 CP2")]["not_runnable"]
+    assert "Gated DeltaNet" in cells[("full", "TP1 CP2")]["unavailable"]
     assert cells[("full", "TP2")]["runnable"] is True
 
 

@@ -33,6 +33,7 @@ from art.trainer_rank.cli.planner import (
     MemoryModelFactory,
     PlanResult,
     Policy,
+    built_implementation,
     candidate_layouts,
     current_cell,
     layout_env,
@@ -161,7 +162,8 @@ def configured_rungs(result: PlanResult, env: Any) -> tuple[Any, RungChoices] | 
     recompute_env = {k: v for k, v in env.items() if k.startswith(ENV_PREFIX + "RECOMPUTE_")}
     settings = load_settings({**layout_env(cell.layout), **recompute_env})
     provider = Provider(result.geometry, settings=settings, dtype=result.dtype,
-                        implementation=result.implementation)
+                        implementation=built_implementation(result.implementation,
+                                                            cell.layout))
     memory_model, _ = memory_model_for(
         result.geometry, cell.layout, Policy("configured", settings.recompute_granularity,
                                              settings.recompute_method,

@@ -86,6 +86,10 @@ def layout_name(layout: ParallelLayout) -> str:
     name = f"TP{layout.tensor_parallel}"
     if layout.context_parallel > 1:
         name += f" CP{layout.context_parallel}"
+    if layout.pipeline_parallel > 1:
+        name += f" PP{layout.pipeline_parallel}"
+    if layout.expert_parallel > 1:
+        name += f" EP{layout.expert_parallel}"
     return name + (f" DP{layout.data_parallel}" if layout.data_parallel > 1 else "")
 
 
@@ -363,6 +367,15 @@ def resolve_model(model: str | Path | ModelGeometry) -> tuple[str, ModelGeometry
     return geometry.name, geometry
 
 
+def built_implementation(implementation: Implementation,
+                         layout: ParallelLayout) -> Implementation:
+    """What the runtime builds for this layout: CP > 1 runs in the segmented flash attention
+    (`Implementation.detect`), whatever the CLI was told to price at CP = 1."""
+    if layout.context_parallel > 1:
+        return implementation.for_context_parallel()
+    return implementation
+
+
 def memory_model_for(
     geometry: ModelGeometry,
     layout: ParallelLayout,
@@ -378,6 +391,7 @@ def memory_model_for(
     """The memory model for one cell. The provider validates the layout and resolves the
     policy exactly as a real launch with these ART_MEGATRON_* settings would (ValueError when
     Megatron could not build it)."""
+    implementation = built_implementation(implementation, layout)
     settings = load_settings({**layout_env(layout), **policy.env})
     provider = Provider(geometry, settings=settings, dtype=dtype, implementation=implementation)
     recompute = provider.effective_recompute
@@ -419,6 +433,7 @@ def plan(
     dtype = dtype or geometry.dtype
     cells: list[PlanCell] = []
     for layout in layouts or candidate_layouts(gpus):
+        built = built_implementation(implementation, layout)
         for policy in policies:
             try:
                 memory_model, _ = memory_model_for(
@@ -433,7 +448,7 @@ def plan(
             usable = gpu_memory_bytes - int(estimate.resident_bytes)
             max_packed = max_packed_tokens(memory_model, batch, usable)
             cells.append(PlanCell(policy, layout, gpu_memory_bytes, estimate, max_packed,
-                                  not_runnable=layout_refusal(layout, implementation) or ""))
+                                  not_runnable=layout_refusal(layout, built) or ""))
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,

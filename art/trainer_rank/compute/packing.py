@@ -140,15 +140,10 @@ def check_layout_supported(implementation: Implementation, layout: ParallelLayou
     norms for ones that run on sequence shards. Context parallel runs in the segmented flash
     attention (local spec, CPU or CUDA), which splits the row and gathers keys and values.
     """
-    if layout.context_parallel == 1:
+    if layout.context_parallel == 1 or implementation.spec == "te":
+        # TE rows pack for THD context parallel (every sequence padded to 2 x CP); whether
+        # TrainerRank runs them is decide/runnable.py's answer.
         return
-    if implementation.spec == "te":
-        raise ValueError(
-            f"context parallel {layout.context_parallel} with the Transformer Engine spec: TE's "
-            "THD context parallel needs every sequence split on its own, which this packer does "
-            "not do yet; build the local spec (segmented flash attention, CUDA without TE) or "
-            "set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1 and use tensor parallel"
-        )
     if implementation.attention != "flash":
         raise ValueError(
             f"context parallel {layout.context_parallel} with Megatron's unfused "
