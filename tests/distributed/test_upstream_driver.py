@@ -60,6 +60,24 @@ def test_tp2_steps_equal_tp1_steps(reports):
     assert reports[1]["dp2"]["adapter"] == dp2["adapter"]
 
 
+def test_cp2_steps_equal_dp2_steps(reports):
+    """CP=2 (each rank holds half of every row, the layer probe measured on those halves)
+    trains exactly as TP=1 x DP=2 on the same global batch: the step scales DDP's DP x CP
+    average back to the sum of the CP ranks' parts."""
+    cp2, dp2 = reports[0]["cp2"], reports[0]["dp2"]
+    assert cp2["context_parallel"] == 2 and cp2["data_parallel"] == 1
+    assert cp2["probed_layers"] > 0
+    assert cp2["adapter_changed"] and cp2["base_untouched"]
+    assert cp2["losses"] == pytest.approx(dp2["losses"], rel=1e-5, abs=1e-6)
+    norms = [s["grad_norm"] for s in cp2["steps"]], [s["grad_norm"] for s in dp2["steps"]]
+    assert norms[0][0] == pytest.approx(norms[1][0], rel=1e-5)
+    assert norms[0] == pytest.approx(norms[1], rel=1e-4)
+    for key in cp2["adapter"]:
+        a, b = cp2["adapter"][key], dp2["adapter"][key]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, key
+    assert reports[1]["cp2"]["adapter"] == cp2["adapter"]
+
+
 def test_driver_reads_the_data_parallel_size_through_train_ps(reports):
     assert reports[0]["tp2"]["data_parallel"] == 1 and reports[0]["dp2"]["data_parallel"] == 2
 

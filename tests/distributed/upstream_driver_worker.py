@@ -1,7 +1,7 @@
 """Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
 rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
-inside the caller's loop. Each phase's report and the gathered adapter go to
+inside the caller's loop, then `train` at CP=2 with the layer probe on. Each phase's report and the gathered adapter go to
 OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
@@ -88,9 +88,19 @@ def main() -> None:
     dp2, trainer = driver.train(args)
     dp2["adapter"] = _adapter(trainer)
     waves = _waves(trainer)
+    del trainer
+    parallel_state.destroy_model_parallel()
+    # Context parallel: both ranks hold halves of every row; the probe runs its layers on
+    # them (keys and values gathered over CP).
+    os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = "2"
+    os.environ["ART_TRAINER_RANK_PROBE_LAYERS"] = "true"
+    cp2, trainer = driver.train(args)
+    cp2["adapter"] = _adapter(trainer)
+    cp2["context_parallel"] = parallel_state.get_context_parallel_world_size()
+    cp2["probed_layers"] = len(trainer.probe.layers.layers) if trainer.probe else 0
     rank = dist.get_rank()
     with open(out_dir / f"rank{rank}.json", "w") as f:
-        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves}, f)
+        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves, "cp2": cp2}, f)
     dist.barrier()
     dist.destroy_process_group()
 

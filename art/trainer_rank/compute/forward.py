@@ -12,6 +12,7 @@ path restarts positions per sequence from cu_seqlens itself.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
@@ -76,6 +77,27 @@ def _rotary(inner: Any, batch: PackedBatch, decoder_input: Tensor,
     return table.index_select(0, positions.to(table.device))
 
 
+@dataclass(frozen=True)
+class LocalRow:
+    """What this rank's decoder layers are called with: the row's tokens and positions this
+    CP rank holds (all of them at CP = 1) and the attention's `packed_seq_params`."""
+
+    tokens: Tensor  # [1, rows]
+    positions: Tensor  # [1, rows]
+    packed_seq_params: Any
+    split: ContextParallelSplit | None
+
+
+def local_row(inner: Any, batch: PackedBatch) -> LocalRow:
+    """This CP rank's rows of a packed row; attention sees the rest through the split
+    layout (`SplitRowLayout`)."""
+    if inner.config.context_parallel_size == 1:
+        return LocalRow(batch.tokens, batch.position_ids, batch.packed_seq_params, None)
+    split = split_for_this_rank(batch.padded_tokens)
+    return LocalRow(split.local(batch.tokens, dim=1), split.local(batch.position_ids, dim=1),
+                    _split_layout(batch, split), split)
+
+
 def decoder_hidden_states(model: Any, batch: PackedBatch) -> Tensor:
     """[S, hidden] after the final norm, in the model dtype, with grad when grad is enabled.
 
@@ -99,22 +121,16 @@ def decoder_hidden_states(model: Any, batch: PackedBatch) -> Tensor:
                 f"sequence parallel needs the packed row to be a multiple of TP={tp} tokens, got "
                 f"{batch.padded_tokens}; pack with the same ParallelLayout the model was built with"
             )
-    split = (split_for_this_rank(batch.padded_tokens)
-             if inner.config.context_parallel_size > 1 else None)
-    tokens, positions = batch.tokens, batch.position_ids
-    packed_seq_params = batch.packed_seq_params
-    if split is not None:
-        # This CP rank's rows of the row; attention sees the rest through the split layout.
-        tokens, positions = split.local(tokens, dim=1), split.local(positions, dim=1)
-        packed_seq_params = _split_layout(batch, split)
+    row = local_row(inner, batch)
+    split = row.split
     # [1, S] -> [S, 1, H] ([S/TP, 1, H] under sequence parallel: the embedding scatters it).
-    decoder_input = inner.embedding(input_ids=tokens, position_ids=positions)
-    rotary_pos_emb = _rotary(inner, batch, decoder_input, positions[0])
+    decoder_input = inner.embedding(input_ids=row.tokens, position_ids=row.positions)
+    rotary_pos_emb = _rotary(inner, batch, decoder_input, row.positions[0])
     hidden = inner.decoder(
         hidden_states=decoder_input,
         attention_mask=batch.attention_mask,
         rotary_pos_emb=rotary_pos_emb,
-        packed_seq_params=packed_seq_params,
+        packed_seq_params=row.packed_seq_params,
     )
     if sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(

@@ -429,10 +429,10 @@ class MemoryModel:
                 gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
                 # What the head keeps for its own backward is not among the probe's curves:
                 # the formulas' (a few bytes per token).
-                saved = default_tail(self, batch, s).saved
+                saved = default_tail(self, batch, S).saved
                 return TailCost(kept, forward - gathered, backward, "probe", gathered,
                                 saved), True
-        return default_tail(self, batch, s), False
+        return default_tail(self, batch, S), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,
                             grad_enabled: bool, sequences: int = 1) -> int:

@@ -68,6 +68,7 @@ from art.trainer_rank.memory.probe_runs import (
     probe_inputs,
     restore_modes,
     set_modes,
+    tail_inputs,
 )
 from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
 
@@ -379,9 +380,11 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             fitted_layers.append((kind, mode.key, fit))
             if progress:
                 progress(f"probed {kind} {mode.key}")
+        tail_rows = per_tokens if layout.context_parallel == 1 else {
+            t: tail_inputs(model, t, layout, implementation, device) for t in tokens}
         for okey, request, grad in tails:
             at = points[grad]
-            rows = [measure_tail(model, per_tokens[t], request, torch_dtype, device, grad)
+            rows = [measure_tail(model, tail_rows[t], request, torch_dtype, device, grad)
                     for t in at]
             fitted_tails.append((okey, grad, ProbedTail(
                 kept=Fit.fit(at, [r["kept"] for r in rows]),

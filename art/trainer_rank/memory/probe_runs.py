@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -71,21 +71,43 @@ class ProbeInputs:
 
 def probe_inputs(model: Any, tokens: int | list[int], layout: Any, implementation: Any,
                  device: torch.device) -> ProbeInputs:
-    """A packed row of one sequence of `tokens`, or of sequences of the given lengths."""
-    from art.trainer_rank.compute.forward import _rotary
+    """A packed row of one sequence of `tokens`, or of sequences of the given lengths, per
+    CP rank: under context parallel the row holds CP times as many tokens, so each rank's
+    layer runs on `tokens` rows (what the memory model prices a layer at) and attends to
+    the whole row."""
+    from art.trainer_rank.compute.forward import _rotary, local_row
     from art.trainer_rank.compute.packing import pack_sequences
 
     inner = inner_model(model)
-    lengths = [tokens] if isinstance(tokens, int) else tokens
+    cp = layout.context_parallel
+    lengths = [tokens * cp] if isinstance(tokens, int) else [n * cp for n in tokens]
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
+    batch = pack_sequences(sequences, implementation=implementation, layout=layout,
+                           device=device)
+    row = local_row(inner, batch)
+    rows = row.tokens.shape[1]
+    if layout.sequence_parallel:
+        rows //= layout.tensor_parallel
+    dummy = torch.zeros(rows, 1, inner.config.hidden_size, device=device,
+                        dtype=inner.config.params_dtype)
+    return ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
+                       _rotary(inner, batch, dummy, row.positions[0]), rows)
+
+
+def tail_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
+                device: torch.device) -> ProbeInputs:
+    """A packed row of `tokens` as the tail sees it: the heads run on the whole row on every
+    CP rank (the decoder output is gathered to it), so no CP split."""
+    from art.trainer_rank.compute.packing import pack_sequences
+
+    inner = inner_model(model)
+    sequences = [torch.randint(0, inner.vocab_size, (tokens,), device=device)]
     batch = pack_sequences(sequences, implementation=implementation, layout=layout,
                            device=device)
     rows = batch.padded_tokens
     if layout.sequence_parallel:
         rows //= layout.tensor_parallel
-    dummy = torch.zeros(rows, 1, inner.config.hidden_size, device=device,
-                        dtype=inner.config.params_dtype)
-    return ProbeInputs(batch, _rotary(inner, batch, dummy), rows)
+    return ProbeInputs(batch, None, rows)
 
 
 def _unit(layer: Any, inputs: ProbeInputs, full_layers: int) -> Callable[[torch.Tensor], Any]:

@@ -3,6 +3,7 @@ caller's loss and its backward) and of the largest single allocation of a micro-
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -78,12 +79,17 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
     out = batch.outputs
     grad = batch.grad_enabled
-    rows = s  # the decoder output is gathered to the full row on every TP rank
+    # The decoder output is gathered to the full row on every TP and CP rank: `s` is the
+    # whole row's tokens here.
+    rows = s
     hidden_row = rows * g.hidden_size * b
     # The final norm's weight is frozen, so its multiply keeps nothing: the inverse rms per
-    # row, plus torch's fp32 upcast of the input in low precision.
-    norm_internal = rows * FP32 + (rows * g.hidden_size * FP32
-                                   if model.implementation.norm == "torch" and b < FP32 else 0)
+    # row, plus torch's fp32 upcast of the input in low precision. It runs inside the decoder,
+    # on this CP rank's rows.
+    norm_rows = math.ceil(rows / model.layout.context_parallel)
+    norm_internal = norm_rows * FP32 + (
+        norm_rows * g.hidden_size * FP32
+        if model.implementation.norm == "torch" and b < FP32 else 0)
     uses_head = bool(out.target_logprobs or out.top_k or out.logits)
     vocab_local = g.vocab_size / tp
     chunk = min(model.head_chunk_tokens, rows)
@@ -193,13 +199,14 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
 def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:
     """The largest single tensor of the micro-batch (what the allocator reserve must fit)."""
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
-    sizes = [s * g.hidden_size * b]
+    # The heads run on the whole row on every CP rank (S = s without CP).
+    sizes = [S * g.hidden_size * b]
     out = batch.outputs
     if out.target_logprobs or out.top_k or out.logits:
-        chunk = min(model.head_chunk_tokens, s)
+        chunk = min(model.head_chunk_tokens, S)
         sizes.append(chunk * g.vocab_size / tp * FP32)
     if out.logits:
-        sizes.append(s * g.vocab_size * FP32)
+        sizes.append(S * g.vocab_size * FP32)
     if model.implementation.attention == "unfused":
         sizes.append(g.num_attention_heads / tp * s * S * FP32)
     sizes.append(s * 2 * g.ffn_hidden_size / tp * b)

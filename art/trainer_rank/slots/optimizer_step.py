@@ -2,10 +2,11 @@
 caller's gradient scale, Adam with this step's hyper-parameters, and zeroing.
 
 Gradients live in Megatron's DDP buffers (`main_grad`). Megatron's DDP averages them over the
-data-parallel ranks; upstream's drivers instead SUM their loss and token count with
-`dp_reduce` and pass `scale_grads = 1 / global tokens`, so the step multiplies the averaged
-gradients back by the DP size before applying `scale_grads`: DP=2 then steps exactly like DP=1
-on the same global batch.
+data-parallel x context-parallel ranks; upstream's drivers instead SUM their loss and token
+count with `dp_reduce` and pass `scale_grads = 1 / global tokens`, so the step multiplies the
+averaged gradients back by the DP x CP size before applying `scale_grads`: DP=2 then steps
+exactly like DP=1 on the same global batch, and CP=2 like CP=1 (each CP rank's gradient is
+its rows' part of the whole).
 """
 
 from __future__ import annotations
@@ -81,6 +82,18 @@ def data_parallel_group() -> Any | None:
     if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
         return None
     return parallel_state.get_data_parallel_group(with_context_parallel=False)
+
+
+def ddp_average_ranks() -> int:
+    """How many ranks Megatron's DDP averages the gradients over: data parallel x context
+    parallel. Each CP rank's gradient is the part its own rows contribute, so the sum over CP
+    (and over DP, where the caller normalises by global tokens) is the gradient."""
+    from megatron.core import parallel_state
+
+    if not (dist.is_initialized() and parallel_state.model_parallel_is_initialized()):
+        return 1
+    return dist.get_world_size(parallel_state.get_data_parallel_group(
+        with_context_parallel=True))
 
 
 def dp_reduce(tensor: torch.Tensor, op: Any = dist.ReduceOp.SUM) -> None:
@@ -176,11 +189,10 @@ def optim_step(
         )
     from megatron.core.distributed import finalize_model_grads
 
-    group = data_parallel_group()
-    dp_size = 1 if group is None else dist.get_world_size(group)
+    averaged_over = ddp_average_ranks()
     with cpu_runtime.cuda_calls_on_cpu():
         finalize_model_grads(chunks)
-        factor = scale * dp_size
+        factor = scale * averaged_over
         if factor != 1.0:
             for chunk in chunks:
                 chunk.scale_gradients(factor)
