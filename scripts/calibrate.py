@@ -13,6 +13,8 @@
     .venv/bin/python scripts/calibrate.py --rungs --out bench/calibration/rungs  # recompute
         # rungs switched at run time on models built with another policy, dense and hybrid,
         # TP=1 and TP=2
+    .venv/bin/python scripts/calibrate.py --cp 2 --out bench/calibration/cp2  # TP=1 x CP=2,
+        # dense models on two torchrun ranks (independent sequences and shared prompts)
     .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
         --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
@@ -145,6 +147,29 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
     return cells
 
 
+# The CP=2 matrix's models: dense (Gated DeltaNet has no CP here), GQA and MQA.
+CP2_GEOMETRIES = ("gqa-128", "mqa-192")
+
+
+def cp2_cells(quick: bool, seed: int, build: str = "local",
+              rows_per_model: int | None = None) -> list:
+    """The CP=2 matrix: the dense models at TP=1 x CP=2, seeded rows of independent sequences
+    and groups sharing a prompt (the segmented flash attention over the split row)."""
+    from dataclasses import replace
+
+    from _calibration.cells import off_grid_matrix, shared_prefix_cells
+
+    policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
+    top = 1500 if quick else 3000
+    geometries = CP2_GEOMETRIES[:1] if quick else CP2_GEOMETRIES
+    cells = off_grid_matrix(seed + 2, rows_per_model=2 if quick else rows_per_model or 4,
+                            geometries=geometries, policies=policies, max_tokens=top,
+                            build=build)
+    cells += shared_prefix_cells(seed + 2, geometries=geometries, policies=policies,
+                                 rows=1 if quick else 2, max_tokens=top, build=build)
+    return [replace(c, context_parallel=2) for c in cells]
+
+
 def tp2_wanted(geometries: Sequence[str] | None) -> bool:
     """Whether the geometries asked for have TP=2 cells (all but the dense ones TP=1 only)."""
     from _calibration.cells import HYBRID_GEOMETRIES
@@ -158,10 +183,16 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from _calibration.harness import merge_rank_rows, run_cells
 
-    cells = (rung_matrix(args, 2) if args.rungs else
-             tp2_cells(args.quick, args.seed, args.build, args.geometries, args.rows_per_model))
+    cp = args.cp
+    if cp > 1:
+        cells = cp2_cells(args.quick, args.seed, args.build, args.rows_per_model)
+    elif args.rungs:
+        cells = rung_matrix(args, 2)
+    else:
+        cells = tp2_cells(args.quick, args.seed, args.build, args.geometries,
+                          args.rows_per_model)
     rank = int(os.environ.get("RANK", "0"))
-    results = run_cells(cells, tensor_parallel=2,
+    results = run_cells(cells, tensor_parallel=1 if cp > 1 else 2, context_parallel=cp,
                         progress=(lambda m: print(m, flush=True)) if rank == 0 else None,
                         store_probe_dir=(str(Path(args.worker_probes) / f"rank{rank}")
                                          if args.worker_probes else None))
@@ -176,9 +207,10 @@ def worker(args: argparse.Namespace) -> int:
 def run_tp2(quick: bool, seed: int, build: str = "local",
             geometries: Sequence[str] | None = None,
             rows_per_model: int | None = None, probe_dir: str | None = None,
-            rungs: bool = False, max_tokens: int = 4096) -> list[dict]:
-    """The TP=2 cells on two torchrun ranks; each rank's probes are stored under
-    `probe_dir`/rank<R> (for `--reprice`)."""
+            rungs: bool = False, max_tokens: int = 4096, context_parallel: int = 1
+            ) -> list[dict]:
+    """The TP=2 cells (or with `context_parallel` 2 the TP=1 x CP=2 cells) on two torchrun
+    ranks; each rank's probes are stored under `probe_dir`/rank<R> (for `--reprice`)."""
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -190,13 +222,15 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
                    ["--geometries", *geometries] if geometries else []) + (
                    ["--rows-per-model", str(rows_per_model)] if rows_per_model else []) + (
                    ["--worker-probes", probe_dir] if probe_dir else []) + (
-                   ["--rungs", "--max-tokens", str(max_tokens)] if rungs else [])
+                   ["--rungs", "--max-tokens", str(max_tokens)] if rungs else []) + (
+                   ["--cp", str(context_parallel)] if context_parallel > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=3600)
         if proc.returncode != 0:
-            raise SystemExit(f"TP=2 calibration failed:\n{proc.stdout[-3000:]}\n"
+            what = "CP" if context_parallel > 1 else "TP"
+            raise SystemExit(f"{what}=2 calibration failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
         return json.loads(out.read_text())
 
@@ -218,7 +252,7 @@ def summarize(rows: list[dict]) -> str:
 
     def name(r: dict) -> str:
         return (f"{r['geometry']} / {_policy(r)} / LoRA r{r['lora_rank']} / "
-                f"TP{r['tensor_parallel']} / {_lengths(r)} / {r['outputs']} / "
+                f"{_layout(r)} / {_lengths(r)} / {r['outputs']} / "
                 f"{'grad, ' + r['loss'] + ' loss' if r['grad'] else 'no grad'}")
 
     lines += [
@@ -245,7 +279,7 @@ def summarize(rows: list[dict]) -> str:
     ]
     policies: dict[str, list[dict]] = {}
     for r in rows:
-        policies.setdefault(f"{_policy(r)} (TP{r['tensor_parallel']})", []).append(r)
+        policies.setdefault(f"{_policy(r)} ({_layout(r)})", []).append(r)
     for pol, rs in policies.items():
         lines.append(
             f"| {pol} | {len(rs)} | {min(x['ratio'] for x in rs):.4f} | "
@@ -255,17 +289,22 @@ def summarize(rows: list[dict]) -> str:
             f"{max(x['default_ratio'] for x in rs):.4f} | "
             f"{sum(lo <= x['default_ratio'] <= hi for x in rs)} |")
     lines += ["", "## Every cell", "",
-              "| geometry | policy | LoRA r | TP | row | outputs | grad | loss | measured MiB | "
-              "predicted MiB | ratio | defaults ratio | peak at |",
+              "| geometry | policy | LoRA r | layout | row | outputs | grad | loss | "
+              "measured MiB | predicted MiB | ratio | defaults ratio | peak at |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['geometry']} | {_policy(r)} | {r['lora_rank']} | {r['tensor_parallel']} | "
+            f"| {r['geometry']} | {_policy(r)} | {r['lora_rank']} | {_layout(r)} | "
             f"{_lengths(r)} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
             f"{r['loss'] if r['grad'] else '-'} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
             f"{r['ratio']:.4f} | {r['default_ratio']:.4f} | {r['peak_at']} |")
     return "\n".join(lines) + "\n"
+
+
+def _layout(row: dict) -> str:
+    cp = int(row.get("context_parallel") or 1)
+    return f"TP{row['tensor_parallel']}" + (f" CP{cp}" if cp > 1 else "")
 
 
 def _policy(row: dict) -> str:
@@ -334,6 +373,8 @@ def main() -> int:
     parser.add_argument("--policies", nargs="*", help="only these recompute policies (TP=1)")
     parser.add_argument("--out", default=str(ROOT / "bench" / "calibration"))
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
+    parser.add_argument("--cp", type=int, choices=(1, 2), default=1,
+                        help="2: the dense matrix at TP=1 x CP=2 on two torchrun ranks only")
     parser.add_argument("--build", choices=("local", "gpu-shaped"), default="local",
                         help="local: the CPU's local spec; gpu-shaped: CPU stand-ins keeping "
                              "what the GPU build's fused kernels keep")
@@ -385,6 +426,11 @@ def main() -> int:
 
     start = time.time()
     rows: list[dict] = []
+    if args.cp > 1:
+        rows = run_tp2(args.quick, args.seed, args.build, rows_per_model=args.rows_per_model,
+                       probe_dir=str(Path(probe_dir).resolve()), context_parallel=args.cp)
+        write_outputs(rows, Path(args.out), time.time() - start, args.quick)
+        return 0
     if 2 in args.tp and (args.rungs or tp2_wanted(args.geometries)):
         rows += run_tp2(args.quick, args.seed, args.build, args.geometries,
                         args.rows_per_model, probe_dir=str(Path(probe_dir).resolve()),
@@ -409,10 +455,11 @@ def main() -> int:
 
 
 def _typed(row: dict) -> dict:
-    ints = ("lora_rank", "tensor_parallel", "packed_tokens", "measured_bytes",
+    ints = ("lora_rank", "tensor_parallel", "context_parallel", "packed_tokens", "measured_bytes",
             "measured_forward_bytes", "predicted_bytes", "predicted_default_bytes",
             "reserve_bytes")
     out = dict(row)
+    out.setdefault("context_parallel", 1)  # rows measured before CP cells existed
     for key in ints:
         out[key] = int(out[key])
     for key in ("ratio", "default_ratio", "seconds"):

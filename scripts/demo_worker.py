@@ -114,8 +114,9 @@ def _main(args: argparse.Namespace) -> int:
 
     def dynamic_bytes(lengths: tuple[int, ...], model: MemoryModel, shared: int = 0) -> int:
         shape = MicroBatchShape(lengths, outputs=logprobs, grad_enabled=True,
-                                padded_tokens=packed_length_tokens(lengths, layout,
-                                                                   shared if share else 0))
+                                padded_tokens=packed_length_tokens(
+                                    lengths, layout, shared if share else 0,
+                                    provider.implementation))
         return int(model.estimate(shape).dynamic_bytes)
 
     largest = max(groups, key=lambda g: g.num_tokens)

@@ -110,6 +110,8 @@ class Cell:
     # Set: the model is built with this policy and `policy` (a recompute rung's name, see
     # art/megatron/recompute_ladder.py) is switched on for this micro-batch at run time.
     built_with: str = ""
+    # Context parallel ranks the row is split over (the segmented flash attention).
+    context_parallel: int = 1
 
     @property
     def built_policy(self) -> str:

@@ -91,7 +91,7 @@ class CalibrationModel:
 
     def __init__(self, geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                  tensor_parallel: int, dtype: str = "float32",
-                 implementation: Implementation | None = None,
+                 implementation: Implementation | None = None, context_parallel: int = 1,
                  cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None,
                  probe_dir: str | None = None,
                  warm_up: Callable[[CalibrationModel], None] | None = None
@@ -100,10 +100,11 @@ class CalibrationModel:
         unmeasured micro-batches, so kernels compile and autotune outside any measurement)."""
         self.geometry = geometry
         self.policy = policy
-        self.implementation = implementation or Implementation.detect()
+        self.implementation = implementation or Implementation.detect(context_parallel)
         self.provider = calibration_provider(geometry, policy, lora_rank=lora_rank,
                                              tensor_parallel=tensor_parallel, dtype=dtype,
-                                             implementation=self.implementation)
+                                             implementation=self.implementation,
+                                             context_parallel=context_parallel)
         self.provider.initialize_distributed()
         self.model = self.provider.build_model(seed=0)
         self.device = next(self.model.parameters()).device
@@ -174,8 +175,8 @@ class CalibrationModel:
 
 
 def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
-                         tensor_parallel: int, dtype: str, implementation: Implementation
-                         ) -> Any:
+                         tensor_parallel: int, dtype: str, implementation: Implementation,
+                         context_parallel: int = 1) -> Any:
     """The provider a calibration model is built from (no weights yet). peft is imported
     only for a LoRA (its import alone takes seconds; the GPU check prices without one)."""
     from art.megatron.provider import Provider
@@ -183,6 +184,7 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
 
     settings = Settings(
         tensor_model_parallel_size=tensor_parallel,
+        context_parallel_size=context_parallel,
         sequence_parallel=calibration_sequence_parallel(geometry, tensor_parallel),
         recompute_granularity=policy.granularity,
         recompute_method=policy.method,
@@ -234,11 +236,13 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
 
     first = cells[0]
     geometry = calibration_geometries()[first.geometry]
-    implementation = implementation_for(first.build) or Implementation.detect()
+    implementation = (implementation_for(first.build)
+                      or Implementation.detect(first.context_parallel))
     provider = calibration_provider(geometry, POLICY_BY_NAME[first.built_policy],
                                     lora_rank=first.lora_rank,
                                     tensor_parallel=first.tensor_parallel, dtype=first.dtype,
-                                    implementation=implementation)
+                                    implementation=implementation,
+                                    context_parallel=first.context_parallel)
     recomputes = [provider.effective_recompute]
     if any(c.built_with for c in cells):
         from art.megatron.recompute_ladder import build_ladder
@@ -247,7 +251,9 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
         recomputes = [rung_by_name(ladder, c.policy) if c.built_with
                       else provider.effective_recompute for c in cells]
     modes, outputs = probe_request(geometry, recomputes, cells)
-    return probe_key(geometry=geometry, layout=provider.settings.layout(first.tensor_parallel),
+    return probe_key(geometry=geometry,
+                     layout=provider.settings.layout(first.tensor_parallel
+                                                     * first.context_parallel),
                      implementation=implementation, dtype=first.dtype,
                      lora_rank=first.lora_rank, modes=modes, outputs=outputs,
                      device=implementation.device, tokens=probe_tokens)
@@ -293,7 +299,7 @@ def micro_batch_shape(lengths: Sequence[int], outputs: OutputRequest, grad: bool
         if tree.continued_segments:
             recurrent = RecurrentRow(tree.levels)
     total = sum(lengths)
-    padded = packed_length_tokens(lengths, layout, shared)
+    padded = packed_length_tokens(lengths, layout, shared, implementation)
     return MicroBatchShape(tuple(lengths), outputs=outputs, grad_enabled=grad,
                            padded_tokens=padded if padded != total else 0, recurrent=recurrent)
 
@@ -393,7 +399,7 @@ def _hidden_or_any(out: Any) -> torch.Tensor:
     raise ValueError("a calibration cell with grad must ask for at least one output")
 
 
-def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
+def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1, context_parallel: int = 1,
               progress: Callable[[str], None] | None = None,
               probe_tokens: tuple[int, ...] | None = None,
               probe_dir: str | None = None,
@@ -416,7 +422,8 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1,
         model = CalibrationModel(geometries[geo], POLICY_BY_NAME[policy], lora_rank=rank,
                                  tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
                                  probe_tokens=probe_tokens, probe_dir=probe_dir,
-                                 implementation=implementation_for(build))
+                                 implementation=implementation_for(build),
+                                 context_parallel=context_parallel)
         if store_probe_dir is not None:
             store_probe(model.coefficients, store_probe_dir)
         for cell in group:
@@ -467,7 +474,9 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     from art.trainer_rank._request import LoraShape
 
     geometry = calibration_geometries()[cell.geometry]
-    impl = implementation or implementation_for(cell.build) or Implementation.cpu_local()
+    impl = implementation or implementation_for(cell.build) or (
+        Implementation.cpu_local("flash") if cell.context_parallel > 1
+        else Implementation.cpu_local())
     policy = POLICY_BY_NAME[cell.built_policy]
 
     def resolve(granularity: Any, method: Any, num_layers: Any, modules: Any) -> Any:
@@ -482,6 +491,7 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
 
         recompute = rung_by_name(build_ladder(recompute, resolve), cell.policy)
     layout = ParallelLayout(tensor_parallel=cell.tensor_parallel,
+                            context_parallel=cell.context_parallel,
                             sequence_parallel=calibration_sequence_parallel(
                                 geometry, cell.tensor_parallel))
     return MemoryModel(geometry, layout=layout,
@@ -498,7 +508,7 @@ def cell_of(row: dict[str, Any]) -> Cell:
                 str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
                 row.get("loss") or "synthetic", row.get("build") or "local",
                 int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0),
-                row.get("built_with") or "")
+                row.get("built_with") or "", int(row.get("context_parallel") or 1))
 
 
 def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
@@ -518,18 +528,20 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, c in enumerate(cells):
         groups.setdefault((c.geometry, c.built_policy, c.lora_rank, c.dtype, c.build,
-                           c.tensor_parallel), []).append(i)
+                           c.tensor_parallel, c.context_parallel), []).append(i)
     out: list[dict[str, Any]] = [dict(r) for r in rows]
-    for (geo, policy, rank, dtype, build, tp), indices in groups.items():
+    for (geo, policy, rank, dtype, build, tp, cp), indices in groups.items():
         group = [cells[i] for i in indices]
         key = expected_probe_key(group, probe_tokens)
-        # TP rows: one probe per rank, each in its rank's folder (see `run_cells`).
-        paths = ([probe_file(probe_dir, key)] if tp == 1 else
-                 [probe_file(Path(probe_dir) / f"rank{r}", key) for r in range(tp)])
-        name = f"{geo} / {policy} / LoRA r{rank} / TP{tp} / {build}"
+        # TP and CP rows: one probe per rank, each in its rank's folder (see `run_cells`).
+        ranks = tp * cp
+        paths = ([probe_file(probe_dir, key)] if ranks == 1 else
+                 [probe_file(Path(probe_dir) / f"rank{r}", key) for r in range(ranks)])
+        name = (f"{geo} / {policy} / LoRA r{rank} / TP{tp}{f' CP{cp}' if cp > 1 else ''} / "
+                f"{build}")
         if all(p.is_file() for p in paths):
             per_rank = [ProbeCoefficients.from_json(p.read_text()) for p in paths]
-        elif reprobe and tp == 1:
+        elif reprobe and ranks == 1:
             built = CalibrationModel(calibration_geometries()[geo], POLICY_BY_NAME[policy],
                                      lora_rank=rank, tensor_parallel=tp, dtype=dtype,
                                      cells=group, probe_tokens=probe_tokens,
@@ -542,7 +554,7 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
         else:
             old = sorted({str(rows[i].get("probe_key", "")) for i in indices})
             remedy = ("pass --reprobe to measure the probe again (seconds a model; no cell "
-                      "is re-run)" if tp == 1 else
+                      "is re-run)" if ranks == 1 else
                       "TP>1 probes run on torchrun ranks and are stored per rank by "
                       "scripts/calibrate.py --tp 2 (<out>/probes/rank<R>): re-measure these "
                       "rows with it")

@@ -1,8 +1,8 @@
 """Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
 rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
-inside the caller's loop, then `train` at CP=2 with the layer probe on. Each phase's report and the gathered adapter go to
-OUT_DIR/rank<r>.json."""
+inside the caller's loop, then `train` at CP=2 with the layer probe on. Each phase's report
+and the gathered adapter go to OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
 

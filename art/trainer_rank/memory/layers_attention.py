@@ -36,10 +36,26 @@ def segmented_flash_costs(d: Dims, s: int, q_bytes: float, kv_bytes: float
     lse = float(s) * heads * FP32
     qkv_grads = q_bytes + 2 * kv_bytes
     if d.implementation.device == "cuda":
-        return lse, *_cuda_segmented_transients(d, s, q_bytes, kv_bytes, lse)
-    forward = q_bytes * (1.0 + (FP32 / b)) + 2 * lse
-    backward = qkv_grads * acc + qkv_grads + (qkv_grads if b < FP32 else 0.0) + lse
-    return lse, forward, backward
+        forward, backward = _cuda_segmented_transients(d, s, q_bytes, kv_bytes, lse)
+    else:
+        forward = q_bytes * (1.0 + (FP32 / b)) + 2 * lse
+        backward = qkv_grads * acc + qkv_grads + (qkv_grads if b < FP32 else 0.0) + lse
+    return lse, *_with_context_parallel_gathers(d, kv_bytes, acc, forward, backward)
+
+
+def _with_context_parallel_gathers(d: Dims, kv_bytes: float, acc: float, forward: float,
+                                   backward: float) -> tuple[float, float]:
+    """Under context parallel the attention gathers the whole row's keys and values (kept
+    through the kernels; the second gather's per-rank parts sit beside the first's row), in
+    forward and again in backward, where the key/value gradient accumulators span the
+    whole row before their sum over CP."""
+    cp = d.layout.context_parallel
+    if cp == 1:
+        return forward, backward
+    kv_row = cp * kv_bytes
+    forward = 2 * kv_row + max(kv_row, forward)
+    backward = 2 * kv_row + max(kv_row, backward + 2 * (kv_row - kv_bytes) * acc)
+    return forward, backward
 
 
 # FlashAttention-2's forward splits the keys of a block with few query tiles over several

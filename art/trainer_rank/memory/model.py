@@ -347,8 +347,9 @@ class MemoryModel:
             padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S)
                       if recurrent is not None
                       else row_padded_chunk_tokens(segments, self.layout))
-        if grad and continued:
-            layers = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
+        layers_gdn = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
+        if grad and continued and layers_gdn:
+            layers = layers_gdn
             per_layer = prefix_tree_state_bytes(self.dims, continued)
             pre.append(Term("prefix-tree states handed on", int(layers * per_layer), "forward",
                             f"{layers} Gated DeltaNet layer(s) x {continued} continued "

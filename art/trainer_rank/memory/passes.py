@@ -71,8 +71,12 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
                       checkpointed_attention_layers: int = 0) -> list[Term]:
     """Live through forward and backward: packed inputs, the unfused mask and score buffer,
     the rotary table, the embedding output, the checkpointed attention's mask-type tensors."""
-    pre = [Term("packed inputs", int(s * INT64 * 3), "forward",
-                f"tokens, positions, targets: 3 x {s} x int64")]
+    # Under context parallel (s < S) the packer's tokens, positions and targets span the
+    # whole row, and this rank's tokens and positions are copies of its two chunks.
+    split = S > s and implementation.attention != "unfused"
+    pre = [Term("packed inputs", int((3 * S + 2 * s if split else 3 * s) * INT64), "forward",
+                f"tokens, positions, targets: 3 x {S} x int64 + this CP rank's 2 x {s}"
+                if split else f"tokens, positions, targets: 3 x {s} x int64")]
     if implementation.attention == "unfused":
         pre.append(Term("packed attention mask", int(s * S), "forward",
                         f"bool [{s}, {S}] block-diagonal causal (local spec)"))
@@ -82,8 +86,16 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
                         "persists at the largest size seen, priced as new"))
     if "attention" in g.layer_types:
         rope_dim = g.head_dim
-        pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
-                        f"table + per-token index [{s}, {rope_dim}] fp32"))
+        if split:
+            # The table spans the longest position (at most the row); the index is this
+            # CP rank's rows.
+            pre.append(Term(ROTARY_TABLE_WHOLE_ROW, int(S * rope_dim * FP32), "forward",
+                            f"[{S}, {rope_dim}] fp32, cached by Megatron's rotary module"))
+            pre.append(Term(ROTARY_INDEX_THIS_RANK, int(s * rope_dim * FP32), "forward",
+                            f"[{s}, {rope_dim}] fp32, this CP rank's positions"))
+        else:
+            pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
+                            f"table + per-token index [{s}, {rope_dim}] fp32"))
     if checkpointed_attention_layers:
         # Megatron's checkpointed core attention passes the mask type as a new one-element
         # int32 tensor per layer (transformer/attention.py, _checkpointed_attention_forward);
@@ -238,6 +250,10 @@ def _gather_terms(tail: TailCost) -> list[Term]:
                  "TP pieces [chunk, vocab/TP] + their concatenation [chunk, vocab], fp32")]
 
 
+# The rotary terms under context parallel: the whole row's table, this rank's index.
+ROTARY_TABLE_WHOLE_ROW = "rotary table (whole row)"
+ROTARY_INDEX_THIS_RANK = "rotary index (this CP rank)"
+
 # Pre-decoder terms the first attention layer's call allocates.
 BUFFERS_OF_ATTENTION = (SCORE_BUFFER, "checkpointed attention mask-type tensors")
 
@@ -248,7 +264,8 @@ def live_after_decoder(pre: list[Term]) -> list[Term]:
     Megatron's rotary module caches its table, and the packed inputs and score buffer stay."""
     live = []
     for t in pre:
-        if t.name in ("embedding output", "checkpointed attention mask-type tensors"):
+        if t.name in ("embedding output", "checkpointed attention mask-type tensors",
+                      ROTARY_INDEX_THIS_RANK):
             continue
         if t.name == "rotary table":
             t = replace(t, bytes=t.bytes // 2, note="cached table (per-token index freed)")

@@ -380,16 +380,20 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             fitted_layers.append((kind, mode.key, fit))
             if progress:
                 progress(f"probed {kind} {mode.key}")
-        tail_rows = per_tokens if layout.context_parallel == 1 else {
-            t: tail_inputs(model, t, layout, implementation, device) for t in tokens}
+        # The tail runs on the whole row: under CP, the rows of the layers' points (each
+        # point's local tokens times CP).
+        cp = layout.context_parallel
+        tail_rows = per_tokens if cp == 1 else {
+            t: tail_inputs(model, t * cp, layout, implementation, device) for t in tokens}
         for okey, request, grad in tails:
             at = points[grad]
             rows = [measure_tail(model, tail_rows[t], request, torch_dtype, device, grad)
                     for t in at]
+            whole = [t * cp for t in at]
             fitted_tails.append((okey, grad, ProbedTail(
-                kept=Fit.fit(at, [r["kept"] for r in rows]),
-                forward=Fit.fit(at, [r["forward"] for r in rows]),
-                backward=Fit.fit(at, [r["backward"] for r in rows]))))
+                kept=Fit.fit(whole, [r["kept"] for r in rows]),
+                forward=Fit.fit(whole, [r["forward"] for r in rows]),
+                backward=Fit.fit(whole, [r["backward"] for r in rows]))))
     finally:
         release_score_buffer()
         inner.train(was_training)

@@ -167,8 +167,9 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
     # hidden row, which the row's tail keeps, dies with the head's backward (no output is a
     # view of it).
     decoder_row = rows * g.hidden_size * b
+    rescore = rescored_branch_rows(model, batch)
     kept = (row.kept - decoder_row + (logical - rows) * head_row
-            + logical * (hidden_row + gathers * INT64))
+            + logical * (hidden_row + gathers * INT64) + rescore.kept)
     caller_forward = 0.0
     backward = row.backward
     if batch.grad_enabled:
@@ -188,12 +189,40 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         # gather's zeroed rows. Those stand in for the caller's gradients at the row, which
         # for log-probs summed by the caller are a view of the loss's scalar gradient (no
         # storage) and for logits and hidden states are tensors the row's tail holds.
-        backward = max(row.backward + kept + decoder_row + rows * logprob_grad_row - row.kept,
-                       gather_backward)
-    forward = max(row.forward + kept - row.kept,
+        backward = max(row.backward + kept + decoder_row + rows * logprob_grad_row - row.kept
+                       + rescore.backward, gather_backward)
+    forward = max(row.forward + kept - row.kept + rescore.forward,
                   row.kept + row.saved + copies + caller_forward)
     return replace(row, kept=kept, forward=forward, backward=backward,
                    note=f"{row.note}; per-sequence output copies of {int(logical)} rows")
+
+
+@dataclass(frozen=True)
+class RescoredRows:
+    """The rows of a shared prefix whose sequences continue with different tokens: their
+    target log-probs are scored again with each other sequence's target (compute/execute.py,
+    `extra_rows`). What it keeps and adds beside the tail, forward and backward."""
+
+    kept: float
+    forward: float
+    backward: float
+
+
+def rescored_branch_rows(model: PricedModel, batch: MicroBatchShape) -> RescoredRows:
+    """At most one row per sequence beyond the first (a prefix node's last row, once per
+    child after the first): the gathered hidden rows and their log-normaliser are kept for
+    the extra head's backward, its logits are one small chunk in forward, and the gather's
+    backward materialises a zeroed [S, hidden] gradient of the whole row, live beside the
+    head's own backward until the two are added."""
+    if not (batch.outputs.target_logprobs and batch.logical_tokens > batch.packed_tokens):
+        return RescoredRows(0.0, 0.0, 0.0)
+    g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
+    extra = float(max(0, len(batch.sequence_lengths_tokens) - 1))
+    kept = extra * (g.hidden_size * b + FP32)
+    forward = extra * (g.vocab_size / tp) * (b + FP32)
+    backward = (float(batch.packed_tokens) * g.hidden_size * b if batch.grad_enabled
+                else 0.0)
+    return RescoredRows(kept, forward, backward)
 
 
 def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: int) -> int:

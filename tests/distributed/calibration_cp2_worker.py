@@ -1,0 +1,38 @@
+"""torchrun worker: calibration cells at TP=1 x CP=2 (the segmented flash attention over a
+split row); each rank writes its measured vs predicted and stores its probe in
+<out>/probes/rank<R>."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from _calibration.harness import Cell, run_cells  # noqa: E402
+
+PROBE_TOKENS = (64, 128, 192, 256, 320, 384)  # per CP rank: rows of twice as many tokens
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    cp = dict(context_parallel=2)
+    cells = [
+        Cell("gqa-128", "selective default", 8, 1, (150, 231), "logprobs", True, **cp),
+        # A group sharing its prompt: the tree is split over the ranks like any row, and the
+        # rows where the rollouts diverge are scored again with each one's target.
+        Cell("gqa-128", "selective default", 8, 1, (300, 190, 41), "logprobs", True,
+             shared_prefix=37, **cp),
+        Cell("gqa-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
+        Cell("gqa-128", "selective default", 8, 1, (270,), "logits", True, **cp),
+    ]
+    rank = int(os.environ["RANK"])
+    results = run_cells(cells, context_parallel=2, probe_tokens=PROBE_TOKENS,
+                        store_probe_dir=str(out_dir / "probes" / f"rank{rank}"))
+    rows = [r.row() for r in results]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()

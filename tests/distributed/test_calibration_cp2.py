@@ -1,0 +1,47 @@
+"""Memory model vs real CP=2 ranks (torchrun, gloo, CPU): predicted / measured in [1.00, 1.05]
+for the probe and the formulas; each rank holds half of every row and prices itself."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+from calibration_cp2_worker import PROBE_TOKENS
+
+from _torchrun import rank_records, run_torchrun
+
+WORKER = Path(__file__).with_name("calibration_cp2_worker.py")
+
+
+@pytest.fixture(scope="module")
+def cp2_run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("calibration-cp2")
+    run_torchrun(WORKER, str(out), nproc=2, timeout_s=200)
+    return out
+
+
+@pytest.mark.torchrun
+def test_cp2_cells_within_target(cp2_run):
+    ranks = rank_records(cp2_run)
+    for rows in ranks:
+        assert len(rows) == 4
+        for row in rows:
+            assert (row["tensor_parallel"], row["context_parallel"]) == (1, 2)
+            assert 1.0 <= row["ratio"] <= 1.05, row
+            assert 1.0 <= row["default_ratio"] <= 1.05, row
+    for a, b in zip(*ranks):
+        assert abs(a["measured_bytes"] - b["measured_bytes"]) <= 0.05 * a["measured_bytes"]
+
+
+@pytest.mark.torchrun
+def test_cp2_rows_reprice_from_each_ranks_stored_probe(cp2_run, tmp_path):
+    from _calibration.harness import merge_rank_rows, reprice_rows
+
+    merged = merge_rank_rows(rank_records(cp2_run))
+    probes = tmp_path / "probes"
+    shutil.copytree(cp2_run / "probes", probes)
+    again = reprice_rows(merged, str(probes), probe_tokens=PROBE_TOKENS)
+    for row, repriced in zip(merged, again, strict=True):
+        assert repriced["predicted_bytes"] == row["predicted_bytes"], row["lengths"]
+        assert repriced["predicted_default_bytes"] == row["predicted_default_bytes"]
