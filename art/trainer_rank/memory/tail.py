@@ -165,8 +165,11 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
     copies = logical * (head_row + hidden_row + gathers * INT64)
     # Through the layers' backward the copies stand in for the row's outputs; the decoder's
     # hidden row, which the row's tail keeps, dies with the head's backward (no output is a
-    # view of it).
+    # view of it), and without a head output, once the copies are made: only the head's
+    # backward reads it.
     decoder_row = rows * g.hidden_size * b
+    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
+    held_row = decoder_row if uses_head else 0.0
     rescore = rescored_branch_rows(model, batch)
     kept = (row.kept - decoder_row + (logical - rows) * head_row
             + logical * (hidden_row + gathers * INT64) + rescore.kept)
@@ -183,13 +186,13 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
             square_forward, square_backward = caller_mean_square_per_row(model)
             caller_forward = logical * square_forward
             caller_backward = float(max(batch.sequence_lengths_tokens)) * square_backward
-        gather_backward = (kept + decoder_row + row.saved + logical * grad_row
+        gather_backward = (kept + held_row + row.saved + logical * grad_row
                            + max(rows * grad_row, caller_backward))
         # The head's backward runs beside the copies, the decoder row it saved and the
         # gather's zeroed rows. Those stand in for the caller's gradients at the row, which
         # for log-probs summed by the caller are a view of the loss's scalar gradient (no
         # storage) and for logits and hidden states are tensors the row's tail holds.
-        backward = max(row.backward + kept + decoder_row + rows * logprob_grad_row - row.kept
+        backward = max(row.backward + kept + held_row + rows * logprob_grad_row - row.kept
                        + rescore.backward, gather_backward)
     forward = max(row.forward + kept - row.kept + rescore.forward,
                   row.kept + row.saved + copies + caller_forward)
