@@ -46,10 +46,13 @@ from soak_ranks_worker import soak_tp  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
-# TP=WORLD by default; with 4 ranks and TP=2 the job is two replicas (DP=2). ONLY: run that one
-# scenario (no fuzz).
-TP = int(os.environ.get("ART_TEST_PHASE_FAULTS_TP", WORLD))
-ONLY = os.environ.get("ART_TEST_PHASE_FAULTS_ONLY")
+# TP=WORLD by default; with 4 ranks and TP=2 the job is two replicas (DP=2). ONLY: run those
+# scenarios (comma-separated; no fuzz).
+# CP: context parallel ranks (TP=1 then; the segmented flash attention splits every row).
+CP = int(os.environ.get("ART_TEST_PHASE_FAULTS_CP", 1))
+TP = int(os.environ.get("ART_TEST_PHASE_FAULTS_TP", WORLD // CP))
+ONLY = (set(os.environ["ART_TEST_PHASE_FAULTS_ONLY"].split(","))
+        if os.environ.get("ART_TEST_PHASE_FAULTS_ONLY") else None)
 LIMIT_BYTES = 48 * 2**20
 # (scenario, what rank 1 raises (None: an OOM), where, which of its allocations there fails: a
 # fraction of what the fault-free run made there). "packing" fails the first packing
@@ -112,7 +115,8 @@ def start_world(port: int) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, RANK == 0, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
                             timeout=timedelta(seconds=60))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
+                                             context_parallel_size=CP)
     model_parallel_cuda_manual_seed(1234)
 
 
@@ -139,8 +143,9 @@ def provider() -> Provider:
     return Provider(
         tiny_dense(num_layers=2),
         settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(TP),
+                                "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": str(CP),
                                 "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
-        dtype="float32", implementation=Implementation.cpu_local(),
+        dtype="float32", implementation=Implementation.cpu_local("flash" if CP > 1 else "unfused"),
     )
 
 
@@ -217,7 +222,7 @@ def main() -> None:
     clean = run(trainer(fault_timeout_s), Injector())
     results["clean"] = clean
     assert clean["error"] is None and clean["counts"], clean["error"]
-    scenarios = [s for s in SCENARIOS if ONLY is None or s[0] == ONLY]
+    scenarios = [s for s in SCENARIOS if ONLY is None or s[0] in ONLY]
     for k, (name, raises, location, fraction) in enumerate(scenarios, start=1):
         # The fault-free run's allocation counts place the fault (on rank 1 only).
         nth = max(1, int(clean["counts"].get(location, 0) * fraction))

@@ -9,7 +9,10 @@ fault timeout of the fault: no hang, no rank carrying on alone. An OOM in packin
 collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
 workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1.
 A second, 4-rank launch (TP=2 x DP=2, one scenario): an OOM on rank 1 ends both replicas'
-calls with the same error (the other replica's lockstep all-reduce reads the fault)."""
+calls with the same error (the other replica's lockstep all-reduce reads the fault). A third,
+2-rank launch at CP=2 (every row split over the ranks, keys and values gathered in each
+attention layer): an OOM on rank 1 in a layer's forward ends both ranks' calls with the same
+error, and one in packing is agreed and recovered."""
 
 from __future__ import annotations
 
@@ -177,3 +180,29 @@ def test_a_fault_on_another_replica_wakes_a_rank_waiting_in_the_waves(tmp_path):
     assert rows[0]["error"].startswith("TrainerRankMemoryError: forward_micro_batches: rank 1 "
                                        "ran out of memory in the forward"), rows[0]
     assert rows[0]["waited_s"] < 6, rows[0]
+
+
+@pytest.fixture(scope="module")
+def cp_ranks(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("phase_faults_cp2")
+    ports = [str(free_port()) for _ in range(3)]  # the fault-free world, two scenarios'
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300,
+                 env={"ART_TEST_PHASE_FAULTS_CP": "2",
+                      "ART_TEST_PHASE_FAULTS_ONLY": "packing,forward layer"})
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.torchrun
+def test_an_oom_on_one_cp_rank_ends_both_with_the_same_error(cp_ranks):
+    rows = [r["forward layer"] for r in cp_ranks]
+    _ended_in_time(rows, "forward layer")
+    for row in rows:
+        assert row["error"]["memory_error"], row["error"]
+        assert f"rank 1 ran out of memory {FATAL['forward layer']}" in row["error"]["text"]
+        assert row["seen"] == []
+    assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
+    packing = [r["packing"] for r in cp_ranks]
+    assert packing[1]["fired"] == "packing"
+    for row in packing:
+        assert row["error"] is None and sorted(row["seen"]) == [0, 1, 2, 3], row["error"]
+    assert packing[0]["decisions"] == packing[1]["decisions"]
