@@ -8,11 +8,13 @@ step that allocates weights; it needs Megatron's parallel state (`initialize_dis
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from art.megatron import model_builder
+from art.megatron.default_layout import default_layout, visible_cuda_gpus
 from art.megatron.distributed import DistributedState
 from art.megatron.distributed import initialize_distributed as _initialize_distributed
 from art.megatron.geometry import ModelGeometry, load_geometry
@@ -464,7 +466,12 @@ def get_provider(
             model = short
     geometry = model if isinstance(model, ModelGeometry) else load_geometry(model)
     dtype = _dtype_name(torch.bfloat16 if torch_dtype is None else torch_dtype)
-    return Provider(geometry, settings=load_settings(env), dtype=dtype)
+    world = os.environ.get("WORLD_SIZE", "1")
+    # Upstream's default layout over the visible GPUs when no layout size is set (a process
+    # outside torchrun is a world of one).
+    settings = default_layout(load_settings(env), geometry, visible_gpus=visible_cuda_gpus(),
+                              world_size=int(world) if world.isdigit() else 1)
+    return Provider(geometry, settings=settings, dtype=dtype)
 
 
 
