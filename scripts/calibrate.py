@@ -152,7 +152,8 @@ CP2_GEOMETRIES = ("gqa-128", "mqa-192")
 
 
 def cp2_cells(quick: bool, seed: int, build: str = "local",
-              rows_per_model: int | None = None) -> list:
+              rows_per_model: int | None = None,
+              geometries: Sequence[str] | None = None) -> list:
     """The CP=2 matrix: the dense models at TP=1 x CP=2, seeded rows of independent sequences
     and groups sharing a prompt (the segmented flash attention over the split row)."""
     from dataclasses import replace
@@ -161,11 +162,11 @@ def cp2_cells(quick: bool, seed: int, build: str = "local",
 
     policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
     top = 1500 if quick else 3000
-    geometries = CP2_GEOMETRIES[:1] if quick else CP2_GEOMETRIES
+    chosen = tuple(geometries or (CP2_GEOMETRIES[:1] if quick else CP2_GEOMETRIES))
     cells = off_grid_matrix(seed + 2, rows_per_model=2 if quick else rows_per_model or 4,
-                            geometries=geometries, policies=policies, max_tokens=top,
+                            geometries=chosen, policies=policies, max_tokens=top,
                             build=build)
-    cells += shared_prefix_cells(seed + 2, geometries=geometries, policies=policies,
+    cells += shared_prefix_cells(seed + 2, geometries=chosen, policies=policies,
                                  rows=1 if quick else 2, max_tokens=top, build=build)
     return [replace(c, context_parallel=2) for c in cells]
 
@@ -185,7 +186,8 @@ def worker(args: argparse.Namespace) -> int:
 
     cp = args.cp
     if cp > 1:
-        cells = cp2_cells(args.quick, args.seed, args.build, args.rows_per_model)
+        cells = cp2_cells(args.quick, args.seed, args.build, args.rows_per_model,
+                          args.geometries)
     elif args.rungs:
         cells = rung_matrix(args, 2)
     else:
@@ -427,7 +429,8 @@ def main() -> int:
     start = time.time()
     rows: list[dict] = []
     if args.cp > 1:
-        rows = run_tp2(args.quick, args.seed, args.build, rows_per_model=args.rows_per_model,
+        rows = run_tp2(args.quick, args.seed, args.build, geometries=args.geometries,
+                       rows_per_model=args.rows_per_model,
                        probe_dir=str(Path(probe_dir).resolve()), context_parallel=args.cp)
         write_outputs(rows, Path(args.out), time.time() - start, args.quick)
         return 0

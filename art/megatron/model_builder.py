@@ -129,7 +129,15 @@ def build_transformer_config(
         )
         if geometry.shared_expert_ffn_hidden_size:
             kwargs["moe_shared_expert_intermediate_size"] = geometry.shared_expert_ffn_hidden_size
+    context_parallel = kwargs.get("context_parallel_size", 1)
+    if geometry.is_hybrid and context_parallel > 1:
+        # Megatron-Core asserts CP == 1 for Gated DeltaNet, whose own forward does not split
+        # the row; the layer built here gathers the whole row over CP and runs the recurrence
+        # on it (specs/gated_delta_net.py), so the config is checked at CP = 1 and then given
+        # the real size.
+        kwargs["context_parallel_size"] = 1
     config = TransformerConfig(**kwargs)
+    config.context_parallel_size = context_parallel
     if impl.gpu_shaped_cpu:
         from art.megatron.cpu_runtime import GPU_SHAPED_CONFIG_FLAG
 

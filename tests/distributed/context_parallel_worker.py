@@ -1,6 +1,8 @@
 """torchrun worker: context parallel equals CP=1 on the same weights.
 
-argv: out_dir, tp (CP = WORLD_SIZE / tp). Phase 1 builds a dense model at TP=tp x CP and runs
+argv: out_dir, tp (CP = WORLD_SIZE / tp), model ("dense": a 2-layer Qwen3-shaped model;
+"hybrid": the shipped tiny-qwen3_5, three Gated DeltaNet layers and an attention layer, whose
+recurrence crosses the CP ranks' chunks). Phase 1 builds the model at TP=tp x CP and runs
 every case through the trainer's own sub-forward (packed rows of independent sequences, prefix
 trees of shared prompts, under selective and full recompute, with and without sequence
 parallel at TP=2); the LoRA-free model's parameter gradients are summed over the CP ranks (what
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from art.megatron.distributed import initialize_distributed, shutdown_distributed
+from art.megatron.geometry import load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
@@ -87,10 +90,11 @@ def _run(model, leaves, groups, layout: ParallelLayout, cp_group) -> tuple[list,
 
 
 def _phase(tp: int, cp: int, sequence_parallel: bool, recompute: str, state: dict | None,
-           vocab_cases) -> tuple[dict, list]:
+           vocab_cases, model_kind: str) -> tuple[dict, list]:
     from megatron.core import parallel_state
 
-    geometry = tiny_dense(num_layers=2)
+    geometry = tiny_dense(num_layers=2) if model_kind == "dense" else load_geometry(
+        "tiny-qwen3_5")
     layout = ParallelLayout(tensor_parallel=tp, context_parallel=cp,
                             sequence_parallel=sequence_parallel)
     config = build_transformer_config(geometry, layout=layout, recompute=RECOMPUTE[recompute],
@@ -117,16 +121,18 @@ def main() -> None:
     from megatron.core import parallel_state
 
     out_dir, tp = sys.argv[1], int(sys.argv[2])
+    model_kind = sys.argv[3] if len(sys.argv) > 3 else "dense"
     world = int(os.environ["WORLD_SIZE"])
     cp = world // tp
     variants = [("selective", tp > 1), ("full", False)]
     results = []
     for recompute, sequence_parallel in variants:
         initialize_distributed(tensor_parallel=tp, context_parallel=cp)
-        state, split_runs = _phase(tp, cp, sequence_parallel, recompute, None, _cases)
+        state, split_runs = _phase(tp, cp, sequence_parallel, recompute, None, _cases,
+                                   model_kind)
         parallel_state.destroy_model_parallel()
         initialize_distributed(tensor_parallel=tp, context_parallel=1)
-        _, whole_runs = _phase(tp, 1, sequence_parallel, recompute, state, _cases)
+        _, whole_runs = _phase(tp, 1, sequence_parallel, recompute, state, _cases, model_kind)
         parallel_state.destroy_model_parallel()
         for (name, split_out, split_grads), (_, whole_out, whole_grads) in zip(split_runs,
                                                                              whole_runs):

@@ -23,6 +23,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinea
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from art.megatron.attention_layout import AttentionLayout
+from art.megatron.context_parallel import SplitRowLayout, gather_row
 from art.megatron.gated_delta_rows import causal_conv, delta_rule_over_row
 from art.megatron.recurrent_layout import RecurrentLayout
 
@@ -111,6 +112,8 @@ class GatedDeltaNetTP(GatedDeltaNet):
         if inference_context is not None or inference_params is not None:
             raise ValueError("the packed Gated DeltaNet layer runs training and scoring "
                              "forwards, not Megatron's inference contexts")
+        if isinstance(packed_seq_params, SplitRowLayout):
+            return self._forward_over_context_parallel(hidden_states, packed_seq_params)
         seq_len, batch, _ = hidden_states.shape
         seq_len = seq_len * self.sp_size
         layout = recurrent_layout_of(attention_mask, packed_seq_params, seq_len)
@@ -154,6 +157,35 @@ class GatedDeltaNetTP(GatedDeltaNet):
         norm_out = self._apply_gated_norm(core, gate)
         norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()
         return self.out_proj(norm_out)
+
+    def _forward_over_context_parallel(self, hidden_states: torch.Tensor,
+                                       row: SplitRowLayout) -> tuple[torch.Tensor, Any]:
+        """Under context parallel: the layer's input is gathered to the whole row over the CP
+        ranks, every CP rank runs the recurrence over the whole row, and keeps its own rows
+        of the output. Correct where the recurrence crosses the ranks' chunks, at the cost of
+        the layer's compute and activations at the whole row on every CP rank. In backward
+        each rank's gradient of the whole row's input comes from its own output rows, so the
+        gather sums them over CP; the parameters' gradients are the parts the optimizer step
+        sums over CP. Under sequence parallel the row is regathered over TP around it."""
+        from megatron.core import tensor_parallel
+
+        split = row.split
+        sequence_parallel = self.sp_size > 1
+        x = hidden_states
+        if sequence_parallel:
+            x = tensor_parallel.gather_from_sequence_parallel_region(
+                x, tensor_parallel_output_grad=False)
+        x = gather_row(x, split, replicated_grad=False)
+        if sequence_parallel:
+            x = tensor_parallel.scatter_to_sequence_parallel_region(x)
+        out, bias = self.forward(x, packed_seq_params=row.layout)
+        if sequence_parallel:
+            out = tensor_parallel.gather_from_sequence_parallel_region(
+                out, tensor_parallel_output_grad=False)
+        out = split.local(out)
+        if sequence_parallel:
+            out = tensor_parallel.scatter_to_sequence_parallel_region(out)
+        return out, bias
 
     @torch.no_grad()
     def _initialise_full_size(self) -> None:
