@@ -216,15 +216,18 @@ def rescored_branch_rows(model: PricedModel, batch: MicroBatchShape) -> Rescored
     child after the first): the gathered hidden rows and their log-normaliser are kept for
     the extra head's backward, its logits are one small chunk in forward, and the gather's
     backward materialises a zeroed [S, hidden] gradient of the whole row, live beside the
-    head's own backward until the two are added."""
+    head's own backward until the two are added (unless hidden states are requested, whose
+    own gather's gradient row it is added into)."""
     if not (batch.outputs.target_logprobs and batch.logical_tokens > batch.packed_tokens):
         return RescoredRows(0.0, 0.0, 0.0)
     g, b, tp = model.geometry, model.dtype_bytes, model.layout.tensor_parallel
     extra = float(max(0, len(batch.sequence_lengths_tokens) - 1))
     kept = extra * (g.hidden_size * b + FP32)
     forward = extra * (g.vocab_size / tp) * (b + FP32)
-    backward = (float(batch.packed_tokens) * g.hidden_size * b if batch.grad_enabled
-                else 0.0)
+    # With hidden states requested, their gather's backward already holds a zeroed
+    # [S, hidden] row, into which this gradient is added in place.
+    backward = (float(batch.packed_tokens) * g.hidden_size * b
+                if batch.grad_enabled and not batch.outputs.hidden_states else 0.0)
     return RescoredRows(kept, forward, backward)
 
 
