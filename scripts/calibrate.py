@@ -15,6 +15,8 @@
         # TP=1 and TP=2
     .venv/bin/python scripts/calibrate.py --cp 2 --out bench/calibration/cp2  # TP=1 x CP=2,
         # dense models on two torchrun ranks (independent sequences and shared prompts)
+    .venv/bin/python scripts/calibrate.py --cp 2 --geometries hybrid-128 --rows-per-model 3 \
+        --out bench/calibration/hybrid-cp2  # the hybrid at CP=2
     .venv/bin/python scripts/calibrate.py --reprice bench/calibration/calibration.csv \
         --out bench/calibration [--reprobe]  # re-price measured rows, no cell re-run
 
@@ -154,8 +156,9 @@ CP2_GEOMETRIES = ("gqa-128", "mqa-192")
 def cp2_cells(quick: bool, seed: int, build: str = "local",
               rows_per_model: int | None = None,
               geometries: Sequence[str] | None = None) -> list:
-    """The CP=2 matrix: the dense models at TP=1 x CP=2, seeded rows of independent sequences
-    and groups sharing a prompt (the segmented flash attention over the split row)."""
+    """The CP=2 matrix: the dense models (or `geometries`, e.g. the hybrid) at TP=1 x CP=2,
+    seeded rows of independent sequences and groups sharing a prompt (the segmented flash
+    attention over the split row)."""
     from dataclasses import replace
 
     from _calibration.cells import off_grid_matrix, shared_prefix_cells

@@ -3,11 +3,11 @@
 Upstream (ART's provider, `_apply_default_parallel_topology`) lays a job over every visible GPU:
 context parallel over all of them (TP = 1) for the model families it runs under CP, tensor
 parallel over all of them for the others, and for MoE models expert parallel over all of them
-as well. Here the same rule holds for what runs under CP here: dense attention models get CP =
-the GPUs. Models whose layers do not run under CP here (Gated DeltaNet hybrids, MoE) get
-upstream's rule for families without CP, TP = the GPUs with sequence parallel, where their
-heads, KV groups and widths split evenly; their experts are not spread (EP = 1). Otherwise, on
-CPU, on one GPU, or when any layout size is set, nothing changes.
+as well. Here the same rule holds for what runs under CP here: dense and Gated DeltaNet hybrid
+models get CP = the GPUs. MoE models, whose layers do not run under CP here, get upstream's
+rule for families without CP, TP = the GPUs with sequence parallel, where their heads, KV
+groups and widths split evenly; their experts are not spread (EP = 1). Otherwise, on CPU, on
+one GPU, or when any layout size is set, nothing changes.
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size",
 
 
 def runs_under_context_parallel(geometry: ModelGeometry) -> bool:
-    """Whether every layer of the model runs with its row split over CP ranks here: softmax
-    attention does (the segmented flash attention); a Gated DeltaNet recurrence and the MoE
-    dispatcher are not built for it."""
-    return not (geometry.is_hybrid or geometry.is_moe)
+    """Whether the model runs under CP here: softmax attention splits the row (the segmented
+    flash attention) and a Gated DeltaNet layer runs the gathered whole row; the MoE
+    dispatcher is not built for it."""
+    return not geometry.is_moe
 
 
 def tensor_parallel_splits(geometry: ModelGeometry, size: int) -> bool:

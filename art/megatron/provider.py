@@ -306,16 +306,7 @@ class Provider:
             if g.is_moe:
                 raise ValueError(
                     f"{named}: {g.name} has MoE layers, which do not run under context "
-                    "parallel here yet (dense attention models do); use 1 and tensor parallel"
-                )
-            if g.is_hybrid:
-                # The layers run under CP (specs/gated_delta_net.py gathers the whole row),
-                # but the memory model does not price them there yet: refused rather than
-                # admitted on an under-priced estimate.
-                raise ValueError(
-                    f"{named}: {g.name} has Gated DeltaNet layers, whose recurrence runs over "
-                    "the whole row gathered on every CP rank; the memory model does not price "
-                    "that yet, so TrainerRank does not run it. Use 1 and tensor parallel"
+                    "parallel here yet (dense and hybrid models do); use 1 and tensor parallel"
                 )
         if impl.device == "cpu" and s.expert_model_parallel_size > 1:
             # gloo's all_to_all_single rejects the split sizes the alltoall dispatcher passes.

@@ -1,5 +1,5 @@
 """torchrun worker: calibration cells at TP=1 x CP=2 (the segmented flash attention over a
-split row); each rank writes its measured vs predicted and stores its probe in
+split row), dense and hybrid; each rank writes its measured vs predicted and stores its probe in
 <out>/probes/rank<R>."""
 
 from __future__ import annotations
@@ -12,7 +12,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from _calibration.harness import Cell, run_cells  # noqa: E402
 
-PROBE_TOKENS = (64, 128, 192, 256, 320, 384)  # per CP rank: rows of twice as many tokens
+from art.trainer_rank.memory.chunked import with_points_inside_chunks  # noqa: E402
+
+# Per CP rank (rows of twice as many tokens; a Gated DeltaNet layer's points are whole rows),
+# with the points inside a chunk its fit needs.
+PROBE_TOKENS = with_points_inside_chunks((64, 128, 192, 256, 320, 384))
 
 
 def main() -> None:
@@ -26,6 +30,11 @@ def main() -> None:
              shared_prefix=37, **cp),
         Cell("gqa-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
         Cell("gqa-128", "selective default", 8, 1, (270,), "logits", True, **cp),
+        # The hybrid: its Gated DeltaNet layers run the whole row gathered on every CP rank.
+        Cell("hybrid-128", "selective default", 8, 1, (150, 231), "logprobs", True, **cp),
+        Cell("hybrid-128", "selective default", 8, 1, (300, 190, 41), "logprobs", True,
+             shared_prefix=37, **cp),
+        Cell("hybrid-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
     ]
     rank = int(os.environ["RANK"])
     results = run_cells(cells, context_parallel=2, probe_tokens=PROBE_TOKENS,

@@ -13,6 +13,7 @@ from art.megatron.settings import load_settings
 
 DENSE = load_geometry("Qwen3-8B")
 HYBRID = load_geometry("Qwen3.5-27B")
+MOE = load_geometry("Qwen3.5-35B-A3B")
 
 
 def test_dense_models_get_context_parallel_over_every_gpu():
@@ -24,12 +25,14 @@ def test_dense_models_get_context_parallel_over_every_gpu():
     assert s.context_parallel_size == 2
 
 
-def test_models_without_context_parallel_here_get_tensor_parallel():
-    s = default_layout(load_settings({}), HYBRID, visible_gpus=2, world_size=2)
-    assert (s.tensor_model_parallel_size, s.context_parallel_size) == (2, 1)
-    assert s.sequence_parallel
-    # Qwen3.5-27B has 4 KV groups: TP 8 cannot shard them, so nothing changes.
+def test_hybrids_get_context_parallel_and_moe_models_tensor_parallel():
     s = default_layout(load_settings({}), HYBRID, visible_gpus=8, world_size=8)
+    assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 8)
+    s = default_layout(load_settings({}), MOE, visible_gpus=2, world_size=2)
+    assert (s.tensor_model_parallel_size, s.context_parallel_size) == (2, 1)
+    assert s.sequence_parallel and s.expert_model_parallel_size == 1
+    # Qwen3.5-35B-A3B has 2 KV groups: TP 8 cannot shard them, so nothing changes.
+    s = default_layout(load_settings({}), MOE, visible_gpus=8, world_size=8)
     assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 1)
 
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from art.megatron.geometry import ModelGeometry
+from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
 from art.trainer_rank.memory.fit import Fit
@@ -50,13 +51,14 @@ def _row_padded(tokens: int, padded: int | None, chunk_tokens: int) -> int:
 
 
 def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
-                            chunk_tokens: int = GDN_CHUNK_TOKENS, row_tokens: int | None = None
-                            ) -> int:
+                            chunk_tokens: int = GDN_CHUNK_TOKENS, row_tokens: int | None = None,
+                            implementation: Implementation | None = None) -> int:
     """`padded_chunk_tokens` of the segments as `pack_sequences` lays them out in one row:
     each padded to the layout's per-sequence multiple, and the row's padded tail a segment of
     its own. `row_tokens`: the row's length when the segments are a prefix tree's nodes (the
-    packer's rows, which `packed_length_tokens` of the segments would not know)."""
-    per_sequence = sequence_multiple_tokens(layout)
+    packer's rows, which `packed_length_tokens` of the segments would not know);
+    `implementation`: the attention built, which says whether sequences are padded."""
+    per_sequence = sequence_multiple_tokens(layout, implementation)
     segments = [-(-int(n) // per_sequence) * per_sequence for n in sequence_lengths_tokens]
     row = (row_tokens if row_tokens is not None
            else packed_length_tokens(sequence_lengths_tokens, layout))

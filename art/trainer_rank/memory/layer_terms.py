@@ -55,6 +55,9 @@ class Block:
     temp: float = 0.0
     grad_temp: float = 0.0
     role: BlockRole | None = None
+    # The residual-stream bytes live beside this block (None: the layer's input row); a
+    # Gated DeltaNet mixer under CP runs beside its whole-row gathered input too.
+    stream: float | None = None
 
 
 

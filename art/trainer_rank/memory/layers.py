@@ -28,6 +28,8 @@ are in `layer_terms.py`.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.trainer_rank.memory.layer_terms import (
     FP32,
@@ -64,8 +66,13 @@ def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
                  rule_calls: tuple[tuple[int, ...], ...] | None = None) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
-    mixer = (linear_attention_blocks(d, s, padded, rule_calls) if kind.startswith("linear")
-             else attention_blocks(d, s))
+    cp = d.layout.context_parallel
+    if kind.startswith("linear") and cp > 1:
+        mixer = linear_attention_over_context_parallel(d, s, padded, rule_calls)
+    elif kind.startswith("linear"):
+        mixer = linear_attention_blocks(d, s, padded, rule_calls)
+    else:
+        mixer = attention_blocks(d, s)
     # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
     # when fused (or torch's in fp32, whose upcast is the tensor itself); torch's composite in
     # bf16/fp16 keeps its fp32 upcast instead (in the norm's block) and the add keeps nothing.
@@ -80,6 +87,27 @@ def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
     else:
         mlp = mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
     return [*mixer, residual, mlp_norm, *mlp]
+
+
+def linear_attention_over_context_parallel(d: Dims, s: int, padded: int | None,
+                                           rule_calls: tuple[tuple[int, ...], ...] | None
+                                           ) -> list[Block]:
+    """A Gated DeltaNet mixer under context parallel (specs/gated_delta_net.py): its input is
+    gathered to the whole row (the per-rank parts beside the gathered row while it is
+    assembled), the mixer runs over the whole row, and this rank's rows of its output are
+    copied out. Backward: the output's whole-row gradient (zero outside this rank's rows),
+    and the input's whole-row gradient copied for its sum over CP."""
+    g, b = d.geometry, d.dtype_bytes
+    row_tokens = s * d.layout.context_parallel
+    row = float(row_tokens) * g.hidden_size * b
+    local = d.hidden_tokens(s) * g.hidden_size * b
+    gathered = d.hidden_tokens(row_tokens) * g.hidden_size * b
+    gather = Block("CP gather (whole row)", None, 0.0, gathered, False, temp=row,
+                   grad_temp=2 * row)
+    rows_out = Block("CP local rows", None, 0.0, local, False, grad_temp=row)
+    mixer = [replace(blk, stream=local + gathered)
+             for blk in linear_attention_blocks(d, row_tokens, padded, rule_calls)]
+    return [gather, *mixer, rows_out]
 
 
 def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
@@ -137,14 +165,15 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             if blk.role is BlockRole.OUTPUT_GATE:
                 gate_live = 0.0
             extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
-            held = x + prev + blk.output
+            held = (x if blk.stream is None else blk.stream) + prev + blk.output
             if blk.role is BlockRole.DELTA_RULE:
                 extra += rule_inputs
                 if d.implementation.device != "cuda":
                     # The CPU rule peaks masking the decay, before its output exists, and the
                     # layer holds no hidden-sized tensor beside its input there (its norm sits
-                    # in in_proj, whose normed rows die with the linear).
-                    held = prev
+                    # in in_proj, whose normed rows die with the linear); under CP its
+                    # gathered whole-row input is held beside.
+                    held = prev + (blk.stream - x if blk.stream is not None else 0.0)
             peak = max(peak, held + blk.temp + blk.internal + extra)
             prev = blk.output
             if blk.role is BlockRole.QKV:
@@ -192,7 +221,8 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
                 if segments[j] != seg:
                     break
                 rebuilt += blocks[j].internal + blocks[j].output
-        grads = 2 * x + blk.output + blk.grad_temp
+        stream = x if blk.stream is None else blk.stream
+        grads = 2 * stream + blk.output + blk.grad_temp
         # The block's output, kept by the block after it, was freed when that block's
         # backward ran (before this one's): only its internal storages are still held.
         held = remaining - (blk.output if blk.output_saved and part >= blk.output else 0.0)

@@ -174,7 +174,8 @@ class MemoryModel:
         result: tuple[LayerCost, bool] | None = None
         if self.coefficients is not None:
             cost = self.coefficients.layer_cost(
-                kind, RecomputeMode(grad=grad, modules=modules).key, s, padded)
+                kind, RecomputeMode(grad=grad, modules=modules).key,
+                self._probe_tokens(kind, s), padded)
             if cost is not None:
                 result = (cost, True)
         if result is None:
@@ -218,7 +219,8 @@ class MemoryModel:
         tree = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
                            worst_case_routing=self.worst_case_routing,
                            rule_calls=recurrent.calls)
-        extra = prefix_tree_extra_forward_bytes(self.dims, kind, s, recurrent.calls, grad)
+        extra = prefix_tree_extra_forward_bytes(self.dims, kind, self._probe_tokens(kind, s),
+                                                recurrent.calls, grad)
         held = (None if plain.backward_held is None or tree.backward_held is None
                 else float(tree.backward_held - plain.backward_held))
         return (float(tree.forward - plain.forward) + extra,
@@ -277,8 +279,17 @@ class MemoryModel:
         kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
         if len(kinds) != 1:
             return None
+        kind = kinds.pop()
         return self.coefficients.layer_cost(
-            kinds.pop(), RecomputeMode(grad=grad, full_layers=n).key, s, padded)
+            kind, RecomputeMode(grad=grad, full_layers=n).key, self._probe_tokens(kind, s),
+            padded)
+
+    def _probe_tokens(self, kind: str, s: int) -> int:
+        """The tokens a probe curve is read at: this rank's, except a Gated DeltaNet layer's
+        under CP, which runs (and is probed at) the whole row."""
+        if kind.startswith("linear_attention") and self.layout.context_parallel > 1:
+            return s * self.layout.context_parallel
+        return s
 
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
@@ -343,9 +354,11 @@ class MemoryModel:
             *upper, last = recurrent.calls
             recurrent = RecurrentRow((*upper, (*last, S - sum(segments))))
         padded = None
-        if self.layout.context_parallel == 1 and has_chunked_layers(g):
-            padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S)
-                      if recurrent is not None
+        if has_chunked_layers(g):
+            # Under CP the Gated DeltaNet layers run the whole row (its padded tail included).
+            padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S,
+                                              implementation=self.implementation)
+                      if recurrent is not None or self.layout.context_parallel > 1
                       else row_padded_chunk_tokens(segments, self.layout))
         layers_gdn = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
         if grad and continued and layers_gdn:

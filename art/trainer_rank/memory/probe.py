@@ -350,12 +350,18 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 device=device, grad=grad, full_layers=full_layers, held=held)
             at = points[grad]
             chunk = chunk_tokens_of(kind)
+            # Under CP a Gated DeltaNet layer runs the whole row: its points are whole rows.
+            whole = bool(chunk) and layout.context_parallel > 1
+            inputs_at = ({t: probe_inputs(model, t, layout, implementation, device,
+                                          whole_row=True) for t in at}
+                         if whole else per_tokens)
             old = set_modes(layer, mods)
             try:
-                rows = [measure(per_tokens[t]) for t in at]
+                rows = [measure(inputs_at[t]) for t in at]
                 sparse_rows = {
                     (t, n): measure(probe_inputs(model, sparse_row_lengths(t, n, chunk),
-                                                 layout, implementation, device))
+                                                 layout, implementation, device,
+                                                 whole_row=whole))
                     for t in at if chunk and t % chunk == 0 for n in SPARSE_TOKENS_PER_CHUNK}
             finally:
                 restore_modes(layer, old)

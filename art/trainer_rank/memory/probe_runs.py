@@ -70,16 +70,17 @@ class ProbeInputs:
 
 
 def probe_inputs(model: Any, tokens: int | list[int], layout: Any, implementation: Any,
-                 device: torch.device) -> ProbeInputs:
+                 device: torch.device, *, whole_row: bool = False) -> ProbeInputs:
     """A packed row of one sequence of `tokens`, or of sequences of the given lengths, per
     CP rank: under context parallel the row holds CP times as many tokens, so each rank's
     layer runs on `tokens` rows (what the memory model prices a layer at) and attends to
-    the whole row."""
+    the whole row. `whole_row`: `tokens` are the whole row's (a Gated DeltaNet layer runs the
+    whole row under CP, so its curves are read at the whole row's tokens)."""
     from art.trainer_rank.compute.forward import _rotary, local_row
     from art.trainer_rank.compute.packing import pack_sequences
 
     inner = inner_model(model)
-    cp = layout.context_parallel
+    cp = 1 if whole_row else layout.context_parallel
     lengths = [tokens * cp] if isinstance(tokens, int) else [n * cp for n in tokens]
     sequences = [torch.randint(0, inner.vocab_size, (n,), device=device) for n in lengths]
     batch = pack_sequences(sequences, implementation=implementation, layout=layout,
