@@ -78,6 +78,19 @@ def test_cp2_steps_equal_dp2_steps(reports):
     assert reports[1]["cp2"]["adapter"] == cp2["adapter"]
 
 
+def test_hybrid_cp2_steps_equal_dp2_steps(reports):
+    """A Gated DeltaNet hybrid at CP=2 (its recurrence over the whole row gathered on each CP
+    rank, its attention split) trains as at TP=1 x DP=2."""
+    cp2, dp2 = reports[0]["hybrid"]["cp2"], reports[0]["hybrid"]["dp2"]
+    assert cp2["adapter_changed"] and cp2["base_untouched"]
+    assert cp2["losses"] == pytest.approx(dp2["losses"], rel=1e-5, abs=1e-6)
+    assert [s["grad_norm"] for s in cp2["steps"]] == pytest.approx(
+        [s["grad_norm"] for s in dp2["steps"]], rel=1e-4)
+    for key in cp2["adapter"]:
+        a, b = cp2["adapter"][key], dp2["adapter"][key]
+        assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, key
+
+
 def test_driver_reads_the_data_parallel_size_through_train_ps(reports):
     assert reports[0]["tp2"]["data_parallel"] == 1 and reports[0]["dp2"]["data_parallel"] == 2
 

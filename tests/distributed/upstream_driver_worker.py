@@ -1,8 +1,9 @@
 """Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
 rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
-inside the caller's loop, then `train` at CP=2 with the layer probe on. Each phase's report
-and the gathered adapter go to OUT_DIR/rank<r>.json."""
+inside the caller's loop, then `train` at CP=2 with the layer probe on, and a hybrid model at
+CP=2 and at TP=1 x DP=2. Each phase's report and the gathered adapter go to
+OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -98,9 +99,24 @@ def main() -> None:
     cp2["adapter"] = _adapter(trainer)
     cp2["context_parallel"] = parallel_state.get_context_parallel_world_size()
     cp2["probed_layers"] = len(trainer.probe.layers.layers) if trainer.probe else 0
+    # The hybrid (three Gated DeltaNet layers, one attention layer): CP=2, whose recurrence
+    # runs over the gathered whole row, against TP=1 x DP=2.
+    hybrid_args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
+                                     "--max-tokens", "24", "--model", "tiny-qwen3_5",
+                                     "--num-layers", "4"])
+    hybrid = {}
+    # The hybrid's layer probe under CP is measured in test_calibration_cp2.py; here the
+    # steps are what is compared.
+    os.environ["ART_TRAINER_RANK_PROBE_LAYERS"] = "false"
+    for name, size in (("cp2", "2"), ("dp2", "1")):
+        del trainer
+        parallel_state.destroy_model_parallel()
+        os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = size
+        hybrid[name], trainer = driver.train(hybrid_args)
+        hybrid[name]["adapter"] = _adapter(trainer)
     rank = dist.get_rank()
     with open(out_dir / f"rank{rank}.json", "w") as f:
-        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves, "cp2": cp2}, f)
+        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves, "cp2": cp2, "hybrid": hybrid}, f)
     dist.barrier()
     dist.destroy_process_group()
 
