@@ -169,6 +169,7 @@ def install() -> bool:
     fused_softmax.get_default_causal_mask = _cpu_causal_mask
     _redirect_gated_delta_net()
     _redirect_fused_kernels()
+    _redirect_all_to_all_split_sizes()
     try:
         from megatron.core.transformer.moe import moe_utils
 
@@ -178,6 +179,25 @@ def install() -> bool:
         pass
     _installed = True
     return True
+
+
+def _redirect_all_to_all_split_sizes() -> None:
+    """Megatron's alltoall MoE dispatcher passes `all_to_all_single` its split sizes as
+    tensors, which the gloo binding refuses (NCCL's accepts them): here they go as lists."""
+    import torch.distributed as dist
+
+    original = dist.all_to_all_single
+
+    def all_to_all_single(output: torch.Tensor, input: torch.Tensor,
+                          output_split_sizes: Any = None, input_split_sizes: Any = None,
+                          group: Any = None, async_op: bool = False) -> Any:
+        def as_list(sizes: Any) -> Any:
+            return sizes.tolist() if isinstance(sizes, torch.Tensor) else sizes
+
+        return original(output, input, as_list(output_split_sizes), as_list(input_split_sizes),
+                        group=group, async_op=async_op)
+
+    dist.all_to_all_single = all_to_all_single
 
 
 # Set on a TransformerConfig by the model builder for a GPU-shaped CPU build: its attention

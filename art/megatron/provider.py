@@ -308,14 +308,6 @@ class Provider:
                     f"{named}: {g.name} has MoE layers, which do not run under context "
                     "parallel here yet (dense and hybrid models do); use 1 and tensor parallel"
                 )
-        if impl.device == "cpu" and s.expert_model_parallel_size > 1:
-            # gloo's all_to_all_single rejects the split sizes the alltoall dispatcher passes.
-            named = s.named("expert_model_parallel_size",
-                            f"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE={s.expert_model_parallel_size}")
-            raise ValueError(
-                f"{named} needs NCCL (CUDA): on CPU the gloo backend cannot run the MoE "
-                "all-to-all; use 1"
-            )
 
     def _check_parallel_state_matches(self, parallel_state: Any) -> None:
         layout = self.settings.layout()

@@ -91,6 +91,16 @@ def test_hybrid_cp2_steps_equal_dp2_steps(reports):
         assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, key
 
 
+def test_moe_ep2_steps_equal_ep1_steps(reports):
+    """A MoE checkpoint at EP=2 (each rank holds half the experts; gloo's all-to-all) trains
+    exactly as at EP=1."""
+    ep2, ep1 = reports[0]["moe"]["ep2"], reports[0]["moe"]["ep1"]
+    assert ep2["adapter_changed"] and ep2["base_untouched"]
+    assert ep2["losses"] == pytest.approx(ep1["losses"], rel=1e-5, abs=1e-6)
+    assert [s["grad_norm"] for s in ep2["steps"]] == pytest.approx(
+        [s["grad_norm"] for s in ep1["steps"]], rel=1e-4)
+
+
 def test_driver_reads_the_data_parallel_size_through_train_ps(reports):
     assert reports[0]["tp2"]["data_parallel"] == 1 and reports[0]["dp2"]["data_parallel"] == 2
 

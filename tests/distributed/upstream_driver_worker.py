@@ -1,9 +1,9 @@
 """Worker for test_upstream_driver.py (torchrun, 2 ranks): scripts/upstream_driver.py's
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
 rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
-inside the caller's loop, then `train` at CP=2 with the layer probe on, and a hybrid model at
-CP=2 and at TP=1 x DP=2. Each phase's report and the gathered adapter go to
-OUT_DIR/rank<r>.json."""
+inside the caller's loop, then `train` at CP=2 with the layer probe on, a hybrid model at
+CP=2 and at TP=1 x DP=2, and a MoE checkpoint at EP=2 and EP=1. Each phase's report and the
+gathered adapter go to OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -114,9 +114,29 @@ def main() -> None:
         os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = size
         hybrid[name], trainer = driver.train(hybrid_args)
         hybrid[name]["adapter"] = _adapter(trainer)
+    # A MoE checkpoint (saved by transformers, the same on every rank) at EP=2 against EP=1.
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from _hf_checkpoint import save_random_checkpoint
+
+    folder = out_dir / "moe"
+    if dist.get_rank() == 0:
+        save_random_checkpoint(folder, family="qwen3_moe", layers=2)
+    dist.barrier()
+    os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = "1"
+    moe_args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
+                                  "--max-tokens", "24", "--model", str(folder)])
+    moe = {}
+    for name, size in (("ep2", "2"), ("ep1", "1")):
+        del trainer
+        parallel_state.destroy_model_parallel()
+        os.environ["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"] = size
+        moe[name], trainer = driver.train(moe_args)
+        moe[name]["adapter"] = _adapter(trainer)
+    del os.environ["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"]
     rank = dist.get_rank()
     with open(out_dir / f"rank{rank}.json", "w") as f:
-        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves, "cp2": cp2, "hybrid": hybrid}, f)
+        json.dump({"tp2": tp2, "dp2": dp2, "waves": waves, "cp2": cp2, "hybrid": hybrid,
+                   "moe": moe}, f)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,0 +1,103 @@
+"""torchrun worker (2 ranks, gloo): a MoE model at EP=2 against EP=1 on the same weights.
+
+argv: out_dir. Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
+its weights; phase 2 rebuilds Megatron's parallel state at EP=2 and loads them, each rank
+taking its own experts (`local_experts.i` on EP rank r is global expert r x E/EP + i). Both
+ranks feed the same tokens, so at EP=2 every expert receives the tokens of both ranks: its
+gradient is the sum of the two ranks' parts, twice EP=1's; the other parameters' gradients
+and the logits are EP=1's. Writes out_dir/rank<R>.json with the largest differences.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import torch
+import torch.distributed as dist
+
+from art.megatron.distributed import initialize_distributed, shutdown_distributed
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
+
+from _tiny import tiny_moe
+
+IMPLEMENTATION = Implementation.cpu_local()
+EXPERT = re.compile(r"^(?P<head>.*local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
+
+
+def _run(ep: int, state: dict | None) -> tuple[dict, torch.Tensor, dict]:
+    from megatron.core import parallel_state
+
+    geometry = tiny_moe(num_layers=2)
+    layout = ParallelLayout(tensor_parallel=1, expert_parallel=ep,
+                            data_parallel=dist.get_world_size())
+    config = build_transformer_config(geometry, layout=layout,
+                                      recompute=RecomputeConfig("selective"),
+                                      dtype="float32", implementation=IMPLEMENTATION)
+    model = build_gpt_model(geometry, config, implementation=IMPLEMENTATION, seed=0)
+    local = geometry.num_experts // ep
+    rank = parallel_state.get_expert_model_parallel_rank()
+    if state is not None:
+        mine = {}
+        for name, value in model.state_dict().items():
+            if not isinstance(value, torch.Tensor):
+                continue  # TE-style extra state: nothing to carry
+            match = EXPERT.match(name)
+            source = name if match is None else (
+                f"{match['head']}{rank * local + int(match['index'])}{match['tail']}")
+            mine[name] = state[source]
+        missing, unexpected = model.load_state_dict(mine, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    full = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+    tokens = torch.randint(0, geometry.vocab_size, (1, 48),
+                           generator=torch.Generator().manual_seed(3))
+    logits = model(tokens, torch.arange(48)[None], attention_mask=None)
+    weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(4))
+    (logits * weights).sum().backward()
+    grads = {}
+    for name, param in model.named_parameters():
+        if param.grad is None:
+            continue
+        match = EXPERT.match(name)
+        key = name if match is None else (
+            f"{match['head']}{rank * local + int(match['index'])}{match['tail']}")
+        grads[key] = param.grad.clone()
+    return full, logits.detach(), grads
+
+
+def main() -> None:
+    from megatron.core import parallel_state
+
+    out_dir = sys.argv[1]
+    initialize_distributed(tensor_parallel=1, expert_parallel=1)
+    state, whole_logits, whole_grads = _run(1, None)
+    parallel_state.destroy_model_parallel()
+    initialize_distributed(tensor_parallel=1, expert_parallel=2)
+    _, split_logits, split_grads = _run(2, state)
+    scale = max(g.abs().max().item() for g in whole_grads.values())
+    expert_diff = other_diff = 0.0
+    experts = others = 0
+    for name, grad in split_grads.items():
+        if EXPERT.match(name):
+            experts += 1
+            expert_diff = max(expert_diff, (grad - 2 * whole_grads[name]).abs().max().item())
+        else:
+            others += 1
+            other_diff = max(other_diff, (grad - whole_grads[name]).abs().max().item())
+    rank = int(os.environ["RANK"])
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"logits": (split_logits - whole_logits).abs().max().item(),
+                   "logit_scale": whole_logits.abs().max().item(),
+                   "expert_grad": expert_diff / scale, "other_grad": other_diff / scale,
+                   "experts": experts, "others": others,
+                   "expert_parallel": parallel_state.get_expert_model_parallel_world_size()},
+                  f)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
