@@ -14,7 +14,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from art.megatron import model_builder
-from art.megatron.default_layout import default_layout, visible_cuda_gpus
+from art.megatron.default_layout import (
+    default_layout,
+    runs_under_context_parallel,
+    visible_cuda_gpus,
+)
 from art.megatron.distributed import DistributedState
 from art.megatron.distributed import initialize_distributed as _initialize_distributed
 from art.megatron.geometry import ModelGeometry, load_geometry
@@ -303,7 +307,7 @@ class Provider:
                     "implementation to the runtime (it builds that attention when CP > 1) or "
                     "use 1"
                 )
-            if g.is_moe:
+            if not runs_under_context_parallel(g):
                 raise ValueError(
                     f"{named}: {g.name} has MoE layers, which do not run under context "
                     "parallel here yet (dense and hybrid models do); use 1 and tensor parallel"

@@ -50,6 +50,11 @@ class OutputRequest:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
     @property
+    def uses_head(self) -> bool:
+        """Whether the output layer runs (every output but the hidden states needs it)."""
+        return bool(self.target_logprobs or self.top_k or self.logits)
+
+    @property
     def key(self) -> str:
         parts = []
         if self.target_logprobs:

@@ -336,7 +336,7 @@ def run_micro_batch(model: Any, lengths: Sequence[int], outputs: OutputRequest, 
             hidden = decoder_hidden_states(model, batch)
             # As the trainer's path does: the head runs only when a head output is wanted.
             heads = HeadOutputs(None, None, None, None)
-            if outputs.target_logprobs or outputs.top_k or outputs.logits:
+            if outputs.uses_head:
                 heads = compute_heads(
                     model, hidden, target_tokens=targets if outputs.target_logprobs else None,
                     top_k=outputs.top_k, logits=outputs.logits)

@@ -312,8 +312,7 @@ def _steps(models: Sequence[_Model], *, dtype: str, implementation: Implementati
 
 
 def _needs_head(outputs: str) -> bool:
-    request = OutputRequest.parse(outputs)
-    return bool(request.target_logprobs or request.top_k or request.logits)
+    return OutputRequest.parse(outputs).uses_head
 
 
 # What fit_to_budget drops, in order, while the plan's predicted seconds exceed its budget:

@@ -51,7 +51,7 @@ def run_sub_forward(
         targets = pack_targets([_target_columns(leaf, columns).to(device) for leaf in leaves],
                                batch)
     heads = None
-    if wanted.target_logprobs or wanted.top_k or wanted.logits:
+    if wanted.uses_head:
         heads = compute_heads(
             model, hidden, target_tokens=None if targets is None else targets.row_targets,
             top_k=wanted.top_k, logits=wanted.logits, chunk_tokens=head_chunk_tokens,

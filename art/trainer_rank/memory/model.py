@@ -360,9 +360,8 @@ class MemoryModel:
                                               implementation=self.implementation)
                       if recurrent is not None or self.layout.context_parallel > 1
                       else row_padded_chunk_tokens(segments, self.layout))
-        layers_gdn = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
-        if grad and continued and layers_gdn:
-            layers = layers_gdn
+        layers = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
+        if grad and continued and layers:
             per_layer = prefix_tree_state_bytes(self.dims, continued)
             pre.append(Term("prefix-tree states handed on", int(layers * per_layer), "forward",
                             f"{layers} Gated DeltaNet layer(s) x {continued} continued "

@@ -395,11 +395,11 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
             at = points[grad]
             rows = [measure_tail(model, tail_rows[t], request, torch_dtype, device, grad)
                     for t in at]
-            whole = [t * cp for t in at]
+            row_tokens = [t * cp for t in at]
             fitted_tails.append((okey, grad, ProbedTail(
-                kept=Fit.fit(whole, [r["kept"] for r in rows]),
-                forward=Fit.fit(whole, [r["forward"] for r in rows]),
-                backward=Fit.fit(whole, [r["backward"] for r in rows]))))
+                kept=Fit.fit(row_tokens, [r["kept"] for r in rows]),
+                forward=Fit.fit(row_tokens, [r["forward"] for r in rows]),
+                backward=Fit.fit(row_tokens, [r["backward"] for r in rows]))))
     finally:
         release_score_buffer()
         inner.train(was_training)

@@ -238,7 +238,7 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
             hidden, tensor_parallel_output_grad=False)
     hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
-    if outputs.target_logprobs or outputs.top_k or outputs.logits:
+    if outputs.uses_head:
         heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
                               else None, top_k=outputs.top_k, logits=outputs.logits)
     else:

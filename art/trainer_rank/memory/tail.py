@@ -90,7 +90,7 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     norm_internal = norm_rows * FP32 + (
         norm_rows * g.hidden_size * FP32
         if model.implementation.norm == "torch" and b < FP32 else 0)
-    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
+    uses_head = out.uses_head
     vocab_local = g.vocab_size / tp
     chunk = min(model.head_chunk_tokens, rows)
     # One chunk: [chunk, vocab/TP] logits in the model dtype, upcast to fp32 (a copy only in
@@ -168,7 +168,7 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
     # view of it), and without a head output, once the copies are made: only the head's
     # backward reads it.
     decoder_row = rows * g.hidden_size * b
-    uses_head = bool(out.target_logprobs or out.top_k or out.logits)
+    uses_head = out.uses_head
     held_row = decoder_row if uses_head else 0.0
     rescore = rescored_branch_rows(model, batch)
     kept = (row.kept - decoder_row + (logical - rows) * head_row
@@ -237,7 +237,7 @@ def largest_allocation(model: PricedModel, batch: MicroBatchShape, s: int, S: in
     # The heads run on the whole row on every CP rank (S = s without CP).
     sizes = [S * g.hidden_size * b]
     out = batch.outputs
-    if out.target_logprobs or out.top_k or out.logits:
+    if out.uses_head:
         chunk = min(model.head_chunk_tokens, S)
         sizes.append(chunk * g.vocab_size / tp * FP32)
     if out.logits:
