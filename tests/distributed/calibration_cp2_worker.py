@@ -4,13 +4,12 @@ split row), dense and hybrid; each rank writes its measured vs predicted and sto
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from _calibration.harness import Cell, run_cells  # noqa: E402
+from _calibration.harness import Cell  # noqa: E402
+from _calibration_runs import measure_on_this_rank  # noqa: E402
 
 from art.trainer_rank.memory.chunked import with_points_inside_chunks  # noqa: E402
 
@@ -36,11 +35,7 @@ def main() -> None:
              shared_prefix=37, **cp),
         Cell("hybrid-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
     ]
-    rank = int(os.environ["RANK"])
-    results = run_cells(cells, context_parallel=2, probe_tokens=PROBE_TOKENS,
-                        store_probe_dir=str(out_dir / "probes" / f"rank{rank}"))
-    rows = [r.row() for r in results]
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(rows))
+    measure_on_this_rank(out_dir, cells, context_parallel=2, probe_tokens=PROBE_TOKENS)
 
 
 if __name__ == "__main__":

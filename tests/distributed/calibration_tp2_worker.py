@@ -3,13 +3,12 @@ and stores its probe in <out>/probes/rank<R>."""
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
-from _calibration.harness import Cell, run_cells  # noqa: E402
+from _calibration.harness import Cell  # noqa: E402
+from _calibration_runs import measure_on_this_rank  # noqa: E402
 
 PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 
@@ -23,11 +22,7 @@ def main() -> None:
         Cell("gqa-128", "selective default", 8, 2, (136,), "logits", True),
         Cell("gqa-128", "selective default", 8, 2, (342,), "logits", False),
     ]
-    rank = int(os.environ["RANK"])
-    results = run_cells(cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS,
-                        store_probe_dir=str(out_dir / "probes" / f"rank{rank}"))
-    rows = [r.row() for r in results]
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(rows))
+    measure_on_this_rank(out_dir, cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS)
 
 
 if __name__ == "__main__":

@@ -4,10 +4,10 @@ the whole row on every CP rank); each rank holds half of every row and prices it
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from _calibration_runs import assert_rows_reprice
 from calibration_cp2_worker import PROBE_TOKENS
 
 from _torchrun import rank_records, run_torchrun
@@ -37,12 +37,4 @@ def test_cp2_cells_within_target(cp2_run):
 
 @pytest.mark.torchrun
 def test_cp2_rows_reprice_from_each_ranks_stored_probe(cp2_run, tmp_path):
-    from _calibration.harness import merge_rank_rows, reprice_rows
-
-    merged = merge_rank_rows(rank_records(cp2_run))
-    probes = tmp_path / "probes"
-    shutil.copytree(cp2_run / "probes", probes)
-    again = reprice_rows(merged, str(probes), probe_tokens=PROBE_TOKENS)
-    for row, repriced in zip(merged, again, strict=True):
-        assert repriced["predicted_bytes"] == row["predicted_bytes"], row["lengths"]
-        assert repriced["predicted_default_bytes"] == row["predicted_default_bytes"]
+    assert_rows_reprice(cp2_run, tmp_path / "probes", PROBE_TOKENS)

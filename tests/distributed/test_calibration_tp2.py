@@ -5,10 +5,10 @@ Each rank probes its own TP-sharded layer and measures its own peak; both must a
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import pytest
+from _calibration_runs import assert_rows_reprice
 from calibration_tp2_worker import PROBE_TOKENS
 
 from _torchrun import rank_records, run_torchrun
@@ -44,17 +44,12 @@ def test_tp2_rows_reprice_from_each_ranks_stored_probe(tp2_run, tmp_path):
     """`calibrate.py --reprice` on TP=2 rows: each rank's probe is stored in its own folder
     and the merged row (busiest rank's measurement, highest rank estimate) re-prices to the
     same bytes without a rank running."""
-    from _calibration.harness import merge_rank_rows, reprice_rows
+    from _calibration.harness import reprice_rows
 
-    merged = merge_rank_rows(rank_records(tp2_run))
     probes = tmp_path / "probes"
-    shutil.copytree(tp2_run / "probes", probes)
+    merged = assert_rows_reprice(tp2_run, probes, PROBE_TOKENS)
     assert sorted(p.parent.name for p in probes.glob("rank*/probe-*.json")) == [
         "rank0", "rank1"]
-    again = reprice_rows(merged, str(probes), probe_tokens=PROBE_TOKENS)
-    for row, repriced in zip(merged, again, strict=True):
-        assert repriced["predicted_bytes"] == row["predicted_bytes"], row["lengths"]
-        assert repriced["predicted_default_bytes"] == row["predicted_default_bytes"]
     # Without a rank's probe the rows cannot be priced: the error says how to get it.
     next((probes / "rank1").glob("probe-*.json")).unlink()
     with pytest.raises(ValueError, match="stored per rank"):

@@ -58,10 +58,9 @@ def _ended_in_time(rows: list[dict], scenario: str) -> None:
         assert row["ended_at"] - fired_at < FAULT_TIMEOUT_S, scenario
 
 
-@pytest.mark.torchrun
-@pytest.mark.parametrize("scenario", list(FATAL))
-def test_oom_inside_collectives_ends_every_rank_with_the_same_error(ranks, scenario):
-    rows = [r[scenario] for r in ranks]
+def _same_oom_ended_every_rank(rows: list[dict], scenario: str) -> None:
+    """Rank 1's OOM inside the collectives of `scenario` ended every rank's call in time with
+    the same TrainerRankMemoryError, and nobody carried on with the micro-batch."""
     _ended_in_time(rows, scenario)
     for row in rows:
         error = row["error"]
@@ -72,9 +71,8 @@ def test_oom_inside_collectives_ends_every_rank_with_the_same_error(ranks, scena
     assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
 
 
-@pytest.mark.torchrun
-def test_oom_before_any_collective_is_agreed_and_recovered_on_every_rank(ranks):
-    rows = [r["packing"] for r in ranks]
+def _packing_oom_recovered(rows: list[dict]) -> None:
+    """Rank 1's OOM in packing, before any collective, was agreed and every item delivered."""
     assert rows[1]["fired"] == "packing" and rows[0]["fired"] is None
     for row in rows:
         assert row["error"] is None, row["error"]
@@ -84,6 +82,17 @@ def test_oom_before_any_collective_is_agreed_and_recovered_on_every_rank(ranks):
         assert max(row["retries"]) >= 1
     assert rows[0]["profiles"] == rows[1]["profiles"]
     assert rows[0]["decisions"] == rows[1]["decisions"]
+
+
+@pytest.mark.torchrun
+@pytest.mark.parametrize("scenario", list(FATAL))
+def test_oom_inside_collectives_ends_every_rank_with_the_same_error(ranks, scenario):
+    _same_oom_ended_every_rank([r[scenario] for r in ranks], scenario)
+
+
+@pytest.mark.torchrun
+def test_oom_before_any_collective_is_agreed_and_recovered_on_every_rank(ranks):
+    _packing_oom_recovered([r["packing"] for r in ranks])
 
 
 @pytest.mark.torchrun
@@ -194,15 +203,5 @@ def cp_ranks(tmp_path_factory) -> list[dict]:
 
 @pytest.mark.torchrun
 def test_an_oom_on_one_cp_rank_ends_both_with_the_same_error(cp_ranks):
-    rows = [r["forward layer"] for r in cp_ranks]
-    _ended_in_time(rows, "forward layer")
-    for row in rows:
-        assert row["error"]["memory_error"], row["error"]
-        assert f"rank 1 ran out of memory {FATAL['forward layer']}" in row["error"]["text"]
-        assert row["seen"] == []
-    assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
-    packing = [r["packing"] for r in cp_ranks]
-    assert packing[1]["fired"] == "packing"
-    for row in packing:
-        assert row["error"] is None and sorted(row["seen"]) == [0, 1, 2, 3], row["error"]
-    assert packing[0]["decisions"] == packing[1]["decisions"]
+    _same_oom_ended_every_rank([r["forward layer"] for r in cp_ranks], "forward layer")
+    _packing_oom_recovered([r["packing"] for r in cp_ranks])

@@ -73,6 +73,19 @@ def _waves(trainer) -> dict:
             "dp_size": parallel_state.get_data_parallel_world_size()}
 
 
+def _train(driver, args, **megatron_env: str) -> tuple[dict, object]:
+    """The driver's `train` in a fresh Megatron parallel state under these ART_MEGATRON_*
+    settings (they stay set for the next phase); its report carries the gathered adapter."""
+    from megatron.core import parallel_state
+
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    os.environ.update({f"ART_MEGATRON_{k}": v for k, v in megatron_env.items()})
+    report, trainer = driver.train(args)
+    report["adapter"] = _adapter(trainer)
+    return report, trainer
+
+
 def main() -> None:
     out_dir = Path(sys.argv[1])
     driver = _driver()
@@ -80,23 +93,13 @@ def main() -> None:
                               "--max-tokens", "24"])
     from megatron.core import parallel_state
 
-    os.environ["ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"] = "2"
-    tp2, trainer = driver.train(args)
-    tp2["adapter"] = _adapter(trainer)
-    del trainer
-    parallel_state.destroy_model_parallel()
-    os.environ["ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE"] = "1"
-    dp2, trainer = driver.train(args)
-    dp2["adapter"] = _adapter(trainer)
+    tp2, _ = _train(driver, args, TENSOR_MODEL_PARALLEL_SIZE="2")
+    dp2, trainer = _train(driver, args, TENSOR_MODEL_PARALLEL_SIZE="1")
     waves = _waves(trainer)
-    del trainer
-    parallel_state.destroy_model_parallel()
     # Context parallel: both ranks hold halves of every row; the probe runs its layers on
     # them (keys and values gathered over CP).
-    os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = "2"
     os.environ["ART_TRAINER_RANK_PROBE_LAYERS"] = "true"
-    cp2, trainer = driver.train(args)
-    cp2["adapter"] = _adapter(trainer)
+    cp2, trainer = _train(driver, args, CONTEXT_PARALLEL_SIZE="2")
     cp2["context_parallel"] = parallel_state.get_context_parallel_world_size()
     cp2["probed_layers"] = len(trainer.probe.layers.layers) if trainer.probe else 0
     # The hybrid (three Gated DeltaNet layers, one attention layer): CP=2, whose recurrence
@@ -104,16 +107,11 @@ def main() -> None:
     hybrid_args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
                                      "--max-tokens", "24", "--model", "tiny-qwen3_5",
                                      "--num-layers", "4"])
-    hybrid = {}
     # The hybrid's layer probe under CP is measured in test_calibration_cp2.py; here the
     # steps are what is compared.
     os.environ["ART_TRAINER_RANK_PROBE_LAYERS"] = "false"
-    for name, size in (("cp2", "2"), ("dp2", "1")):
-        del trainer
-        parallel_state.destroy_model_parallel()
-        os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = size
-        hybrid[name], trainer = driver.train(hybrid_args)
-        hybrid[name]["adapter"] = _adapter(trainer)
+    hybrid = {name: _train(driver, hybrid_args, CONTEXT_PARALLEL_SIZE=size)[0]
+              for name, size in (("cp2", "2"), ("dp2", "1"))}
     # A MoE checkpoint (saved by transformers, the same on every rank) at EP=2 against EP=1.
     sys.path.insert(0, str(ROOT / "scripts"))
     from _hf_checkpoint import save_random_checkpoint
@@ -122,16 +120,11 @@ def main() -> None:
     if dist.get_rank() == 0:
         save_random_checkpoint(folder, family="qwen3_moe", layers=2)
     dist.barrier()
-    os.environ["ART_MEGATRON_CONTEXT_PARALLEL_SIZE"] = "1"
     moe_args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
                                   "--max-tokens", "24", "--model", str(folder)])
-    moe = {}
-    for name, size in (("ep2", "2"), ("ep1", "1")):
-        del trainer
-        parallel_state.destroy_model_parallel()
-        os.environ["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"] = size
-        moe[name], trainer = driver.train(moe_args)
-        moe[name]["adapter"] = _adapter(trainer)
+    moe = {name: _train(driver, moe_args, CONTEXT_PARALLEL_SIZE="1",
+                        EXPERT_MODEL_PARALLEL_SIZE=size)[0]
+           for name, size in (("ep2", "2"), ("ep1", "1"))}
     del os.environ["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"]
     rank = dist.get_rank()
     with open(out_dir / f"rank{rank}.json", "w") as f:
