@@ -3,8 +3,8 @@ one scenario per phase and kind (an OOM, or another exception: a bug, the caller
 in a fresh job world (its own store and process groups, since a fault in a phase with
 collectives closes them).
 
-argv: out_dir, fault_timeout_s, then one free port per world (the fault-free run's, then one
-per scenario), then the fuzz's control store port. Writes rank<r>.json: per
+argv: out_dir, fault_timeout_s, then the fuzz's control store port (not needed with ONLY; each
+world's store port is rank 0's, see `start_world`). Writes rank<r>.json: per
 scenario the items seen, the error (type, text), when the call ended, when the fault fired,
 the profile (observations and misses) and the decisions.
 """
@@ -111,8 +111,27 @@ class StepFault:
             self._module.get_grad_norm_fp32 = self._original
 
 
-def start_world(port: int) -> None:
-    store = dist.TCPStore("127.0.0.1", port, WORLD, RANK == 0, timedelta(seconds=60))
+def start_world(out_dir: str, name: str) -> None:
+    """A fresh job world. Rank 0's store listens on a port the OS gives it at once, and the
+    others read that port from a file: a port chosen ahead of time can be taken meanwhile
+    (by the previous world's gloo connections, or torchrun's own store)."""
+    port_file = os.path.join(out_dir, f"world-{name}.port")
+    if RANK == 0:
+        # Not waiting for the others here: they learn the port from the file below.
+        store = dist.TCPStore("127.0.0.1", 0, WORLD, True, timedelta(seconds=60),
+                              wait_for_workers=False)
+        with open(port_file + ".tmp", "w") as f:
+            f.write(str(store.port))
+        os.replace(port_file + ".tmp", port_file)
+    else:
+        deadline = time.time() + 60
+        while not os.path.exists(port_file):
+            if time.time() > deadline:
+                raise TimeoutError(f"rank 0 wrote no {port_file} within 60 s")
+            time.sleep(0.01)
+        with open(port_file) as f:
+            port = int(f.read())
+        store = dist.TCPStore("127.0.0.1", port, WORLD, False, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
                             timeout=timedelta(seconds=60))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
@@ -218,7 +237,7 @@ def main() -> None:
     out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
     cpu_runtime.install()
     results: dict = {}
-    start_world(int(ports[0]))
+    start_world(out_dir, "clean")
     clean = run(trainer(fault_timeout_s), Injector())
     results["clean"] = clean
     assert clean["error"] is None and clean["counts"], clean["error"]
@@ -230,7 +249,7 @@ def main() -> None:
         injector = Injector(location, nth, raises) if mine and fraction else Injector()
         step = StepFault(raises, mine) if location == "optimizer step" else None
         end_world()  # a fault closes the groups: every scenario gets a world of its own
-        start_world(int(ports[k]))
+        start_world(out_dir, f"scenario-{k}")
         # A hang shows where each rank waits (the test's own timeout then fails it).
         faulthandler.dump_traceback_later(3 * fault_timeout_s)
         timeout_s = (CALLER_LOOP_TIMEOUT_S if location in ("caller loop", "break")
@@ -247,7 +266,7 @@ def main() -> None:
     end_world()
     if ONLY is None:
         counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1,
-                            control_port=int(ports[len(SCENARIOS) + 1]), max_items=4,
+                            control_port=int(ports[0]), max_items=4,
                             max_tokens=120)
         results["fuzz"] = dict(counts)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:

@@ -43,8 +43,8 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
-    # The fault-free world, one per scenario, the fuzz's control store.
-    ports = [str(free_port()) for _ in range(11)]
+    # The fuzz's control store (every world's store takes a port of its own).
+    ports = [str(free_port())]
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
     run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300)
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
@@ -143,8 +143,7 @@ def test_tp2_workload_fuzz_with_faults_on_one_rank(ranks):
 @pytest.fixture(scope="module")
 def four_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults_dp2")
-    ports = [str(free_port()) for _ in range(2)]  # the fault-free world, the scenario's
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=4, timeout_s=300,
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=4, timeout_s=300,
                  env={"ART_TEST_PHASE_FAULTS_TP": "2",
                       "ART_TEST_PHASE_FAULTS_ONLY": "forward layer"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
@@ -194,8 +193,7 @@ def test_a_fault_on_another_replica_wakes_a_rank_waiting_in_the_waves(tmp_path):
 @pytest.fixture(scope="module")
 def cp_ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults_cp2")
-    ports = [str(free_port()) for _ in range(3)]  # the fault-free world, two scenarios'
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300,
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=2, timeout_s=300,
                  env={"ART_TEST_PHASE_FAULTS_CP": "2",
                       "ART_TEST_PHASE_FAULTS_ONLY": "packing,forward layer"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
