@@ -15,17 +15,11 @@ from __future__ import annotations
 from dataclasses import replace
 
 from art.megatron.geometry import ModelGeometry
+from art.megatron.runnable_layouts import runs_under_context_parallel
 from art.megatron.settings import Settings
 
 LAYOUT_FIELDS = ("tensor_model_parallel_size", "context_parallel_size",
                  "pipeline_model_parallel_size", "expert_model_parallel_size")
-
-
-def runs_under_context_parallel(geometry: ModelGeometry) -> bool:
-    """Whether the model runs under CP here: softmax attention splits the row (the segmented
-    flash attention) and a Gated DeltaNet layer runs the gathered whole row; the MoE
-    dispatcher is not built for it."""
-    return not geometry.is_moe
 
 
 def tensor_parallel_splits(geometry: ModelGeometry, size: int) -> bool:

@@ -13,12 +13,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from art.megatron import model_builder
-from art.megatron.default_layout import (
-    default_layout,
-    runs_under_context_parallel,
-    visible_cuda_gpus,
-)
+from art.megatron import model_builder, runnable_layouts
+from art.megatron.default_layout import default_layout, visible_cuda_gpus
 from art.megatron.distributed import DistributedState
 from art.megatron.distributed import initialize_distributed as _initialize_distributed
 from art.megatron.geometry import ModelGeometry, load_geometry
@@ -290,28 +286,13 @@ class Provider:
             )
 
     def _check_implementation(self) -> None:
-        impl, s = self.implementation, self.settings
-        if s.context_parallel_size > 1:
-            named = s.named("context_parallel_size",
-                            f"ART_MEGATRON_CONTEXT_PARALLEL_SIZE={s.context_parallel_size}")
-            g = self.geometry
-            if impl.spec != "local" or impl.attention != "flash":
-                # Megatron's local DotProductAttention asserts CP == 1 at build; TE's THD CP
-                # needs a per-sequence split the packer does not make.
-                what = ("Megatron's unfused DotProductAttention, which refuses CP at build"
-                        if impl.spec == "local" else "Transformer Engine's THD attention, "
-                        "which needs every sequence split on its own (not done here)")
-                raise ValueError(
-                    f"{named} runs in the segmented flash attention (local spec); the "
-                    f"implementation asked for here ({impl.key}) has {what}. Leave the "
-                    "implementation to the runtime (it builds that attention when CP > 1) or "
-                    "use 1"
-                )
-            if not runs_under_context_parallel(g):
-                raise ValueError(
-                    f"{named}: {g.name} has MoE layers, which do not run under context "
-                    "parallel here yet (dense and hybrid models do); use 1 and tensor parallel"
-                )
+        """Refuse what runnable_layouts says Megatron-Core does not build here (context
+        parallel outside the segmented flash attention, or on MoE layers)."""
+        s = self.settings
+        refused = runnable_layouts.refusal(s.layout(), self.implementation, self.geometry,
+                                           asker=runnable_layouts.Asker.PROVIDER)
+        if refused is not None:
+            raise ValueError(refused.message(s.named(refused.setting, refused.subject)))
 
     def _check_parallel_state_matches(self, parallel_state: Any) -> None:
         layout = self.settings.layout()

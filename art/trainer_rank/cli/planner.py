@@ -448,7 +448,7 @@ def plan(
             usable = gpu_memory_bytes - int(estimate.resident_bytes)
             max_packed = max_packed_tokens(memory_model, batch, usable)
             cells.append(PlanCell(policy, layout, gpu_memory_bytes, estimate, max_packed,
-                                  not_runnable=layout_refusal(layout, built) or ""))
+                                  not_runnable=layout_refusal(layout, built, geometry) or ""))
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from art.megatron import runnable_layouts
 from art.megatron.attention_layout import AttentionLayout, AttentionSegment, KeySpan
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
@@ -134,23 +135,14 @@ def shares_prefixes(implementation: Implementation, layout: ParallelLayout) -> b
 
 
 def check_layout_supported(implementation: Implementation, layout: ParallelLayout) -> None:
-    """Refuse layouts the built model cannot run, before any memory is spent on them.
-
-    Sequence parallel is accepted on both specs: model_builder swaps the local spec's torch
-    norms for ones that run on sequence shards. Context parallel runs in the segmented flash
-    attention (local spec, CPU or CUDA), which splits the row and gathers keys and values.
-    """
-    if layout.context_parallel == 1 or implementation.spec == "te":
-        # TE rows pack for THD context parallel (every sequence padded to 2 x CP); whether
-        # TrainerRank runs them is decide/runnable.py's answer.
-        return
-    if implementation.attention != "flash":
-        raise ValueError(
-            f"context parallel {layout.context_parallel} with Megatron's unfused "
-            "DotProductAttention: it only supports context parallel size 1; build the "
-            "segmented flash attention (Implementation.cpu_local('flash'), what the runtime "
-            "builds on CPU when CP > 1) or set ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"
-        )
+    """Refuse layouts whose rows the packer cannot lay out for the built attention, before any
+    memory is spent on them: the packer's answer from art.megatron.runnable_layouts (context
+    parallel on Megatron's unfused attention; TE's THD rows pack, and whether TrainerRank
+    runs them is the same module's answer for TrainerRank)."""
+    refused = runnable_layouts.refusal(layout, implementation,
+                                       asker=runnable_layouts.Asker.PACKER)
+    if refused is not None:
+        raise ValueError(refused.message())
 
 
 def pack_sequences(
