@@ -414,8 +414,7 @@ def _plot_utilisation(passes: list[Any], limit: int) -> None:
 def _clear_caches(admission: Any) -> None:
     """Forget the memory model's per-shape estimates and admission's cached prices and caps
     (a decision on new items finds none)."""
-    for key in ("_estimate_cache", "_memo_cache"):
-        admission.memory_model.__dict__.pop(key, None)
+    admission.memory_model.clear_caches()
     admission.clear_caches()
 
 
@@ -425,6 +424,7 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
     from art.megatron.train import TrainingRuntime
     from art.trainer_rank import ForwardInput, TrainerRank
     from art.trainer_rank.compute.items import make_items
+    from art.trainer_rank.decide.plan import PlanRequest
 
     from _workload import group_lengths
 
@@ -448,7 +448,7 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
             for _ in range(args.overhead_repeats):
                 _clear_caches(trainer.admission)
                 t0 = time.perf_counter()
-                trainer.admission.plan_next(items, True, limit)
+                trainer.admission.plan(PlanRequest(tuple(items), True, limit))
                 first.append(time.perf_counter() - t0)
             # A whole pass of decisions over the N items (no execution): the per-decision mean.
             _clear_caches(trainer.admission)
@@ -456,7 +456,7 @@ def overhead(out: dict[str, Any], ctx: dict[str, Any], args: argparse.Namespace)
             decisions = 0
             t0 = time.perf_counter()
             while pending and decisions < 200:
-                plan = trainer.admission.plan_next(pending, True, limit)
+                plan = trainer.admission.plan(PlanRequest(tuple(pending), True, limit))
                 chosen = {it.index for it in plan.items}
                 pending = [it for it in pending if it.index not in chosen]
                 decisions += 1

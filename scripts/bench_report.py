@@ -128,7 +128,8 @@ def _overhead(o: dict[str, Any]) -> list[str]:
     rows = o["rows"]
     lines = [
         "## 3. Overhead: time per admission decision", "", *_run_line(o),
-        "`Admission.plan_next` on the demo model's memory model with N pending top-level items "
+        "`Admission.plan` (a queue, `PlanMode.NEXT`) on the demo model's memory model with N "
+        "pending top-level items "
         "(groups of 4 rollouts from the workload generator), grad, the utilisation limit. "
         "*first* = one decision with all N pending and the estimate cache cleared (median of "
         "repeats); *mean* = a whole pass of decisions (up to 200) over the N items without "

@@ -123,7 +123,6 @@ def main(argv: list[str] | None = None) -> int:
     # The group's price under the configured (selective) and full recompute, as admission
     # prices it: the limit goes between, where the seed's GPUs were.
     item = make_items([group])[0]
-    trainer.admission.unallocated_gradient_bytes = 0
     selective, shape, _ = trainer.admission.price_items([item], True)
     full_recompute = trainer.admission.full_recompute
     assert full_recompute is not None

@@ -29,7 +29,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # adapter checkpoint slots and the optimizer step
     ("art.trainer_rank.slots",),
     # the trainer's knobs and the orchestrator
-    ("art.trainer_rank._options", "art.trainer_rank._impl"),
+    ("art.trainer_rank._options", "art.trainer_rank._impl", "art.trainer_rank._micro_batch_run"),
     # the public API and the command line
     ("art.trainer_rank.cli", "art.trainer_rank.__main__", "art.trainer_rank"),
 )

@@ -12,17 +12,25 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Generator, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from art.trainer_rank._micro_batch_run import (
+    CallerPeak,
+    ComputePath,
+    Execution,
+    caller_peak,
+    execute,
+    micro_batch_context,
+    trained_slots,
+)
 from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._types import (
     DECLINED,
     EMPTY,
-    ForwardOutput,
     MicroBatch,
     MicroBatchStats,
     TrainerRankMemoryError,
@@ -30,32 +38,24 @@ from art.trainer_rank._types import (
     TrainerRankRuntimeSupportError,
     Unset,
 )
-from art.trainer_rank.compute.execute import detached_output, pack_leaves, run_sub_forward
 from art.trainer_rank.compute.forward import language_model
-from art.trainer_rank.compute.items import (
-    Item,
-    fingerprint,
-    make_items,
-    rebuild,
-    validate_items,
-)
-from art.trainer_rank.decide.admission import AdmissionPolicy, Plan, PlanMode
+from art.trainer_rank.compute.items import Item, fingerprint, make_items, validate_items
+from art.trainer_rank.decide.admission import AdmissionPolicy
 from art.trainer_rank.decide.escalation import running_recompute
-from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.outcome import (
     CallOutcome,
     caller_oom_not_retried,
-    declined_after_retries,
     partial_execution,
     plan_stats,
     record_oom,
-    too_many_ooms,
 )
+from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.decide.runnable import layout_refusal
 from art.trainer_rank.decide.trainer_admission import trainer_admission
 from art.trainer_rank.memory.device import (
     GradSnapshot,
+    UnallocatedGradients,
     cuda_oom_count,
     device_usable_bytes,
     release_memory,
@@ -66,19 +66,9 @@ from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
-from art.trainer_rank.ranks.phases import (
-    CALLER_BACKWARD,
-    OOM,
-    PLAN,
-    MicroBatchContext,
-    PhaseAgreement,
-)
+from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement
 from art.trainer_rank.slots.api import SlotMethods
-from art.trainer_rank.slots.optimizer_step import (
-    GraphLedger,
-    output_tensors,
-)
-from art.trainer_rank.slots.routing import adapter_groups, run_by_adapter
+from art.trainer_rank.slots.optimizer_step import GraphLedger, output_tensors
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
 
@@ -156,6 +146,16 @@ class TrainerRank(SlotMethods):
 
     def _next_tp_model(self) -> tuple[int, Any] | None:
         return next_tp_memory_model(self.provider, self.options.head_chunk_tokens)
+
+    @property
+    def compute_path(self) -> ComputePath:
+        """What the next plan's forwards run on (read per micro-batch: a driver may replace
+        `options` between calls)."""
+        return ComputePath(
+            model=self.model, implementation=self.implementation, layout=self.layout,
+            device=self.device, head_chunk_tokens=self.options.head_chunk_tokens,
+            shares_prefixes=self.shares_prefixes, adapter_key=self.slots.adapter_key,
+            phases=self.phases)
 
     @property
     def active_checkpoint(self) -> str | None:
@@ -276,9 +276,10 @@ class TrainerRank(SlotMethods):
             usable = {grad: self.usable_limit_bytes(GradSnapshot.expected_bytes(self.model)
                                                     if grad else 0)
                       for grad in {item.grad for item in mine}}
-            for grad, limit in usable.items():
-                self._prepare_admission(grad, limit)
-            fitting = self.admission.fitting_prefix(mine, usable.__getitem__)
+            gradients = self._unallocated_gradients() if True in usable else None
+            # A tail probed on first use measures below the lower limit (the grad one).
+            with self._probing_below(usable[True] if True in usable else usable[False]):
+                fitting = self.admission.fitting_prefix(mine, usable, gradients)
         return widest_wave(start, len(items), dp_rank, dp_size, fitting, len(mine))
 
     def _by_grad_mode(self, local: list[Item], call: CallOutcome, wave: Wave, mode: PlanMode, *,
@@ -328,14 +329,48 @@ class TrainerRank(SlotMethods):
                 self._save_profiles()
             raise
 
-    def _planned(self, pending: list[Item], grad: bool, usable: int, mode: PlanMode) -> Plan:
-        """The next plan for `pending`: a wave's share as one micro-batch when it fits (else as
-        admission takes it, e.g. after a run-time OOM), or a whole call."""
-        if mode == PlanMode.CALL and grad:
-            return plan_call(self.admission, pending, grad, usable)
-        if mode == PlanMode.WAVE:
-            return self.admission.plan_group(pending, grad, usable)
-        return self.admission.plan_next(pending, grad, usable)
+    def _plan(self, pending: list[Item], grad: bool, held_bytes: int, mode: PlanMode
+              ) -> tuple[PlanRequest, Plan]:
+        """The next plan for `pending`, agreed over the replica: a wave's share as one
+        micro-batch when it fits (else as admission takes it, e.g. after a run-time OOM), a
+        queue greedily, or a whole grad call. `held_bytes`: what the trainer holds for this
+        micro-batch already (its gradient snapshot)."""
+        usable = self.usable_limit_bytes(held_bytes)
+        probed = len(self.probe.probed_tails) if self.probe is not None else 0
+        request = self._request(pending, grad, usable, mode)
+        with self._probing_below(usable):
+            plan = self.admission.plan(request)
+        if self.probe is not None and len(self.probe.probed_tails) != probed:
+            # A head tail was probed on first use while planning (below the limit read
+            # before it): read the limit again after it and plan with that.
+            release_memory()
+            usable = self.usable_limit_bytes(held_bytes)
+            request = self._request(pending, grad, usable, mode)
+            with self._probing_below(usable):
+                plan = self.admission.plan(request)
+        _agree.check_same_plan(plan.agreement_key(usable))
+        return request, plan
+
+    def _request(self, pending: list[Item], grad: bool, usable: int, mode: PlanMode
+                 ) -> PlanRequest:
+        return PlanRequest(tuple(pending), grad, usable, mode,
+                           self._unallocated_gradients() if grad else None)
+
+    def _unallocated_gradients(self) -> UnallocatedGradients:
+        return unallocated_gradients(self.model, self.provider.geometry.num_layers)
+
+    @contextlib.contextmanager
+    def _probing_below(self, usable: int) -> Iterator[None]:
+        """A head tail probed on first use while planning measures below this plan's limit."""
+        if self.probe is None:
+            yield
+            return
+        before = self.probe.usable_bytes
+        self.probe.usable_bytes = usable
+        try:
+            yield
+        finally:
+            self.probe.usable_bytes = before
 
     def _micro_batch_loop(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
                           mode: PlanMode, *, measure_caller: bool) -> Iterator[MicroBatch]:
@@ -350,176 +385,92 @@ class TrainerRank(SlotMethods):
             snapshot = (
                 GradSnapshot(self.model) if grad and GradSnapshot.affordable(self.model) else None
             )
-            held = 0 if snapshot is None else snapshot.nbytes
             with self.phases.collectives(PLAN, None):
-                usable = self.usable_limit_bytes(held)
-                probed = len(self.probe.probed_tails) if self.probe is not None else 0
-                self._prepare_admission(grad, usable)
-                plan = self._planned(pending, grad, usable, mode)
-                if self.probe is not None and len(self.probe.probed_tails) != probed:
-                    # A head tail was probed on first use while planning (below the limit
-                    # read before it): read the limit again after it and plan with that.
-                    release_memory()
-                    usable = self.usable_limit_bytes(held)
-                    self._prepare_admission(grad, usable)
-                    plan = self._planned(pending, grad, usable, mode)
-                _agree.check_same_plan(
-                    f"{plan.decision} items={plan.indices} subs={plan.sub_forwards} "
-                    f"escalate={plan.escalate} "
-                    f"recompute={plan.recompute.key if plan.recompute else '-'} usable={usable}"
-                )
+                request, plan = self._plan(pending, grad,
+                                           0 if snapshot is None else snapshot.nbytes, mode)
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:
-                snapshot = None
-                assert plan.error is not None
-                error = plan.error
-                attempts = max((call.retries.get(i, 0) for i in plan.indices), default=0)
-                if attempts:
-                    error = declined_after_retries(error, plan.indices, attempts)
-                logger.warning("%s", error)
-                call.declined.append(error)
+                call.decline(plan)
                 continue
             if plan.escalate:
                 logger.warning("escalating: %s", plan.note)
-            context = MicroBatchContext(
-                call=call.number, micro_batch=call.micro_batches, items=tuple(plan.indices),
-                signature=plan.signature, packed_tokens=plan.shape.packed_tokens,
-                usable_bytes=usable, predicted_bytes=plan.pricing.dynamic_bytes,
-                recompute_summary=plan.pricing.recompute.summary,
-                model_bytes=plan.pricing.model_peak_bytes,
-            )
+            context = micro_batch_context(plan, call.number, call.micro_batches,
+                                          request.usable_bytes)
             call.micro_batches += 1
-            outcome = yield from self._run_plan(
-                plan, grad, usable, call, wave, context, snapshot, measure_caller=measure_caller
-            )
-            if outcome is not None:  # an OOM: the items go back to the queue, smaller next time
-                call.oom_count += 1
-                call.last_oom = outcome
-                if call.oom_count > self.options.max_oom_retries:
-                    raise too_many_ooms(plan, usable, call.oom_count,
-                                        self.options.max_oom_retries, sorted(chosen),
-                                        [i.index for i in pending]) from outcome
-                for index in chosen:
-                    call.retries[index] = call.retries.get(index, 0) + 1
+            oom = yield from self._run_plan(plan, request, context, call, wave, snapshot,
+                                            measure_caller=measure_caller)
+            if oom is not None:  # the items go back to the queue, smaller next time
+                call.count_oom(plan, request.usable_bytes, oom, [i.index for i in pending],
+                               self.options.max_oom_retries)
                 pending = sorted([*plan.items, *pending], key=lambda it: it.index)
 
-    def _prepare_admission(self, grad: bool, usable: int) -> None:
-        """What admission reads beside the items: the usable limit a head tail probed on first
-        use must measure below, and the trainable gradients not allocated yet."""
-        if self.probe is not None:
-            self.probe.usable_bytes = usable
-        gradients = unallocated_gradients(self.model, self.provider.geometry.num_layers)
-        self.admission.unallocated_gradients = gradients if grad else None
-        self.admission.unallocated_gradient_bytes = gradients.total_bytes if grad else 0
-
-    def _run_plan(
-        self,
-        plan: Plan,
-        grad: bool,
-        usable: int,
-        call: CallOutcome,
-        wave: Wave,
-        context: MicroBatchContext,
-        snapshot: GradSnapshot | None,
-        *,
-        measure_caller: bool,
-    ) -> Iterator[MicroBatch]:
-        """Run and yield one plan; returns the OOM exception when it ran out of memory and the
-        replica is one rank (with several, ranks/phases.py ends the call on every rank).
-        `snapshot`: the gradients as they were before the plan (grad plans of adapters)."""
-        leaves = plan.leaves
+    def _run_plan(self, plan: Plan, request: PlanRequest, context: MicroBatchContext,
+                  call: CallOutcome, wave: Wave, snapshot: GradSnapshot | None, *,
+                  measure_caller: bool
+                  ) -> Generator[MicroBatch, None, BaseException | None]:
+        """Run and yield one plan: execute it, yield it to the caller, read what the caller's
+        loss and backward peaked at, record the outcome. Returns the OOM when it ran out of
+        memory and the replica is one rank (with several, ranks/phases.py ends the call on
+        every rank). `snapshot`: the gradients as they were before the plan (grad plans of
+        adapters)."""
+        usable, grad = request.usable_bytes, request.grad
         replica = _agree.replica_size()
-        stack = contextlib.ExitStack()
-        with stack:
+        with contextlib.ExitStack() as stack:
             if plan.recompute is not None:
                 stack.enter_context(running_recompute(self.model, plan.recompute))
             meter = stack.enter_context(self._meter(usable))
             ooms_before = cuda_oom_count(self.device)
-            slot_of = [c for item in plan.items for c in item.checkpoints]
-            prepared, outcome = self._prepare(plan, slot_of, usable, replica)
-            if outcome is not None:  # agreed by every rank of the replica: recovered
+            executed = execute(self.compute_path, plan, grad, context, replica)
+            if executed.oom is not None:
                 stack.close()
-                release_memory()
-                return outcome
-            failed_sub: tuple[int, ...] | None = None
-            ran = 0  # sub-forwards completed
-            try:
-                leaf_outputs: list[ForwardOutput] = []
-                with torch.set_grad_enabled(grad), self.phases.compute(context, replica):
-                    for sub in plan.sub_forwards:
-                        failed_sub = sub
-                        # Sequences of different slots never share a packed forward.
-                        leaf_outputs.extend(run_by_adapter(
-                            list(sub), [slot_of[i] for i in sub],
-                            lambda part, slot: run_sub_forward(
-                                self.model, [leaves[i] for i in part],
-                                implementation=self.implementation, layout=self.layout,
-                                device=self.device,
-                                groups=plan.groups(part) if self.shares_prefixes else None,
-                                head_chunk_tokens=self.options.head_chunk_tokens,
-                                checkpoint=slot, batch=prepared.pop(tuple(part), None),
-                            ),
-                            adapter_key=self.slots.adapter_key,
-                        ))
-                        ran += 1
-                if grad:
-                    flags = [f for item in plan.items for f in item.no_grad_leaves]
-                    self._grad_slots.update(
-                        c for c, f in zip(slot_of, flags) if c is not None and not f)
-            except torch.OutOfMemoryError as exc:
-                leaf_outputs = []
-                prepared.clear()
-                record_oom(self.admission, self.profiles, plan, failed_sub, usable, exc)
-                stack.close()
-                if snapshot is not None:
-                    snapshot.restore()
-                release_memory()
-                if grad and ran > 0:
-                    # Sub-forwards whose graphs the caller's backward was to use already ran:
-                    # the call cannot be re-planned behind the caller's back.
-                    raise partial_execution(plan, ran, usable, exc) from exc
-                return exc
+                return self._recovered(plan, request, executed, snapshot)
+            if grad:
+                self._grad_slots.update(trained_slots(plan))
+                self.graphs.register(output_tensors(executed.outputs), f"items {plan.indices}")
             stats = plan_stats(self.admission, plan, usable, grad, call.retries, wave)
-            if grad:
-                flags = [f for item in plan.items for f in item.no_grad_leaves]
-                leaf_outputs = [detached_output(out) if no_grad else out
-                                for out, no_grad in zip(leaf_outputs, flags)]
-            outputs, cursor = [], 0
-            for item in plan.items:
-                n = len(item.leaves)
-                outputs.append(rebuild(item.value, leaf_outputs[cursor:cursor + n]))
-                cursor += n
-            del leaf_outputs
-            if grad:
-                self.graphs.register(output_tensors(outputs), f"items {plan.indices}")
-            micro_batch = MicroBatch(
-                inputs=[item.value for item in plan.items],
-                outputs=outputs,
-                indices=plan.indices,
-                stats=stats,
-            )
+            micro_batch = MicroBatch(inputs=[item.value for item in plan.items],
+                                     outputs=executed.outputs, indices=plan.indices,
+                                     stats=stats)
+            del executed
             with self.phases.caller_phase(context, replica):
                 yield micro_batch
-            del outputs
-            over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
-            caller_oom = over or cuda_oom_count(self.device) > ooms_before
-            if caller_oom and replica > 1:
-                # Outside torch.autograd.backward (e.g. in the caller's loss): peers may be
-                # blocked in this micro-batch's backward collectives.
-                raise self.phases.abandon(torch.OutOfMemoryError(
-                    f"out of memory in the caller's loss/backward at {meter.peak_bytes} bytes "
-                    f"(usable {usable})"), CALLER_BACKWARD, "", context)
-            with self.phases.collectives(CALLER_BACKWARD, context):
-                caller_oom = bool(_agree.max_over_replica(int(caller_oom)))
-                measured = _agree.max_over_replica(meter.peak_bytes)
-        if caller_oom:
+            caller = caller_peak(self.compute_path, meter, ooms_before, usable, context,
+                                 replica)
+        return self._recorded(plan, request, micro_batch, caller, snapshot,
+                              measure_caller=measure_caller)
+
+    def _recovered(self, plan: Plan, request: PlanRequest, executed: Execution,
+                   snapshot: GradSnapshot | None) -> BaseException:
+        """A forward (or the packing before it) ran out of memory on this replica of one
+        rank: record the miss, undo what it did, and hand the OOM back for a re-plan."""
+        assert executed.oom is not None
+        record_oom(self.admission, self.profiles, plan, request, executed.failed_sub_forward,
+                   executed.oom)
+        if executed.forward_started and snapshot is not None:
+            snapshot.restore()
+        release_memory()
+        if executed.forward_started and request.grad and executed.sub_forwards_run > 0:
+            # Sub-forwards whose graphs the caller's backward was to use already ran: the
+            # call cannot be re-planned behind the caller's back.
+            raise partial_execution(plan, executed.sub_forwards_run, request.usable_bytes,
+                                    executed.oom) from executed.oom
+        return executed.oom
+
+    def _recorded(self, plan: Plan, request: PlanRequest, micro_batch: MicroBatch,
+                  caller: CallerPeak, snapshot: GradSnapshot | None, *, measure_caller: bool
+                  ) -> BaseException | None:
+        """What the caller's phase left: a measured peak for the profile, or an OOM in the
+        caller's loss/backward (its outputs void, its gradients restored, returned for a
+        re-plan; raised when they cannot be restored)."""
+        usable = request.usable_bytes
+        if caller.out_of_memory:
             # These outputs are void (the items come again); drop their graphs now. The caller
             # must also drop its own references (e.g. `del loss`) before iterating on.
             micro_batch.outputs.clear()
             exc = torch.OutOfMemoryError(
-                f"the caller's loss/backward ran out of memory at {measured} bytes (usable "
-                f"{usable}) for items {plan.indices}"
+                f"the caller's loss/backward ran out of memory at {caller.measured_peak_bytes} "
+                f"bytes (usable {usable}) for items {plan.indices}"
             )
             self.profiles.record_miss(plan.signature, plan.shape.packed_tokens, usable,
                                       plan.pricing.model_peak_bytes)
@@ -528,39 +479,14 @@ class TrainerRank(SlotMethods):
             snapshot.restore()
             release_memory()
             return exc
-        self.stats_history.append(replace(stats, measured_peak_bytes=measured))
+        self.stats_history.append(replace(micro_batch.stats,
+                                          measured_peak_bytes=caller.measured_peak_bytes))
         if measure_caller:
             # A split's signature and size are its largest sub-forward's: nothing is kept
             # between sub-forwards without grad, so the measured peak is that one's.
-            self.profiles.observe(plan.signature, plan.shape.packed_tokens, measured,
-                                  plan.pricing.model_peak_bytes)
+            self.profiles.observe(plan.signature, plan.shape.packed_tokens,
+                                  caller.measured_peak_bytes, plan.pricing.model_peak_bytes)
         return None
-
-    def _prepare(self, plan: Plan, slot_of: list[str | None], usable: int, replica: int
-                 ) -> tuple[dict[tuple[int, ...], Any], BaseException | None]:
-        """Pack the micro-batch's first forward (its first sub-forward's first adapter group)
-        before any collective of the micro-batch, then vote: an OOM there on any rank of the
-        replica is recorded as the same miss on every rank, and the items are planned again.
-        Returns the packed batch by leaf positions, or the OOM when the vote found one."""
-        first = plan.sub_forwards[0]
-        positions = adapter_groups([slot_of[i] for i in first])[0][1]
-        part = [first[p] for p in positions]
-        prepared: dict[tuple[int, ...], Any] = {}
-        error: BaseException | None = None
-        try:
-            prepared[tuple(part)] = pack_leaves(
-                [plan.leaves[i] for i in part], implementation=self.implementation,
-                layout=self.layout, device=self.device, groups=plan.groups(part))
-        except torch.OutOfMemoryError as exc:
-            error = exc
-        failed_rank = self.phases.vote(error is not None, replica)
-        if failed_rank is None:
-            return prepared, None
-        prepared.clear()
-        error = error or torch.OutOfMemoryError(
-            f"rank {failed_rank} ran out of memory packing items {plan.indices}")
-        record_oom(self.admission, self.profiles, plan, first, usable, error)
-        return {}, error
 
     def _merge_profiles_over_data_parallel(self) -> None:
         """Every DP rank took this call: each leaves it holding every replica's observations

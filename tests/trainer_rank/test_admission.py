@@ -23,6 +23,7 @@ from art.trainer_rank._types import (
 )
 from art.trainer_rank.compute.items import make_items
 from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
+from art.trainer_rank.decide.plan import PlanRequest
 from art.trainer_rank.decide.profiles import ProfileStore
 
 MOE = (False,) * 4
@@ -87,6 +88,11 @@ def items(*groups):
     )
 
 
+def plan_next(adm: Admission, pending, grad: bool, usable_bytes: int):
+    """The next micro-batch of a queue, as the trainer asks for it (no gradients pending)."""
+    return adm.plan(PlanRequest(tuple(pending), grad, usable_bytes))
+
+
 def warm(adm: Admission, grad: bool) -> None:
     """One observation for the signature, as a measured first micro-batch leaves behind."""
     pricing, shape, sig = adm.price(items(10)[0].leaves, grad)
@@ -96,7 +102,7 @@ def warm(adm: Admission, grad: bool) -> None:
 
 def test_cold_start_runs_the_smallest_item_first_under_a_cap():
     adm = admission(cold_start_fraction=0.25)
-    plan = adm.plan_next(items(300, 50, 400, 60, 70), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(300, 50, 400, 60, 70), grad=True, usable_bytes=100_000)
     # model admits 1000 tokens; the cap is 250: smallest (50) first, then what fits under 250.
     assert plan.decision == COLD_CAPPED
     assert sum(it.num_tokens for it in plan.items) <= 250
@@ -106,12 +112,12 @@ def test_cold_start_runs_the_smallest_item_first_under_a_cap():
 def test_warm_admits_the_largest_set_of_whole_items_that_fits():
     adm = admission()
     warm(adm, True)
-    plan = adm.plan_next(items(300, 500, 400, 60), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(300, 500, 400, 60), grad=True, usable_bytes=100_000)
     assert plan.decision == ADMITTED
     # 300 + 500 fit (800 of 1000 tokens), 400 does not, 60 still does: first fit, whole items.
     assert [it.index for it in plan.items] == [0, 1, 3]
     assert plan.shape.packed_tokens == 860 and plan.pricing.dynamic_bytes == 86_000
-    plan2 = adm.plan_next([items(300, 500, 400, 60)[2]], grad=True, usable_bytes=100_000)
+    plan2 = plan_next(adm, [items(300, 500, 400, 60)[2]], grad=True, usable_bytes=100_000)
     assert [it.index for it in plan2.items] == [2]
 
 
@@ -134,33 +140,32 @@ def test_where_the_model_under_predicted_sizes_grow_by_the_trust_window_only():
     adm = admission(trust_window=2.0)
     _, _, sig = adm.price(items(100)[0].leaves, True)
     adm.profiles.observe(sig, 100, 15_000, 10_000)  # the model said 10_000
-    plan = adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(150, 40, 30, 500), grad=True, usable_bytes=100_000)
     assert plan.decision == ADMITTED and [it.index for it in plan.items] == [0, 1]
     assert plan.shape.packed_tokens <= 200 and "growing at most x2" in plan.note
     adm.profiles.observe(sig, 190, 28_000, 19_000)
-    assert adm.plan_next(items(150, 40, 30, 500), grad=True, usable_bytes=100_000
+    assert plan_next(adm, items(150, 40, 30, 500), grad=True, usable_bytes=100_000
                          ).shape.packed_tokens == 220  # the cap moved to 380
     exact = admission()
     _, _, sig = exact.price(items(100)[0].leaves, True)
     exact.profiles.observe(sig, 100, 9_000, 10_000)  # the model over-predicts: no cap
-    assert [it.index for it in exact.plan_next(items(150, 40, 30, 500), grad=True,
+    assert [it.index for it in plan_next(exact, items(150, 40, 30, 500), grad=True,
                                                usable_bytes=100_000).items] == [0, 1, 2, 3]
 
 
 def test_no_grad_group_that_does_not_fit_is_split_into_sub_forwards():
     adm = admission()
     warm(adm, False)
-    plan = adm.plan_next(items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
+    plan = plan_next(adm, items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
     assert plan.decision == SPLIT
     assert plan.sub_forwards == ((0, 1), (2, 3))  # 700 and 550 tokens x 20 B <= 16000
     assert plan.pricing.dynamic_bytes <= 16_000
 
 
 def test_split_prices_the_outputs_earlier_sub_forwards_leave_behind():
-    adm = admission()
-    adm.held_output_bytes = lambda shape: 10 * shape.packed_tokens
+    adm = dataclasses.replace(admission(), held_output_bytes=lambda shape: 10 * shape.packed_tokens)
     warm(adm, False)
-    plan = adm.plan_next(items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
+    plan = plan_next(adm, items((400, 300, 350, 200)), grad=False, usable_bytes=16_000)
     # [400+300] = 14000; then 350 alone with 7000 held = 14000; +200 would be 18000; 200 alone
     # with 10500 held = 14500.
     assert plan.decision == SPLIT and plan.sub_forwards == ((0, 1), (2,), (3,))
@@ -170,7 +175,7 @@ def test_split_prices_the_outputs_earlier_sub_forwards_leave_behind():
 def test_grad_item_escalates_to_full_recompute_when_only_that_fits():
     adm = admission()
     warm(adm, True)
-    plan = adm.plan_next(items((600, 600)), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items((600, 600)), grad=True, usable_bytes=100_000)
     assert plan.decision == ESCALATED and plan.escalate
     assert plan.pricing.recompute is FULL and plan.pricing.dynamic_bytes == 12_000
 
@@ -178,9 +183,9 @@ def test_grad_item_escalates_to_full_recompute_when_only_that_fits():
 def test_decline_names_mode_prices_remedies_and_says_which_fit():
     adm = admission(escalate_to_full_recompute=False)
     warm(adm, True)
-    plan = adm.plan_next(items(50, (600, 600)), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(50, (600, 600)), grad=True, usable_bytes=100_000)
     assert plan.decision == ADMITTED
-    plan = adm.plan_next(items(50, (600, 600))[1:], grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(50, (600, 600))[1:], grad=True, usable_bytes=100_000)
     assert plan.decision == DECLINED and plan.sub_forwards == ()
     err = plan.error
     msg = str(err)
@@ -201,7 +206,7 @@ def test_next_tp_alternative_is_priced_with_the_decisions_coefficients():
     adm = dataclasses.replace(admission(escalate_to_full_recompute=False),
                               memory_model=LinearModel(scale=0.8),
                               default_memory_model=LinearModel())
-    plan = adm.plan_next(items(2500), grad=True, usable_bytes=110_000)
+    plan = plan_next(adm, items(2500), grad=True, usable_bytes=110_000)
     assert plan.decision == DECLINED and plan.pricing.dynamic_bytes == 200_000
     msg = str(plan.error)
     # formulas at TP=2: 125,000 bytes (does not fit); x0.8: 100,000 (fits)
@@ -213,12 +218,12 @@ def test_next_tp_alternative_is_priced_with_the_decisions_coefficients():
 def test_decline_when_nothing_fits_says_so():
     adm = admission()
     warm(adm, True)
-    plan = adm.plan_next(items(20_000), grad=True, usable_bytes=100_000)
+    plan = plan_next(adm, items(20_000), grad=True, usable_bytes=100_000)
     assert plan.decision == DECLINED
     msg = str(plan.error)
     assert msg.count("does not fit") == 2  # full recompute and TP=2
     assert "RECOMPUTE_GRANULARITY" not in plan.error.suggestion
-    no_grad = adm.plan_next(items(20_000), grad=False, usable_bytes=100_000)
+    no_grad = plan_next(adm, items(20_000), grad=False, usable_bytes=100_000)
     assert no_grad.decision == DECLINED
     assert "recompute cannot help" in str(no_grad.error)
 
@@ -227,10 +232,10 @@ def test_decline_when_nothing_fits_says_so():
 def test_a_recorded_miss_shrinks_what_is_admitted(usable):
     adm = admission()
     warm(adm, False)
-    first = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
+    first = plan_next(adm, items(100, 100, 100), grad=False, usable_bytes=usable)
     tokens = first.shape.packed_tokens
     adm.profiles.record_miss(first.signature, tokens, usable, first.pricing.model_peak_bytes)
-    again = adm.plan_next(items(100, 100, 100), grad=False, usable_bytes=usable)
+    again = plan_next(adm, items(100, 100, 100), grad=False, usable_bytes=usable)
     assert again.decision == DECLINED or again.shape.packed_tokens < tokens
 
 
@@ -308,7 +313,7 @@ def test_a_call_of_many_short_items_is_planned_in_logarithmically_many_estimates
             return original(shape)
 
         adm.memory_model.estimate = counted
-        plan = adm.plan_next(queue, grad=True, usable_bytes=usable)
+        plan = plan_next(adm, queue, grad=True, usable_bytes=usable)
         assert estimates <= 4 * count.bit_length() + 20, estimates
         assert [it.index for it in plan.items] == _greedy_reference(queue, usable)
         assert plan.pricing.dynamic_bytes <= usable
@@ -316,7 +321,7 @@ def test_a_call_of_many_short_items_is_planned_in_logarithmically_many_estimates
             assert len(plan.items) == count
 
 
-def test_a_wave_of_many_short_items_finds_its_fitting_prefix_by_bisection():
+def test_a_wave_of_many_short_items_finds_its_fitting_prefix_by_bisection(monkeypatch):
     import random
 
     rng = random.Random(7)
@@ -328,13 +333,13 @@ def test_a_wave_of_many_short_items_finds_its_fitting_prefix_by_bisection():
     calls = 0
     original = adm.fits_together
 
-    def counted(part, grad, usable_bytes):
+    def counted(self, request):
         nonlocal calls
         calls += 1
-        return original(part, grad, usable_bytes)
+        return original(request)
 
-    adm.fits_together = counted
-    fitting = adm.fitting_prefix(queue, lambda grad: usable)
+    monkeypatch.setattr(Admission, "fits_together", counted)
+    fitting = adm.fitting_prefix(queue, {True: usable})
     # The largest prefix that fits, as the one-prefix-at-a-time scan finds it.
     total, expected = 0, 0
     for n in lengths:
@@ -362,6 +367,6 @@ def test_a_decision_reads_the_queue_only_near_its_answer(monkeypatch):
         return original(cls, requests)
 
     monkeypatch.setattr(OutputRequest, "union", classmethod(counted))
-    plan = adm.plan_next(queue, grad=True, usable_bytes=usable)
+    plan = plan_next(adm, queue, grad=True, usable_bytes=usable)
     assert 1 < len(plan.items) < 50
     assert unions <= 4 * len(plan.items) + 20, unions

@@ -58,7 +58,6 @@ def _trainer(p, model, limit: int, memory_model: Any = None, probe_dir: str | No
 def _prices(trainer: TrainerRank, xs) -> dict[int, int]:
     """The call's dynamic peak, whole and in 2 and 4 held sub-forwards."""
     items = make_items(xs)
-    trainer.admission.unallocated_gradient_bytes = 0
     return {k: price_held_split(trainer.admission, token_balanced_chunks(items, k), True)[0]
             .dynamic_bytes for k in (1, 2, 4)}
 
@@ -180,7 +179,6 @@ def test_a_sub_forward_failing_after_others_ran_raises_partial_execution(built):
     xs = make_inputs([300, 300], seed=9, top_k=None, logits=False, hidden_states=False)
     roomy = _trainer(p, model, 1 << 34, probe_dir=probes)
     items = make_items(xs)
-    roomy.admission.unallocated_gradient_bytes = 0
     first = roomy.admission.price_items(items[:1], True)[0].estimate
     # Real moments: sub-forward 1 peaks at its forward; sub-forward 2's forward runs beside
     # sub-forward 1's graph. A limit between the two fails the second only.

@@ -9,10 +9,8 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
-from functools import cached_property
 from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
@@ -25,80 +23,24 @@ from art.trainer_rank._types import (
     ESCALATED,
     SPLIT,
     ForwardInput,
-    TrainerRankMemoryError,
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
 from art.trainer_rank.decide.decline import decline_error
+from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.nograd_split import split_no_grad
+from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
+from art.trainer_rank.memory.device import UnallocatedGradients
 from art.trainer_rank.memory.model import largest_fitting
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8
 
 
-class PlanMode(StrEnum):
-    """How the trainer asks for its next plan: greedily from a queue (`next`), exactly a
-    data-parallel wave's share (`wave`), or every grad item of one call at once (`call`)."""
-
-    NEXT = "next"
-    WAVE = "wave"
-    CALL = "call"
-
-
 @dataclass(frozen=True)
-class Plan:
-    """The next micro-batch. sub_forwards: for each sub-forward, indices into `leaves` (the
-    flattened sequences of `items`, in order); one sub-forward unless decision is split."""
-
-    decision: str
-    items: tuple[Item, ...]
-    pricing: Pricing  # of the whole micro-batch (split: of its largest sub-forward)
-    shape: MicroBatchShape
-    sub_forwards: tuple[tuple[int, ...], ...]
-    signature: str
-    escalate: bool = False
-    # The rung this plan runs when it is not the configured policy (escalated above it, or
-    # adaptive below it); None: the configured policy.
-    recompute: EffectiveRecompute | None = None
-    error: TrainerRankMemoryError | None = None
-    note: str = ""
-    # Larger candidates admission priced and turned down on the way to this plan.
-    rejected_candidates: int = 0
-
-    @cached_property
-    def leaves(self) -> tuple[ForwardInput, ...]:
-        # Cached: the runtime reads it once per leaf.
-        return tuple(leaf for item in self.items for leaf in item.leaves)
-
-    @property
-    def indices(self) -> list[int]:
-        return [item.index for item in self.items]
-
-    def group_indices(self, sub: Sequence[int]) -> list[list[int]]:
-        """`sub`'s leaf indices cut where the owning item changes: the groups whose shared
-        prefixes one packed row may lay out once."""
-        owner = self._leaf_owners
-        groups: list[list[int]] = []
-        for i in sub:
-            if groups and owner[groups[-1][-1]] == owner[i]:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        return groups
-
-    @cached_property
-    def _leaf_owners(self) -> tuple[int, ...]:
-        return tuple(k for k, item in enumerate(self.items) for _ in item.leaves)
-
-    def groups(self, sub: Sequence[int]) -> tuple[int, ...]:
-        return tuple(len(group) for group in self.group_indices(sub))
-
-
-@dataclass
 class AdmissionPolicy:
     escalate_to_full_recompute: bool = True
     cold_start_fraction: float = 0.25
@@ -113,10 +55,12 @@ class AdmissionPolicy:
         return self.recompute
 
 
-@dataclass
+@dataclass(frozen=True)
 class Admission:
-    """Decides micro-batches for one rank. `next_tp_model` prices the same item at the next
-    TP size for the decline message (None when there is no next size to suggest)."""
+    """Decides micro-batches for one rank: `plan(PlanRequest) -> Plan`, and the prices behind
+    it. Frozen: what it decides with is fixed when it is built; everything a decision depends
+    on beside that comes in the request. `next_tp_model` prices the same item at the next TP
+    size for the decline message (None when there is no next size to suggest)."""
 
     memory_model: MemoryModelLike
     profiles: ProfileStore
@@ -135,40 +79,28 @@ class Admission:
     # coefficients: the next TP size can only be priced by the formulas, so its price is
     # corrected by what the probe measured against them here (see `_next_tp_dynamic`).
     default_memory_model: MemoryModelLike | None = None
-    # Bytes of trainable gradients not allocated yet (the trainer sets it before each grad
-    # plan); grad micro-batches carry it as their first_gradient_allocation_bytes term.
-    unallocated_gradient_bytes: int = 0
-    # The same per decoder layer (memory/device.UnallocatedGradients): a backward allocates
-    # only the gradients of the layers above its peak by then. None: all of them count.
-    unallocated_gradients: Any = None
     # Whether the packer lays a group's shared prefixes out once (the built attention takes a
     # tree): then a hybrid's recurrent layers run the row's prefix trees, priced as such.
     shares_prefixes: bool = False
     # The rungs a micro-batch may run instead of the configured policy (recompute_ladder.py);
     # None: full recompute (`full_recompute`) is the only other one.
     ladder: RecomputeLadder | None = None
-
-    def __post_init__(self) -> None:
-        self.clear_caches()
+    # Memos of pure functions of the fields above and their arguments (never of a request's
+    # limit or gradients, which come with each call): see `clear_caches`.
+    _caches: _PriceCaches = field(default_factory=lambda: _PriceCaches(), init=False,
+                                  repr=False, compare=False)
 
     def clear_caches(self) -> None:
         """Forget every cached price, signature and cap (benchmarks time cold decisions)."""
-        # (recompute id, grad, lengths, outputs) -> (estimate, shape, signature); the
-        # estimate and shape never change for a key, the profile's part is read fresh.
-        self._priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = {}
-        self._signatures: dict[tuple[int, bool, OutputRequest], str] = {}
-        # (outputs, grad, usable bytes) -> the memory model's largest admissible row.
-        self._model_max: dict[tuple[OutputRequest, bool, int, int, int], int] = {}
-        # id -> the recompute itself (kept alive, so its id is never reused while cached).
-        self._recomputes: dict[int, EffectiveRecompute] = {}
-        self._models: dict[int, MemoryModelLike] = {}
+        self._caches.clear()
 
     def signature(self, recompute: EffectiveRecompute, grad: bool, outputs: OutputRequest) -> str:
+        caches = self._caches
         key = (id(recompute), grad, outputs)
-        sig = self._signatures.get(key)
+        sig = caches.signatures.get(key)
         if sig is None:
-            self._recomputes[id(recompute)] = recompute
-            sig = self._signatures[key] = signature(
+            caches.recomputes[id(recompute)] = recompute
+            sig = caches.signatures[key] = signature(
                 topology=self.topology,
                 recompute_key=recompute.for_grad(grad).key,
                 grad_enabled=grad,
@@ -199,21 +131,29 @@ class Admission:
             return None
         return RecurrentRow(row_levels(trees))
 
+    # -- prices -------------------------------------------------------------------------------
+    # `gradients`: the trainable gradients not allocated yet (a request's `gradients`); a grad
+    # micro-batch's backward allocates them, priced as its first_gradient_allocation_bytes.
+
     def price(
         self,
         leaves: Sequence[ForwardInput],
         grad: bool,
         recompute: EffectiveRecompute | None = None,
+        *,
+        gradients: UnallocatedGradients | None = None,
     ) -> tuple[Pricing, MicroBatchShape, str]:
         """`leaves`: sequences of one item (a split's sub-forward shares their prefixes)."""
         shared = group_shared_tokens(leaves)
         return self.price_lengths(tuple(leaf.num_tokens for leaf in leaves),
                                   outputs_union(leaves), grad, recompute,
                                   shared_tokens=shared,
-                                  recurrent=self._recurrent([self._tree(leaves, shared)]))
+                                  recurrent=self._recurrent([self._tree(leaves, shared)]),
+                                  gradients=gradients)
 
     def price_items(self, items: Sequence[Item], grad: bool,
-                    recompute: EffectiveRecompute | None = None
+                    recompute: EffectiveRecompute | None = None, *,
+                    gradients: UnallocatedGradients | None = None,
                     ) -> tuple[Pricing, MicroBatchShape, str]:
         lengths: tuple[int, ...] = ()
         for item in items:
@@ -224,7 +164,7 @@ class Admission:
             recurrent = self._recurrent([self._item_tree(it) for it in items])
         outputs = OutputRequest.union(it.outputs for it in items)
         return self.price_lengths(lengths, outputs, grad, recompute, shared_tokens=shared,
-                                  recurrent=recurrent)
+                                  recurrent=recurrent, gradients=gradients)
 
     @staticmethod
     def _item_tree(item: Item) -> TreeShape:
@@ -234,59 +174,63 @@ class Admission:
 
     def price_lengths(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
                       recompute: EffectiveRecompute | None = None, shared_tokens: int = 0,
-                      recurrent: RecurrentRow | None = None,
+                      recurrent: RecurrentRow | None = None, *,
+                      gradients: UnallocatedGradients | None = None,
                       ) -> tuple[Pricing, MicroBatchShape, str]:
         recompute = recompute or self.recompute
+        priced = self._caches.priced
         key = (id(recompute), grad, lengths, outputs, shared_tokens, recurrent)
-        hit = self._priced.get(key)
+        hit = priced.get(key)
         if hit is None:
             model = self.model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
                                     grad_enabled=grad,
                                     padded_tokens=self.packed_length(lengths, shared_tokens),
                                     recurrent=recurrent)
-            if len(self._priced) > 8192:  # an Estimate holds its terms: bound the memory
-                self._priced.clear()
-            hit = self._priced[key] = (model.estimate(shape), shape,
-                                       self.signature(recompute, grad, outputs))
+            if len(priced) > 8192:  # an Estimate holds its terms: bound the memory
+                priced.clear()
+            hit = priced[key] = (model.estimate(shape), shape,
+                                 self.signature(recompute, grad, outputs))
         estimate, shape, sig = hit
         reserve = int(estimate.reserve_bytes)
         profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window,
                                         int(estimate.dynamic_bytes) - reserve)
         profile_dynamic = None if profile is None else profile + reserve
         first_gradients = 0
-        if grad and self.unallocated_gradients is not None:
-            first_gradients = self.unallocated_gradients.allocated_down_to(
+        if grad and gradients is not None:
+            first_gradients = gradients.allocated_down_to(
                 getattr(estimate, "backward_peak_layer", None))
-        elif grad:
-            first_gradients = self.unallocated_gradient_bytes
         return Pricing(estimate, profile_dynamic, recompute,
                        first_gradient_allocation_bytes=first_gradients), shape, sig
 
     def model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
         if recompute is self.recompute:
             return self.memory_model
-        model = self._models.get(id(recompute))
+        caches = self._caches
+        model = caches.models.get(id(recompute))
         if model is None:
-            self._recomputes[id(recompute)] = recompute
-            model = self._models[id(recompute)] = self.memory_model.with_recompute(recompute)
+            caches.recomputes[id(recompute)] = recompute
+            model = caches.models[id(recompute)] = self.memory_model.with_recompute(recompute)
         return model
 
     def model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
                           start_tokens: int = 1,
-                          recompute: EffectiveRecompute | None = None) -> int:
+                          recompute: EffectiveRecompute | None = None,
+                          gradients: UnallocatedGradients | None = None) -> int:
         """The largest one-sequence row the memory model admits, to within 1/32 and never
         above it: the cold cap is a fraction of it, so a coarse bound saves half the
         estimates of an exact bisection (a cold decision's main cost)."""
         recompute = recompute or self.recompute
-        key = (outputs, grad, usable_bytes, self.unallocated_gradient_bytes if grad else 0,
-               id(recompute))
-        hit = self._model_max.get(key)
+        model_max = self._caches.model_max
+        held = gradients.total_bytes if grad and gradients is not None else 0
+        key = (outputs, grad, usable_bytes, held, id(recompute))
+        hit = model_max.get(key)
         if hit is not None:
             return hit
 
         def fits(tokens: int) -> bool:
-            pricing = self.price_lengths((tokens,), outputs, grad, recompute)[0]
+            pricing = self.price_lengths((tokens,), outputs, grad, recompute,
+                                         gradients=gradients)[0]
             return pricing.model_dynamic_bytes <= usable_bytes
 
         start = max(1, start_tokens)
@@ -297,32 +241,41 @@ class Admission:
         elif start_tokens > 1:
             lo = self.model_for(recompute).max_tokens_that_fit(usable_bytes, outputs=outputs,
                                                                grad_enabled=grad)
-        if len(self._model_max) > 4096:
-            self._model_max.clear()
-        self._model_max[key] = lo
+        if len(model_max) > 4096:
+            model_max.clear()
+        model_max[key] = lo
         return lo
 
     # -- the decision -------------------------------------------------------------------------
 
-    def plan_next(self, pending: Sequence[Item], grad: bool, usable_bytes: int) -> Plan:
-        """The next micro-batch from `pending` (never empty). The caller removes the plan's
-        items from its queue whatever the decision (a declined item is reported, not retried)."""
-        if not pending:
-            raise ValueError("plan_next needs at least one pending item")
-        return self._plan_next(pending, grad, usable_bytes,
-                               self._packing_rung(pending[0], grad, usable_bytes))
+    def plan(self, request: PlanRequest) -> Plan:
+        """The next micro-batch for `request`. The caller removes the plan's items from its
+        queue whatever the decision (a declined item is reported, not retried).
 
-    def _packing_rung(self, first: Item, grad: bool, usable_bytes: int) -> EffectiveRecompute:
+        `next`: greedily from the queue; `wave`: exactly the pending items (a data-parallel
+        wave's share, which `fitting_prefix` found to fit together; one item is planned as
+        `next` plans it); `call` with grad: every pending item at once, their graphs held
+        together until the caller's backward (held_split.py)."""
+        if request.mode == PlanMode.CALL and request.grad:
+            return plan_call(self, request)
+        if request.mode == PlanMode.WAVE:
+            return self._plan_group(request)
+        return self._plan_next(request, self._packing_rung(request.pending[0], request))
+
+    def _packing_rung(self, first: Item, request: PlanRequest) -> EffectiveRecompute:
         """The rung the queue is packed under: the configured policy; adaptive, the least-work
         rung under which the first item fits alone (more items then fit only as that rung
         allows, so the micro-batch recomputes as little as its first item needs)."""
+        grad = request.grad
         for rung in self.rungs_below(first.sequence_lengths_tokens) if grad else ():
-            if self.price_items([first], grad, rung)[0].dynamic_bytes <= usable_bytes:
+            pricing = self.price_items([first], grad, rung, gradients=request.gradients)[0]
+            if pricing.dynamic_bytes <= request.usable_bytes:
                 return rung
         return self.recompute
 
-    def _plan_next(self, pending: Sequence[Item], grad: bool, usable_bytes: int,
-                   recompute: EffectiveRecompute) -> Plan:
+    def _plan_next(self, request: PlanRequest, recompute: EffectiveRecompute) -> Plan:
+        pending, grad, usable_bytes = request.pending, request.grad, request.usable_bytes
+        gradients = request.gradients
         first_sig = self.signature(recompute, grad, pending[0].outputs)
         cold = not self.profiles.has_profile(first_sig)
         queue = list(pending)
@@ -335,18 +288,18 @@ class Admission:
             queue.insert(0, smallest)
             model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                start_tokens=smallest.num_tokens,
-                                               recompute=recompute)
+                                               recompute=recompute, gradients=gradients)
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
         else:
             cap_tokens = self.growth_cap(first_sig, grad, pending[0].outputs)
         first = queue[0]
-        pricing, shape, sig = self.price_items([first], grad, recompute)
+        pricing, shape, sig = self.price_items([first], grad, recompute, gradients=gradients)
         if pricing.dynamic_bytes > usable_bytes:
             if recompute is not self.recompute:  # the smallest item does not fit that rung
-                return self._plan_next(pending, grad, usable_bytes, self.recompute)
-            return self._does_not_fit(first, grad, usable_bytes, pricing, shape, sig)
+                return self._plan_next(request, self.recompute)
+            return self._does_not_fit(first, request, pricing, shape, sig)
 
         # The longest fitting prefix of the queue, by bisection (the price grows with the
         # prefix): a call of many short items packs them in a logarithmic number of estimates
@@ -363,7 +316,7 @@ class Admission:
             recurrent = (self._recurrent([self._item_tree(it) for it in chosen])
                          if shared and self.shares_prefixes else None)
             priced = self.price_lengths(lengths, outputs, grad, recompute, shared_tokens=shared,
-                                        recurrent=recurrent)
+                                        recurrent=recurrent, gradients=gradients)
             return priced if priced[0].dynamic_bytes <= usable_bytes else None
 
         count, best = largest_fitting_count(
@@ -391,11 +344,10 @@ class Admission:
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = priced
         return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected,
-                              grad=grad, usable_bytes=usable_bytes, recompute=recompute)
+                              recompute=recompute)
 
     def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
                   sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0, *,
-                  grad: bool, usable_bytes: int,
                   recompute: EffectiveRecompute | None = None) -> Plan:
         """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note,
         under `recompute` (None: the configured policy; else the rung below it that adaptive
@@ -426,7 +378,7 @@ class Admission:
 
     # -- a given set of items as one micro-batch (a data-parallel wave's share) ---------------
 
-    def _cap(self, items: Sequence[Item], grad: bool, usable_bytes: int, sig: str,
+    def _cap(self, items: Sequence[Item], request: PlanRequest, sig: str,
              outputs: OutputRequest, recompute: EffectiveRecompute | None = None
              ) -> tuple[bool, int | None]:
         """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
@@ -434,50 +386,57 @@ class Admission:
         the model under-predict grows only to the edge of its trust window."""
         if not self.profiles.has_profile(sig):
             smallest = min(items, key=lambda it: (it.num_tokens, it.index))
-            model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
-                                               start_tokens=smallest.num_tokens,
-                                               recompute=recompute)
+            model_max = self.model_max_tokens(request.usable_bytes, smallest.outputs,
+                                               request.grad, start_tokens=smallest.num_tokens,
+                                               recompute=recompute,
+                                               gradients=request.gradients)
             return True, max(smallest.num_tokens,
                              int(self.policy.cold_start_fraction * model_max))
-        return False, self.growth_cap(sig, grad, outputs)
+        return False, self.growth_cap(sig, request.grad, outputs)
 
-    def fits_together(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> bool:
-        """Whether `items` run as one micro-batch under the rung they are packed under (the
-        configured policy; adaptive: the least-work rung their first item fits alone). One
-        item always has a plan of its own (admitted, split, escalated or declined)."""
+    def fits_together(self, request: PlanRequest) -> bool:
+        """Whether the pending items run as one micro-batch under the rung they are packed
+        under (the configured policy; adaptive: the least-work rung their first item fits
+        alone). One item always has a plan of its own (admitted, split, escalated or
+        declined)."""
+        items = request.pending
         if len(items) <= 1:
             return True
-        rung = self._packing_rung(items[0], grad, usable_bytes)
-        pricing, shape, sig = self.price_items(items, grad, rung)
-        if pricing.dynamic_bytes > usable_bytes:
+        rung = self._packing_rung(items[0], request)
+        pricing, shape, sig = self.price_items(items, request.grad, rung,
+                                               gradients=request.gradients)
+        if pricing.dynamic_bytes > request.usable_bytes:
             return False
-        _, cap = self._cap(items, grad, usable_bytes, sig, shape.outputs, rung)
+        _, cap = self._cap(items, request, sig, shape.outputs, rung)
         return cap is None or shape.packed_tokens <= cap
 
-    def fitting_prefix(self, items: Sequence[Item], usable_bytes: Callable[[bool], int]) -> int:
+    def fitting_prefix(self, items: Sequence[Item], usable_bytes: Mapping[bool, int],
+                       unallocated_gradients: UnallocatedGradients | None = None) -> int:
         """How many leading `items` run together: their grad items as one micro-batch and
-        their no-grad items as another, each fitting (`usable_bytes(grad)`)."""
+        their no-grad items as another, each fitting its limit (`usable_bytes[grad]`)."""
         def fits(count: int) -> bool | None:
             head = items[:count]
-            return all(self.fits_together([it for it in head if it.grad == grad], grad,
-                                          usable_bytes(grad))
-                       for grad in {it.grad for it in head}) or None
+            return all(self.fits_together(PlanRequest(
+                tuple(it for it in head if it.grad == grad), grad, usable_bytes[grad],
+                PlanMode.WAVE, unallocated_gradients))
+                for grad in {it.grad for it in head}) or None
 
         # By bisection (fitting together is monotone in the count): a wave of many short
         # items costs a logarithmic number of prices, not one per item.
         return largest_fitting_count(fits, 0, len(items), True)[0]
 
-    def plan_group(self, items: Sequence[Item], grad: bool, usable_bytes: int) -> Plan:
-        """The plan that runs exactly `items` (which fit together) as one micro-batch; one item
-        is planned as `plan_next` plans it."""
-        if len(items) == 1 or not self.fits_together(items, grad, usable_bytes):
-            return self.plan_next(items, grad, usable_bytes)
-        rung = self._packing_rung(items[0], grad, usable_bytes)
+    def _plan_group(self, request: PlanRequest) -> Plan:
+        """The plan that runs exactly the pending items (which fit together) as one
+        micro-batch; one item is planned as `next` plans it."""
+        items = request.pending
+        if len(items) == 1 or not self.fits_together(request):
+            return self._plan_next(request, self._packing_rung(items[0], request))
+        rung = self._packing_rung(items[0], request)
         chosen = sorted(items, key=lambda it: it.index)
-        pricing, shape, sig = self.price_items(chosen, grad, rung)
-        cold, cap = self._cap(chosen, grad, usable_bytes, sig, shape.outputs, rung)
-        return self._admitted(chosen, pricing, shape, sig, cold, cap, grad=grad,
-                              usable_bytes=usable_bytes, recompute=rung)
+        pricing, shape, sig = self.price_items(chosen, request.grad, rung,
+                                               gradients=request.gradients)
+        cold, cap = self._cap(chosen, request, sig, shape.outputs, rung)
+        return self._admitted(chosen, pricing, shape, sig, cold, cap, recompute=rung)
 
     # -- the recompute rungs ---------------------------------------------------------------
 
@@ -508,15 +467,9 @@ class Admission:
             return None
         return int(max(t for t, _, _ in profile.observations) * self.policy.trust_window)
 
-    def _does_not_fit(
-        self,
-        item: Item,
-        grad: bool,
-        usable_bytes: int,
-        pricing: Pricing,
-        shape: MicroBatchShape,
-        sig: str,
-    ) -> Plan:
+    def _does_not_fit(self, item: Item, request: PlanRequest, pricing: Pricing,
+                      shape: MicroBatchShape, sig: str) -> Plan:
+        grad, usable_bytes = request.grad, request.usable_bytes
         if not grad and len(item.leaves) > 1:
             split = split_no_grad(self, item, usable_bytes)
             if split is not None:
@@ -533,7 +486,8 @@ class Admission:
         full = self.full_recompute
         full_pricing: Pricing | None = None
         for rung in self.rungs_above(shape.sequence_lengths_tokens) if grad else ():
-            rung_pricing, rung_shape, rung_sig = self.price(item.leaves, grad, rung)
+            rung_pricing, rung_shape, rung_sig = self.price(item.leaves, grad, rung,
+                                                            gradients=request.gradients)
             if full is not None and rung.key == full.key:
                 full_pricing = rung_pricing
             if rung_pricing.dynamic_bytes <= usable_bytes:
@@ -549,7 +503,8 @@ class Admission:
                     note=f"{self.recompute.summary} needs {gib(pricing.dynamic_bytes)}; "
                     f"escalated to {rung.summary}, the least recompute above it that fits",
                 )
-        error = decline_error(self, item, grad, usable_bytes, pricing, shape, full_pricing)
+        error = decline_error(self, item, grad, usable_bytes, pricing, shape, full_pricing,
+                              gradients=request.gradients)
         return Plan(
             decision=DECLINED,
             items=(item,),
@@ -559,3 +514,24 @@ class Admission:
             signature=sig,
             error=error,
         )
+
+
+@dataclass
+class _PriceCaches:
+    """Admission's memos. `recomputes` keeps every recompute whose id keys an entry alive, so
+    an id is never reused while it is cached."""
+
+    # (recompute id, grad, lengths, outputs, shared, recurrent) -> (estimate, shape,
+    # signature); the profile's part is read fresh on every price.
+    priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = field(default_factory=dict)
+    signatures: dict[tuple[int, bool, OutputRequest], str] = field(default_factory=dict)
+    # (outputs, grad, usable, gradient bytes, recompute id) -> the largest admissible row
+    model_max: dict[tuple[OutputRequest, bool, int, int, int], int] = field(
+        default_factory=dict)
+    recomputes: dict[int, EffectiveRecompute] = field(default_factory=dict)
+    models: dict[int, MemoryModelLike] = field(default_factory=dict)
+
+    def clear(self) -> None:
+        for memo in (self.priced, self.signatures, self.model_max, self.recomputes,
+                     self.models):
+            memo.clear()

@@ -13,6 +13,7 @@ from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank._types import ForwardInput, TrainerRankMemoryError
 from art.trainer_rank.compute.items import Item
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
+from art.trainer_rank.memory.device import UnallocatedGradients
 
 
 class EscalationPolicy(Protocol):
@@ -30,7 +31,8 @@ class Decider(Protocol):
     default_memory_model: MemoryModelLike | None
 
     def price(self, leaves: Sequence[ForwardInput], grad: bool,
-              recompute: EffectiveRecompute | None = None
+              recompute: EffectiveRecompute | None = None, *,
+              gradients: UnallocatedGradients | None = None,
               ) -> tuple[Pricing, MicroBatchShape, str]: ...
 
     def model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike: ...
@@ -65,6 +67,7 @@ def decline_error(
     full_pricing: Pricing | None,
     *,
     cause: str = "declined before running",
+    gradients: UnallocatedGradients | None = None,
 ) -> TrainerRankMemoryError:
     """The recompute-aware error: the mode in force, predicted vs limit, and the same item
     priced under full recompute and at the next TP size, with which of them would fit."""
@@ -82,7 +85,8 @@ def decline_error(
     full = admission.full_recompute
     if grad and full is not None and full.key != admission.recompute.key:
         if full_pricing is None:
-            full_pricing, _, _ = admission.price(item.leaves, grad, full)
+            full_pricing, _, _ = admission.price(item.leaves, grad, full,
+                                                 gradients=gradients)
         fits = full_pricing.dynamic_bytes <= usable_bytes
         lines.append(
             f"Under {full.summary} it would need {gib(full_pricing.dynamic_bytes)}: "
@@ -101,7 +105,8 @@ def decline_error(
             for rung in ladder.above(shape.sequence_lengths_tokens):
                 if rung.recompute.key == full.key:
                     break
-                rung_pricing, _, _ = admission.price(item.leaves, grad, rung.recompute)
+                rung_pricing, _, _ = admission.price(item.leaves, grad, rung.recompute,
+                                                    gradients=gradients)
                 if rung_pricing.dynamic_bytes <= usable_bytes:
                     lines.append(
                         f"The least recompute above {admission.recompute.summary} that fits "

@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from typing import Protocol
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape
@@ -27,9 +28,27 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
 )
 from art.trainer_rank.compute.items import Item
-from art.trainer_rank.decide.admission import Admission, Plan
-from art.trainer_rank.decide.priced import Pricing, gib
+from art.trainer_rank.decide.plan import Plan, PlanRequest
+from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
+from art.trainer_rank.memory.device import UnallocatedGradients
 from art.trainer_rank.memory.estimate import Estimate
+
+
+class CallPricer(Protocol):
+    """What planning a whole call reads of the admission (which plans a call through it)."""
+
+    memory_model: MemoryModelLike
+    recompute: EffectiveRecompute
+    full_recompute: EffectiveRecompute | None
+
+    def price_items(self, items: Sequence[Item], grad: bool,
+                    recompute: EffectiveRecompute | None = None, *,
+                    gradients: UnallocatedGradients | None = None,
+                    ) -> tuple[Pricing, MicroBatchShape, str]: ...
+
+    def rungs_above(self, lengths: Sequence[int]) -> list[EffectiveRecompute]: ...
+
+    def rungs_below(self, lengths: Sequence[int]) -> list[EffectiveRecompute]: ...
 
 
 def token_balanced_chunks(items: Sequence[Item], count: int) -> list[list[Item]]:
@@ -122,13 +141,15 @@ def held_peak(sub_forwards: Sequence[SubForwardBytes]) -> HeldPeak:
     return best
 
 
-def price_held_split(admission: Admission, chunks: Sequence[Sequence[Item]], grad: bool,
-                     recompute: EffectiveRecompute | None = None
+def price_held_split(admission: CallPricer, chunks: Sequence[Sequence[Item]], grad: bool,
+                     recompute: EffectiveRecompute | None = None, *,
+                     gradients: UnallocatedGradients | None = None,
                      ) -> tuple[Pricing, MicroBatchShape, str]:
     """`chunks` run one after another with every graph held until the caller's backward: the
     binding sub-forward's pricing, with what the others hold
     at that moment as its held terms."""
-    priced = [admission.price_items(chunk, grad, recompute) for chunk in chunks]
+    priced = [admission.price_items(chunk, grad, recompute, gradients=gradients)
+              for chunk in chunks]
     if len(priced) == 1:
         return priced[0]
     own = []
@@ -149,12 +170,14 @@ def price_held_split(admission: Admission, chunks: Sequence[Sequence[Item]], gra
                    held_reserve_bytes=held_reserve, held_note=peak.note), shape, sig
 
 
-def plan_call(admission: Admission, items: Sequence[Item], grad: bool, usable_bytes: int,
-              what: str = "dp_rank_forward") -> Plan:
-    """All of `items` in one call: whole when it fits, else 2, 4, ... sub-forwards of
-    whole items (token-balanced, in order) priced with every graph held together; then
-    the same ladder under full recompute when escalation is allowed; else declined."""
-    items = sorted(items, key=lambda it: it.index)
+def plan_call(admission: CallPricer, request: PlanRequest, what: str = "dp_rank_forward"
+              ) -> Plan:
+    """All of the request's items in one call: whole when it fits, else 2, 4, ...
+    sub-forwards of whole items (token-balanced, in order) priced with every graph held
+    together; then the same ladder under full recompute when escalation is allowed; else
+    declined."""
+    grad, usable_bytes, gradients = request.grad, request.usable_bytes, request.gradients
+    items = sorted(request.pending, key=lambda it: it.index)
     policies: list[EffectiveRecompute] = [admission.recompute]
     if grad:
         lengths = tuple(n for it in items for n in it.sequence_lengths_tokens)
@@ -166,7 +189,8 @@ def plan_call(admission: Admission, items: Sequence[Item], grad: bool, usable_by
         count = 1
         while True:
             chunks = token_balanced_chunks(items, count)
-            pricing, shape, sig = price_held_split(admission, chunks, grad, recompute)
+            pricing, shape, sig = price_held_split(admission, chunks, grad, recompute,
+                                                   gradients=gradients)
             tried.append((recompute, len(chunks), pricing))
             if pricing.dynamic_bytes <= usable_bytes:
                 return _call_plan(admission, items, chunks, recompute, pricing, shape, sig,
@@ -175,13 +199,13 @@ def plan_call(admission: Admission, items: Sequence[Item], grad: bool, usable_by
                 break
             count = min(len(items), 2 * count)
     error = call_decline_error(admission, items, grad, usable_bytes, tried, what)
-    pricing, shape, sig = admission.price_items(items, grad)
+    pricing, shape, sig = admission.price_items(items, grad, gradients=gradients)
     return Plan(decision=DECLINED, items=tuple(items), pricing=pricing, shape=shape,
                 sub_forwards=(), signature=sig, error=error,
                 rejected_candidates=len(tried))
 
 
-def _call_plan(admission: Admission, items: list[Item], chunks: list[list[Item]],
+def _call_plan(admission: CallPricer, items: list[Item], chunks: list[list[Item]],
                recompute: EffectiveRecompute, pricing: Pricing, shape: MicroBatchShape,
                sig: str, rejected: int) -> Plan:
     sub_forwards, cursor = [], 0
@@ -210,7 +234,7 @@ def _call_plan(admission: Admission, items: list[Item], chunks: list[list[Item]]
     )
 
 
-def call_decline_error(admission: Admission, items: Sequence[Item], grad: bool, usable_bytes: int,
+def call_decline_error(admission: CallPricer, items: Sequence[Item], grad: bool, usable_bytes: int,
                        tried: Sequence[tuple[EffectiveRecompute, int, Pricing]], what: str
                        ) -> TrainerRankMemoryError:
     """Why a whole call cannot run: the request, every rung priced, and what would work."""

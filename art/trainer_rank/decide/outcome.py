@@ -16,7 +16,8 @@ from art.trainer_rank._types import (
     TrainerRankPartialExecutionError,
 )
 from art.trainer_rank.compute.items import group_shared_tokens
-from art.trainer_rank.decide.admission import Admission, Plan
+from art.trainer_rank.decide.admission import Admission
+from art.trainer_rank.decide.plan import Plan, PlanRequest
 from art.trainer_rank.decide.priced import gib
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.ranks.lockstep import Wave
@@ -36,6 +37,30 @@ class CallOutcome:
     retries: dict[int, int] = field(default_factory=dict)
     oom_count: int = 0
     last_oom: BaseException | None = None
+
+    def decline(self, plan: Plan) -> None:
+        """Keep a declined plan's error, raised once the call ran everything else; after
+        run-time misses of its items the error says how many attempts they had."""
+        assert plan.error is not None
+        error = plan.error
+        attempts = max((self.retries.get(i, 0) for i in plan.indices), default=0)
+        if attempts:
+            error = declined_after_retries(error, plan.indices, attempts)
+        logger.warning("%s", error)
+        self.declined.append(error)
+
+    def count_oom(self, plan: Plan, usable: int, exc: BaseException, pending: list[int],
+                  max_retries: int) -> None:
+        """A run-time OOM of `plan`: its items are retried (smaller) unless the call has run
+        out of memory more than `max_retries` times, which ends it (`pending`: the items not
+        planned yet, named in that error)."""
+        self.oom_count += 1
+        self.last_oom = exc
+        if self.oom_count > max_retries:
+            raise too_many_ooms(plan, usable, self.oom_count, max_retries,
+                                sorted(plan.indices), pending) from exc
+        for index in plan.indices:
+            self.retries[index] = self.retries.get(index, 0) + 1
 
     def raise_declined(self) -> None:
         if self.declined:
@@ -106,14 +131,15 @@ def combine_declined(errors: list[TrainerRankMemoryError]) -> TrainerRankMemoryE
     )
 
 
-def record_oom(admission: Admission, profiles: ProfileStore, plan: Plan,
-               failed_sub: tuple[int, ...] | None, usable: int, exc: BaseException) -> None:
-    """Record a run-time OOM as a miss of what ran: the failing sub-forward of a split (priced
-    alone), else the whole plan."""
+def record_oom(admission: Admission, profiles: ProfileStore, plan: Plan, request: PlanRequest,
+               failed_sub: tuple[int, ...] | None, exc: BaseException) -> None:
+    """Record a run-time OOM of `plan` (planned for `request`) as a miss of what ran: the
+    failing sub-forward of a split (priced alone), else the whole plan."""
+    usable = request.usable_bytes
     if failed_sub is not None and len(plan.sub_forwards) > 1:
         pricing, shape, sig = admission.price(
             [plan.leaves[i] for i in failed_sub], plan.shape.grad_enabled,
-            plan.pricing.recompute,
+            plan.pricing.recompute, gradients=request.gradients,
         )
         profiles.record_miss(sig, shape.packed_tokens, usable, pricing.model_peak_bytes)
     else:
