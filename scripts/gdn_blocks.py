@@ -134,14 +134,15 @@ def measure(tokens: int, dtype: str) -> tuple[list[tuple[str, int]], Any, Any]:
 
 
 def priced(provider: Any, tokens: int) -> list[tuple[str, float]]:
+    from art.trainer_rank.memory.layer_terms import PricedKind
     from art.trainer_rank.memory.layers import keeps_layer_input, kept_parts, layer_blocks
     from art.trainer_rank.memory.model import MemoryModel
 
     dims = MemoryModel.for_provider(provider).dims
-    blocks = layer_blocks(dims, "linear_attention", tokens)
+    blocks = layer_blocks(dims, PricedKind.LINEAR_ATTENTION, tokens)
     parts = kept_parts(blocks, frozenset())
     named = list(zip([b.name for b in blocks], parts))
-    if keeps_layer_input(dims, "linear_attention"):
+    if keeps_layer_input(dims, PricedKind.LINEAR_ATTENTION):
         x = dims.hidden_tokens(tokens) * dims.geometry.hidden_size * dims.dtype_bytes
         named.insert(0, ("layer input", x))
     return named

@@ -7,6 +7,7 @@ attention) and MoE models are priced layer by layer.
 
 from __future__ import annotations
 
+import enum
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -14,8 +15,17 @@ from typing import Any
 
 MODEL_CONFIG_DIR = Path(__file__).with_name("model_configs")
 
-ATTENTION = "attention"
-LINEAR_ATTENTION = "linear_attention"
+
+class LayerKind(enum.StrEnum):
+    """A layer's mixer: softmax attention, or Gated DeltaNet linear attention. The value is the
+    HF `layer_types` word."""
+
+    ATTENTION = "attention"
+    LINEAR_ATTENTION = "linear_attention"
+
+
+ATTENTION = LayerKind.ATTENTION
+LINEAR_ATTENTION = LayerKind.LINEAR_ATTENTION
 
 
 @dataclass(frozen=True)
@@ -39,8 +49,8 @@ class ModelGeometry:
     num_query_groups: int
     head_dim: int
     vocab_size: int
-    # One entry per layer: ATTENTION or LINEAR_ATTENTION.
-    layer_types: tuple[str, ...]
+    # One entry per layer (given as LayerKind or its value).
+    layer_types: tuple[LayerKind, ...]
     # One entry per layer: True where the MLP is a mixture of experts.
     moe_layers: tuple[bool, ...]
     num_experts: int = 0
@@ -60,6 +70,9 @@ class ModelGeometry:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
+        # Callers that resize or edit a geometry pass the HF words; the layers' kinds are
+        # compared as members from here on.
+        object.__setattr__(self, "layer_types", tuple(LayerKind(t) for t in self.layer_types))
         if len(self.layer_types) != self.num_layers:
             raise ValueError(
                 f"{self.name}: layer_types has {len(self.layer_types)} entries for "
@@ -194,7 +207,7 @@ def geometry_from_hf_dict(raw: dict[str, Any], *, name: str, source: str = "") -
             raise read._fail("layer_types", f"is {raw_types!r}; it must list one type per "
                              f"layer ({num_layers} layers)")
         layer_types = tuple(
-            LINEAR_ATTENTION if t == "linear_attention" else ATTENTION for t in raw_types
+            LINEAR_ATTENTION if t == LINEAR_ATTENTION else ATTENTION for t in raw_types
         )
     elif cfg.get("full_attention_interval"):
         interval = read.integer("full_attention_interval")

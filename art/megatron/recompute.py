@@ -19,6 +19,8 @@ import hashlib
 import json
 from dataclasses import dataclass, replace
 
+from art.megatron.geometry import LayerKind
+
 RECOMPUTE_MODULES: tuple[str, ...] = (
     "core_attn",
     "mlp",
@@ -51,9 +53,8 @@ class LayerRecompute:
     # "pre_mlp"). The TE spec fuses the input norm into linear_qkv everywhere and the pre-MLP
     # norm into fc1 on dense layers, so there only an MoE layer's pre-MLP norm is left.
     recomputed_norms: frozenset[str] = frozenset()
-    # ATTENTION or LINEAR_ATTENTION (geometry's words); Gated DeltaNet layers have no
-    # core_attn checkpoint.
-    layer_type: str = "attention"
+    # Gated DeltaNet layers have no core_attn checkpoint.
+    layer_type: LayerKind = LayerKind.ATTENTION
 
     @property
     def mode(self) -> str:
@@ -167,12 +168,12 @@ def resolve_recompute(
     has_mla: bool = False,
     has_grouped_gemm: bool = False,
     has_shared_experts: bool = False,
-    layer_types: tuple[str, ...] | None = None,
+    layer_types: tuple[LayerKind, ...] | None = None,
 ) -> EffectiveRecompute:
     """Apply Megatron-Core's rules. Raises ValueError for what Megatron would crash on."""
     total = len(moe_layers)
     if layer_types is None:
-        layer_types = ("attention",) * total
+        layer_types = (LayerKind.ATTENTION,) * total
     if len(layer_types) != total:
         raise ValueError(f"layer_types has {len(layer_types)} entries for {total} layers")
     n_chunks = pipeline_stages * virtual_chunks
@@ -253,7 +254,7 @@ def resolve_recompute(
         stage, chunk = c % pipeline_stages, c // pipeline_stages
         for i in range(n):
             is_moe = moe_layers[index]
-            is_linear_attention = layer_types[index] == "linear_attention"
+            is_linear_attention = layer_types[index] == LayerKind.LINEAR_ATTENTION
             unit: int | None = None
             unit_layers = 0
             selective: set[str] = set()

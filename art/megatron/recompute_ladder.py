@@ -22,10 +22,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from enum import StrEnum
 
-from art.megatron.geometry import ModelGeometry
+from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
-
-LINEAR_ATTENTION = "linear_attention"
 
 
 class RecomputeChoice(StrEnum):

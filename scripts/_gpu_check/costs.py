@@ -159,8 +159,7 @@ def probe_seconds(g: ModelGeometry, modes: Iterable[LayerMode],
     its sparse rows (memory/probe.py), and each (head needed, grad) tail at every point."""
     seconds = 0.0
     for mode in modes:
-        kind = LINEAR_ATTENTION if mode.kind.startswith("linear") else "attention"
-        index = g.layer_types.index(kind)
+        index = g.layer_types.index(mode.kind.mixer)
         rows = [Row.of([t]) for t in points]
         chunk = chunk_tokens_of(mode.kind)
         rows += [Row.of(sparse_row_lengths(t, n, chunk)) for t in points

@@ -102,7 +102,7 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
     from art.megatron.geometry import geometry_from_hf_dict
     from art.megatron.implementation import Implementation
     from art.trainer_rank.memory import probe_runs
-    from art.trainer_rank.memory.layer_terms import Dims
+    from art.trainer_rank.memory.layer_terms import Dims, PricedKind
     from art.trainer_rank.memory.layers import price_layer
     from art.trainer_rank.memory.measure import release_score_buffer
 
@@ -130,7 +130,7 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
             measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
                                                 torch.float32, torch.device("cpu"), grad,
                                                 hold_incoming=grad)
-            priced = price_layer(dims, "linear_attention", frozenset(), sum(lengths),
+            priced = price_layer(dims, PricedKind.LINEAR_ATTENTION, frozenset(), sum(lengths),
                                  grad=grad)
             pairs = [("forward", priced.forward, measured["forward"])]
             if grad:

@@ -49,7 +49,7 @@ def seed_geometry():
 
 def test_phase_peaks_are_sums_of_their_named_terms(seed_geometry):
     est = _model(seed_geometry, tp=2, sp=True).estimate(_batch())
-    by_phase = {p: sum(t.bytes for t in est.terms if t.phase == p)
+    by_phase = {p: sum(t.bytes for t in est.terms if t.lifetime == p)
                 for p in ("resident", "forward", "backward", "reserve")}
     assert by_phase["resident"] == est.resident_bytes
     assert by_phase["forward"] == est.forward_peak_bytes
@@ -103,16 +103,16 @@ def test_block_recompute_lies_between_full_and_none(seed_geometry):
 
 
 def test_hybrid_layers_are_priced_by_type(seed_geometry):
-    from art.trainer_rank.memory.layer_terms import Dims
+    from art.trainer_rank.memory.layer_terms import Dims, PricedKind
     from art.trainer_rank.memory.layers import price_layer
 
     d = Dims(seed_geometry, ParallelLayout(tensor_parallel=2, sequence_parallel=True),
              Implementation.gpu_te(), 2, 1, frozenset(LoraShape().target_modules))
-    gdn = price_layer(d, "linear_attention", frozenset(), 8192, grad=True)
-    attn = price_layer(d, "attention", frozenset(), 8192, grad=True)
+    gdn = price_layer(d, PricedKind.LINEAR_ATTENTION, frozenset(), 8192, grad=True)
+    attn = price_layer(d, PricedKind.ATTENTION, frozenset(), 8192, grad=True)
     assert gdn.kept != attn.kept and gdn.kept > 0 and attn.kept > 0
     # Selective core_attn recompute cannot touch Gated DeltaNet layers.
-    assert price_layer(d, "linear_attention", frozenset({"core_attn"}), 8192,
+    assert price_layer(d, PricedKind.LINEAR_ATTENTION, frozenset({"core_attn"}), 8192,
                        grad=True).kept == gdn.kept
 
 
@@ -200,7 +200,7 @@ def test_full_logits_at_tp_price_the_gathered_chunk_and_the_no_grad_head(seed_ge
     gathered = 2 * tokens * seed_geometry.vocab_size * 4  # TP pieces + concatenation, fp32
     for grad in (True, False):
         est = _model(seed_geometry, tp=2).estimate(_batch((tokens,), "logits", grad))
-        forward = {t.name: t.bytes for t in est.terms if t.phase == "forward"}
+        forward = {t.name: t.bytes for t in est.terms if t.lifetime == "forward"}
         assert forward[name] == gathered
         assert est.peak_at == "forward: head"
         if not grad:
@@ -208,3 +208,33 @@ def test_full_logits_at_tp_price_the_gathered_chunk_and_the_no_grad_head(seed_ge
             assert "embedding output" not in forward and "decoder output" not in forward
     one_rank = _model(seed_geometry, tp=1).estimate(_batch((tokens,), "logits", False))
     assert name not in {t.name for t in one_rank.terms}
+
+
+def test_terms_are_found_by_kind_not_by_display_name(monkeypatch):
+    """The composition sums, drops and halves pre-decoder terms by what they are (the score
+    buffer, the mask-type tensors, the embedding output, the rotary table): renaming every
+    one of them changes no price."""
+    from dataclasses import replace
+
+    from art.trainer_rank.memory import model as model_module
+
+    def memory():
+        return _model(load_geometry("Qwen3-8B"), granularity="selective", modules=("core_attn",),
+                      impl=Implementation.cpu_local())
+
+    batches = [_batch((300, 200), outputs, grad)
+               for outputs in ("logprobs", "logits") for grad in (True, False)]
+    before = [memory().estimate(b) for b in batches]
+    named = model_module.pre_decoder_terms
+
+    def renamed(*args, **kwargs):
+        return [replace(t, name=f"renamed {i}") for i, t in enumerate(named(*args, **kwargs))]
+
+    monkeypatch.setattr(model_module, "pre_decoder_terms", renamed)
+    for batch, was in zip(batches, before):
+        now = memory().estimate(batch)
+        assert was.score_buffer_bytes > 0
+        assert (now.dynamic_bytes, now.score_buffer_bytes, now.retained_after_forward_bytes,
+                [t.bytes for t in now.terms]) == (
+            was.dynamic_bytes, was.score_buffer_bytes, was.retained_after_forward_bytes,
+            [t.bytes for t in was.terms]), batch

@@ -146,6 +146,7 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
     )
 
     from art.trainer_rank._request import MicroBatchShape, OutputRequest
+    from art.trainer_rank.memory.layer_terms import PricedKind
     from art.trainer_rank.memory.layers import price_layer
     from art.trainer_rank.memory.tail import default_tail
 
@@ -161,9 +162,9 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
         dims = built.memory_default.dims
         mode = "sel:" + "+".join(sorted(modules)) if modules else "none"
         for s in tokens:
-            probed = built.coefficients.layer_cost("attention", mode, s)
+            probed = built.coefficients.layer_cost(PricedKind.ATTENTION, mode, s)
             assert probed is not None
-            default = price_layer(dims, "attention", modules, s, grad=True)
+            default = price_layer(dims, PricedKind.ATTENTION, modules, s, grad=True)
             row = s * dims.geometry.hidden_size * 4
             where = (build, policy, s, probed, default)
             assert probed.forward <= default.forward <= probed.forward + 8, where
@@ -484,7 +485,7 @@ def test_moe_checkpoint_units_hold_input_and_gradient_past_their_backward(megatr
     estimate = model.memory.estimate(micro_batch_shape(
         lengths, OutputRequest.parse(cell.outputs), True, model.layout, model.implementation))
     assert estimate.peak_at == "backward: layer 1 backward", estimate.peak_at
-    held = {t.name: t.bytes for t in estimate.terms if t.phase == "backward"}
+    held = {t.name: t.bytes for t in estimate.terms if t.lifetime == "backward"}
     hidden_row = sum(lengths) * 128 * 4
     # Units 4, 3 and 2 hold their inputs and gradients, less the gradient unit 2 hands
     # down (unit 1's incoming gradient), and their routing state.

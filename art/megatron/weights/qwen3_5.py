@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
-from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
+from art.megatron.geometry import ATTENTION, LINEAR_ATTENTION, ModelGeometry
 from art.megatron.weights.family import (
     UnsupportedCheckpointError,
     check_common_config,
@@ -96,7 +96,7 @@ class Qwen3_5:
         check_common_config(config, self.name)
         cfg = text_config(config)
         rope = cfg.get("rope_parameters") or {}
-        hf_types = tuple(LINEAR_ATTENTION if t == LINEAR_ATTENTION else "attention"
+        hf_types = tuple(LINEAR_ATTENTION if t == LINEAR_ATTENTION else ATTENTION
                          for t in cfg.get("layer_types") or ())
         checks = [
             ("attn_output_gate", bool(cfg.get("attn_output_gate", True)),

@@ -169,7 +169,7 @@ def _print_table(model: Any, estimate: Any, gpu_memory: int | None, fits: bool |
     table.add_column(unit, justify="right")
     table.add_column("how")
     for term in estimate.terms:
-        table.add_row(term.phase, term.name, f"{term.bytes / gib:.3f}", term.note)
+        table.add_row(str(term.lifetime), term.name, f"{term.bytes / gib:.3f}", term.note)
     table.add_section()
     rows = [("resident", estimate.resident_bytes), ("forward peak", estimate.forward_peak_bytes),
             ("backward peak", estimate.backward_peak_bytes), ("reserve", estimate.reserve_bytes),

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from art.trainer_rank.memory.estimate import Term
+from art.megatron.geometry import LayerKind
+from art.trainer_rank.memory.estimate import Lifetime, Term, TermKind
 
 if TYPE_CHECKING:
     from art.megatron.geometry import ModelGeometry
@@ -26,12 +27,14 @@ def resident_adapter_terms(g: ModelGeometry, lora: LoraShape, layout: ParallelLa
     terms = []
     if lora.resident_adapters:
         n = lora.resident_adapters
-        terms.append(Term("resident adapters (slots)", int(n * per * (2 * b + 12)), "resident",
+        terms.append(Term(TermKind.RESIDENT_ADAPTERS, "resident adapters (slots)",
+                          int(n * per * (2 * b + 12)), Lifetime.RESIDENT,
                           f"{n} x {per:,} params (r={rank}) x (param + grad {2 * b} B + fp32 "
                           "master + 2 moments 12 B)"))
     if lora.resident_snapshots:
         n = lora.resident_snapshots
-        terms.append(Term("resident snapshots (forward-only)", int(n * per * b), "resident",
+        terms.append(Term(TermKind.RESIDENT_SNAPSHOTS, "resident snapshots (forward-only)",
+                          int(n * per * b), Lifetime.RESIDENT,
                           f"{n} x {per:,} params (r={rank}) x {b} B"))
     return terms
 
@@ -52,7 +55,7 @@ def lora_params_per_rank(g: ModelGeometry, lora: LoraShape, layout: ParallelLayo
     total = 0.0
     for i in range(g.num_layers):
         for t in lora.target_modules:
-            if t in ("linear_qkv", "linear_proj") and g.layer_types[i] != "attention":
+            if t in ("linear_qkv", "linear_proj") and g.layer_types[i] != LayerKind.ATTENTION:
                 continue
             total += per_target.get(t, 0.0)
     return int(total)

@@ -21,11 +21,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from art.megatron.geometry import ModelGeometry
+from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
 from art.trainer_rank.memory.fit import Fit
+from art.trainer_rank.memory.layer_terms import PricedKind
 from art.trainer_rank.memory.layers_gdn import GDN_CHUNK_TOKENS
 
 QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
@@ -34,9 +35,9 @@ QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
 SPARSE_TOKENS_PER_CHUNK: tuple[int, int] = (1, 8)
 
 
-def chunk_tokens_of(kind: str) -> int:
+def chunk_tokens_of(kind: PricedKind) -> int:
     """Tokens per kernel chunk of a layer kind (0: its kernels do not chunk the row)."""
-    return GDN_CHUNK_TOKENS if kind.startswith("linear_attention") else 0
+    return GDN_CHUNK_TOKENS if kind.linear else 0
 
 
 def padded_chunk_tokens(sequence_lengths_tokens: Iterable[int],
@@ -67,7 +68,7 @@ def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: Para
 
 
 def has_chunked_layers(geometry: ModelGeometry) -> bool:
-    return any(t == "linear_attention" for t in geometry.layer_types)
+    return LINEAR_ATTENTION in geometry.layer_types
 
 
 # Whole-chunk points a chunked layer's curve needs (a quadratic through three), besides one

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
-from art.trainer_rank.memory.layer_terms import LayerCost
+from art.trainer_rank.memory.layer_terms import LayerCost, PricedKind
 
 
 @dataclass(frozen=True)
@@ -39,7 +39,7 @@ class RecomputeMode:
 class LayerMode:
     """One (layer kind, recompute mode) pair the probe measures."""
 
-    kind: str
+    kind: PricedKind
     mode: RecomputeMode
 
     @property
@@ -54,7 +54,7 @@ class Coefficients(Protocol):
     @property
     def key(self) -> str: ...
 
-    def layer_cost(self, kind: str, mode: str, s: int, padded: int | None = None
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
                    ) -> LayerCost | None: ...
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int

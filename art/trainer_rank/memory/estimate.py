@@ -1,26 +1,81 @@
-"""The estimate: a peak that is a sum of named terms in bytes, printable as a table."""
+"""The estimate: a peak that is a sum of terms in bytes, each of a kind and a lifetime, printable
+as a table by their display names."""
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 from typing import Any
 
 from art.trainer_rank._request import MicroBatchShape
 
-PHASES = ("resident", "forward", "backward", "reserve")
 GIB = 1024**3
+
+
+class Lifetime(enum.StrEnum):
+    """Which part of the peak a term is live in: the whole job (resident), the forward's peak,
+    the backward's, or the allocator's reserve above them. The value is the table's and the
+    JSON's word."""
+
+    RESIDENT = "resident"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    RESERVE = "reserve"
+
+
+class TermKind(enum.StrEnum):
+    """What a term is. The composition finds terms by kind (which it drops, halves or sums);
+    a term's name is for display only."""
+
+    # resident
+    WEIGHTS = "weights"
+    LORA_PARAMS = "lora params"  # the runtime adapter's factors and their gradients
+    OPTIMIZER_STATE = "optimizer state"
+    RESIDENT_ADAPTERS = "resident adapters"  # trainable checkpoint slots
+    RESIDENT_SNAPSHOTS = "resident snapshots"  # forward-only checkpoint slots
+    # before the decoder, live through forward and backward
+    PACKED_INPUTS = "packed inputs"
+    ATTENTION_MASK = "attention mask"
+    SCORE_BUFFER = "score buffer"  # Megatron's unfused-attention global buffer
+    ROTARY_TABLE_AND_INDEX = "rotary table and index"  # the cached table + per-token index
+    ROTARY_TABLE = "rotary table"  # the cached table alone (CP: the whole row's)
+    ROTARY_INDEX = "rotary index"  # the per-token index alone (CP: this rank's)
+    MASK_TYPE_TENSORS = "mask-type tensors"  # checkpointed core attention's, one per layer
+    EMBEDDING_OUTPUT = "embedding output"
+    PREFIX_TREE_STATES = "prefix-tree states"  # Gated DeltaNet states handed on
+    # the forward peak
+    LAYERS_KEPT = "layers kept"  # every layer's kept activations
+    DECODER_OUTPUT = "decoder output"
+    HEAD_FORWARD = "head forward"  # the head and outputs' forward working set
+    GATHERED_LOGITS = "gathered logits"
+    LAYER_FORWARD_EXCESS = "layer forward excess"
+    LAYER_STATE_KEPT = "layer state kept"  # without grad: MoE dispatchers' routing state
+    LAYER_WORKING_SET = "layer working set"  # without grad: the largest layer's
+    # the backward peak
+    HEAD_BACKWARD = "head backward"
+    KEPT_BELOW = "kept below"  # what the layers below the peak's keep
+    HELD_ABOVE = "held above"  # what MoE layers above it left referenced
+    LAYER_KEPT = "layer kept"  # the peak layer's own kept activations
+    LAYER_BACKWARD = "layer backward"
+    UNIT_INPUT = "unit input"  # a full-recompute unit's checkpointed input
+    UNIT_BACKWARD = "unit backward"  # a full-recompute unit's rebuild and backward
+    OUTPUTS_HELD = "outputs held"  # the requested outputs the caller still holds
+    # the reserve
+    ALLOCATOR_RESERVE = "allocator reserve"
 
 
 @dataclass(frozen=True)
 class Term:
-    name: str
+    kind: TermKind
+    name: str  # for display only
     bytes: int
-    phase: str  # "resident" | "forward" | "backward" | "reserve"
+    lifetime: Lifetime
     note: str = ""  # how it was computed
 
     def __post_init__(self) -> None:
-        if self.phase not in PHASES:
-            raise ValueError(f"term {self.name!r}: phase {self.phase!r} is not one of {PHASES}")
+        if self.lifetime not in tuple(Lifetime):
+            raise ValueError(f"term {self.name!r}: lifetime {self.lifetime!r} is not one of "
+                             f"{', '.join(Lifetime)}")
 
 
 @dataclass(frozen=True)
@@ -58,8 +113,8 @@ class Estimate:
     def peak_bytes(self) -> int:
         return self.resident_bytes + self.dynamic_bytes
 
-    def phase_terms(self, phase: str) -> tuple[Term, ...]:
-        return tuple(t for t in self.terms if t.phase == phase)
+    def phase_terms(self, lifetime: Lifetime) -> tuple[Term, ...]:
+        return tuple(t for t in self.terms if t.lifetime == lifetime)
 
     def table(self) -> str:
         """Plain-text term table, one line per term, phase sums and the peak at the end."""
@@ -73,7 +128,7 @@ class Estimate:
         ]
         for term in self.terms:
             lines.append(
-                f"{term.phase:<9} {term.name[:44]:<44} {term.bytes / scale:>10.3f}  {term.note}"
+                f"{term.lifetime:<9} {term.name[:44]:<44} {term.bytes / scale:>10.3f}  {term.note}"
             )
         lines += [
             f"{'':<9} {'resident':<44} {self.resident_bytes / scale:>10.3f}",
@@ -91,7 +146,7 @@ class Estimate:
         and backward) is suffixed with its phase the second time."""
         named: dict[str, int] = {}
         for t in self.terms:
-            key = t.name if t.name not in named else f"{t.name} ({t.phase})"
+            key = t.name if t.name not in named else f"{t.name} ({t.lifetime})"
             named[key] = t.bytes
         return named
 
@@ -114,7 +169,7 @@ class Estimate:
             "grad_enabled": self.batch.grad_enabled,
             "terms": self.named_terms(),
             "term_details": [
-                {"name": t.name, "bytes": t.bytes, "phase": t.phase, "note": t.note}
+                {"name": t.name, "bytes": t.bytes, "phase": str(t.lifetime), "note": t.note}
                 for t in self.terms
             ],
         }

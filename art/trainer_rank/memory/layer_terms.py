@@ -1,7 +1,8 @@
 """The records and shared terms of the per-layer formulas: what a block and a layer cost.
 
-`Block` is one step of a layer in execution order, `LayerCost` what the layer composition
-(`layers.py`) makes of its blocks, `Dims` the per-rank sizes every formula reads. The terms here
+`PricedKind` is what a layer is priced (and probed) as, `Block` one step of a layer in execution
+order, `LayerCost` what the layer composition (`layers.py`) makes of its blocks, `Dims` the
+per-rank sizes every formula reads. The terms here
 are the ones several layer kinds share: the norm block, and what a LoRA adapter on a linear
 keeps and allocates.
 """
@@ -11,12 +12,39 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from art.megatron.geometry import ModelGeometry
+from art.megatron.geometry import LayerKind, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 
 FP32 = 4
 INT64 = 8
+
+
+class PricedKind(enum.StrEnum):
+    """What a layer is priced and probed as: its mixer and whether its MLP is a mixture of
+    experts. The value is the probe files' key."""
+
+    ATTENTION = "attention"
+    ATTENTION_MOE = "attention_moe"
+    LINEAR_ATTENTION = "linear_attention"
+    LINEAR_ATTENTION_MOE = "linear_attention_moe"
+
+    @classmethod
+    def of(cls, mixer: LayerKind, moe: bool) -> PricedKind:
+        return cls(f"{LayerKind(mixer)}{'_moe' if moe else ''}")
+
+    @property
+    def mixer(self) -> LayerKind:
+        return LayerKind.LINEAR_ATTENTION if self.linear else LayerKind.ATTENTION
+
+    @property
+    def linear(self) -> bool:
+        """A Gated DeltaNet (linear attention) layer."""
+        return self in (PricedKind.LINEAR_ATTENTION, PricedKind.LINEAR_ATTENTION_MOE)
+
+    @property
+    def moe(self) -> bool:
+        return self in (PricedKind.ATTENTION_MOE, PricedKind.LINEAR_ATTENTION_MOE)
 
 
 @dataclass(frozen=True)
@@ -38,6 +66,7 @@ class BlockRole(enum.Enum):
     RESIDUAL_ADD = "residual add"  # ends a norm's reach (`layers._norm_rebuilt_for`)
     QKV = "qkv"  # the fused QKV buffer, which core attention keeps alive (V is a view)
     OUTPUT_GATE = "output gate"  # a gated attention's gate, a copy out of the QKV buffer
+    ACTIVATION = "activation"  # an MLP's SwiGLU, which `moe_act` recomputes in experts
     # What a Gated DeltaNet's rule runs on without grad: views of in_proj's and the conv's
     # outputs and the repeated q, k, gates and decay inputs, then the rule itself.
     RULE_INPUT = "rule input"

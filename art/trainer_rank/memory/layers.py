@@ -30,13 +30,14 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
+from art.megatron.geometry import ModelGeometry
 from art.trainer_rank.memory.layer_terms import (
     FP32,
     Block,
     BlockRole,
     Dims,
     LayerCost,
+    PricedKind,
     linear_input_saved,
     norm_block,
 )
@@ -48,41 +49,40 @@ from art.trainer_rank.memory.layers_gdn import (
 from art.trainer_rank.memory.layers_mlp import mlp_blocks, moe_blocks, moe_dispatcher_state
 
 
-def layer_kind(geometry: ModelGeometry, index: int) -> str:
-    base = "linear_attention" if geometry.layer_types[index] == LINEAR_ATTENTION else "attention"
-    return base + ("_moe" if geometry.moe_layers[index] else "")
+def layer_kind(geometry: ModelGeometry, index: int) -> PricedKind:
+    return PricedKind.of(geometry.layer_types[index], geometry.moe_layers[index])
 
 
-def keeps_layer_input(d: Dims, kind: str) -> bool:
+def keeps_layer_input(d: Dims, kind: PricedKind) -> bool:
     """Whether a layer keeps its input for backward (its input norm does; a Gated DeltaNet
     layer's may not, see `linear_attention_keeps_input`)."""
-    if not kind.startswith("linear"):
+    if not kind.linear:
         return True
     return linear_attention_keeps_input(d)
 
 
-def layer_blocks(d: Dims, kind: str, s: int, worst_case_routing: bool = False,
+def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = False,
                  padded: int | None = None,
                  rule_calls: tuple[tuple[int, ...], ...] | None = None) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
     cp = d.layout.context_parallel
-    if kind.startswith("linear") and cp > 1:
+    if kind.linear and cp > 1:
         mixer = linear_attention_over_context_parallel(d, s, padded, rule_calls)
-    elif kind.startswith("linear"):
+    elif kind.linear:
         mixer = linear_attention_blocks(d, s, padded, rule_calls)
     else:
         mixer = attention_blocks(d, s)
     # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
     # when fused (or torch's in fp32, whose upcast is the tensor itself); torch's composite in
     # bf16/fp16 keeps its fp32 upcast instead (in the norm's block) and the add keeps nothing.
-    fused_norm = te and not kind.endswith("_moe")
+    fused_norm = te and not kind.moe
     residual = Block("residual add", None, 0.0, d.hidden_tokens(s) * g.hidden_size * b,
                      fused_norm or d.implementation.norm != "torch" or b >= FP32,
                      role=BlockRole.RESIDUAL_ADD)
     mlp_norm = norm_block(d, s, "pre-MLP norm", fused_norm,
-                          linear_input_saved(d, s, "linear_fc1", True) or kind.endswith("_moe"))
-    if kind.endswith("_moe"):
+                          linear_input_saved(d, s, "linear_fc1", True) or kind.moe)
+    if kind.moe:
         mlp = moe_blocks(d, s, worst_case_routing)
     else:
         mlp = mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
@@ -137,7 +137,7 @@ def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
     return kept_parts
 
 
-def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bool,
+def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, grad: bool,
                 worst_case_routing: bool = False, padded: int | None = None,
                 rule_calls: tuple[tuple[int, ...], ...] | None = None) -> LayerCost:
     """Default LayerCost of one layer running with the selective `modules` (empty: none);
@@ -178,7 +178,7 @@ def price_layer(d: Dims, kind: str, modules: frozenset[str], s: int, *, grad: bo
             prev = blk.output
             if blk.role is BlockRole.QKV:
                 qkv, gate_live = blk.output, gate
-        kept = moe_dispatcher_state(d, s) if kind.endswith("_moe") else 0.0
+        kept = moe_dispatcher_state(d, s) if kind.moe else 0.0
         return LayerCost(int(kept), int(peak), 0, int(x), False)
 
     # Megatron's `moe` checkpoint wraps the whole MoE layer, its activation and shared

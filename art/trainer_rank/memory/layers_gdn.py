@@ -7,7 +7,14 @@ chunked kernels on GPU, their CPU counterparts otherwise) and the gated output n
 
 from __future__ import annotations
 
-from art.trainer_rank.memory.layer_terms import FP32, Block, BlockRole, Dims, lora_saved
+from art.trainer_rank.memory.layer_terms import (
+    FP32,
+    Block,
+    BlockRole,
+    Dims,
+    PricedKind,
+    lora_saved,
+)
 
 # fla's chunked gated delta rule works on chunks of 64 tokens; it keeps a [chunk x chunk]
 # fp32 matrix per chunk and head and rebuilds the per-chunk recurrent states in backward.
@@ -176,8 +183,8 @@ def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, 
     return max(first, second) * FP32 + c * c + 8 * h * chunks
 
 
-def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int, tree: bool = False
-                                ) -> float:
+def conv_sequence_padding_bytes(d: Dims, kind: PricedKind, sequences: int,
+                                tree: bool = False) -> float:
     """A Gated DeltaNet layer convolves a packed row segment by segment, each after its
     window (`gated_delta_rows.segmented_causal_conv`: zeros for a sequence's start, the path's
     last inputs for a prefix-tree child): its saved input grows by kernel-1 columns of every
@@ -185,7 +192,7 @@ def conv_sequence_padding_bytes(d: Dims, kind: str, sequences: int, tree: bool =
     GPU causal-conv1d takes a row of plain sequences without windows (its seq_idx); a tree
     always takes the windows."""
     la = d.geometry.linear_attention
-    if (sequences <= 1 or la is None or not kind.startswith("linear_attention")
+    if (sequences <= 1 or la is None or not kind.linear
             or (d.implementation.device == "cuda" and not tree)):
         return 0.0
     channels = (2 * la.num_key_heads * la.key_head_dim
@@ -209,7 +216,7 @@ def padded_chunk_tokens(lengths: tuple[int, ...]) -> int:
     return sum(-(-int(n) // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS for n in lengths)
 
 
-def prefix_tree_extra_forward_bytes(d: Dims, kind: str, s: int,
+def prefix_tree_extra_forward_bytes(d: Dims, kind: PricedKind, s: int,
                                     calls: tuple[tuple[int, ...], ...], grad: bool) -> float:
     """What a Gated DeltaNet layer's forward over a row of prefix trees holds beyond its
     formulas with the rule at its largest call (`gated_delta_rows.delta_rule_over_row`):
@@ -219,7 +226,7 @@ def prefix_tree_extra_forward_bytes(d: Dims, kind: str, s: int,
     outputs comes after every call's working set is freed: it holds the row's output once
     more, which counts where that exceeds the largest call's working set."""
     la = d.geometry.linear_attention
-    if la is None or len(calls) < 2 or not kind.startswith("linear_attention"):
+    if la is None or len(calls) < 2 or not kind.linear:
         return 0.0
     state = prefix_tree_state_bytes(d, 1)
     per_token = la.num_value_heads / d.tp * la.value_head_dim * d.dtype_bytes

@@ -12,6 +12,7 @@ from art.trainer_rank.memory.layer_terms import (
     FP32,
     INT64,
     Block,
+    BlockRole,
     Dims,
     linear_input_saved,
     lora_saved,
@@ -56,7 +57,8 @@ def mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
         # tensors and the incoming gradient are freed.
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out,
-              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn)),
+              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn),
+              role=BlockRole.ACTIVATION),
         Block(f"{tag}fc2", "mlp", lora_saved(d, rows, "linear_fc2", adapters),
               d.hidden_tokens(s) * g.hidden_size * b, False,
               temp=(float(s) * g.hidden_size * b if d.layout.sequence_parallel else 0.0)
@@ -96,7 +98,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
                      temp=local_pairs * g.hidden_size * b)
     # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
     # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
-    experts = [replace(blk, module="moe_act" if blk.name.endswith("swiglu") else "moe")
+    experts = [replace(blk, module="moe_act" if blk.role is BlockRole.ACTIVATION else "moe")
                for blk in mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ",
                                      lora_tokens=local_pairs, adapters=local_experts)]
     # The routing probabilities multiply the activation before fc2 (one fp32 per pair): the

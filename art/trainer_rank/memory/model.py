@@ -24,10 +24,10 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
-from art.megatron.geometry import ModelGeometry
+from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
@@ -36,8 +36,8 @@ from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adap
 from art.trainer_rank.memory.budget import AllocatorReserve
 from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
 from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
-from art.trainer_rank.memory.estimate import Estimate, Term
-from art.trainer_rank.memory.layer_terms import Dims, LayerCost
+from art.trainer_rank.memory.estimate import Estimate, Lifetime, Term, TermKind
+from art.trainer_rank.memory.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.memory.layers import layer_kind, price_layer
 from art.trainer_rank.memory.layers_gdn import (
     conv_sequence_padding_bytes,
@@ -46,7 +46,6 @@ from art.trainer_rank.memory.layers_gdn import (
 )
 from art.trainer_rank.memory.passes import (
     BUFFERS_OF_ATTENTION,
-    SCORE_BUFFER,
     Unit,
     backward_terms,
     forward_pass,
@@ -82,6 +81,7 @@ def default_head_chunk_tokens() -> int:
 @dataclass(frozen=True)
 class MemoryModel:
     geometry: ModelGeometry
+    _: KW_ONLY
     layout: ParallelLayout
     recompute: EffectiveRecompute
     implementation: Implementation
@@ -91,26 +91,34 @@ class MemoryModel:
     alloc_conf: str | None = None
     worst_case_routing: bool = False
     head_chunk_tokens: int = 0  # 0: the compute path's HEAD_CHUNK_TOKENS
+    # Derived from the fields above in __post_init__ (a copy made with `replace` derives its
+    # own); not part of what the model is.
+    dims: Dims = field(init=False, repr=False, compare=False)
+    _kinds: tuple[PricedKind, ...] = field(init=False, repr=False, compare=False)
+    # Caches of what the model priced: (layer kind, modules, tokens, ...) -> layer cost and
+    # whether the probe measured it; micro-batch -> estimate.
+    _memo: dict[tuple[Any, ...], tuple[LayerCost, bool]] = field(
+        init=False, repr=False, compare=False)
+    _estimates: dict[MicroBatchShape, Estimate] = field(init=False, repr=False, compare=False)
 
-    def __init__(self, geometry: ModelGeometry, *, layout: ParallelLayout,
-                 recompute: EffectiveRecompute, implementation: Implementation,
-                 lora: LoraShape, dtype: str, coefficients: Coefficients | None = None,
-                 alloc_conf: str | None = None, worst_case_routing: bool = False,
-                 head_chunk_tokens: int = 0) -> None:
-        if dtype not in DTYPE_BYTES:
-            raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
-        if len(recompute.layers) != geometry.num_layers:
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPE_BYTES:
+            raise ValueError(f"dtype {self.dtype!r} is not one of {', '.join(DTYPE_BYTES)}")
+        if len(self.recompute.layers) != self.geometry.num_layers:
             raise ValueError(
-                f"recompute policy covers {len(recompute.layers)} layers but {geometry.name} "
-                f"has {geometry.num_layers}; resolve it for this model"
+                f"recompute policy covers {len(self.recompute.layers)} layers but "
+                f"{self.geometry.name} has {self.geometry.num_layers}; resolve it for this model"
             )
-        for name, value in (("geometry", geometry), ("layout", layout),
-                            ("recompute", recompute), ("implementation", implementation),
-                            ("lora", lora), ("dtype", dtype), ("coefficients", coefficients),
-                            ("alloc_conf", alloc_conf),
-                            ("worst_case_routing", worst_case_routing),
-                            ("head_chunk_tokens",
-                             head_chunk_tokens or default_head_chunk_tokens())):
+        derived: dict[str, Any] = {
+            "head_chunk_tokens": self.head_chunk_tokens or default_head_chunk_tokens(),
+            "dims": Dims(self.geometry, self.layout, self.implementation, self.dtype_bytes,
+                         self.lora.rank, frozenset(self.lora.target_modules)),
+            "_kinds": tuple(layer_kind(self.geometry, i)
+                            for i in range(self.geometry.num_layers)),
+            "_memo": {},
+            "_estimates": {},
+        }
+        for name, value in derived.items():
             object.__setattr__(self, name, value)
 
     # ------------------------------------------------------------------ construction
@@ -138,6 +146,12 @@ class MemoryModel:
     def with_coefficients(self, coefficients: Coefficients | None) -> MemoryModel:
         return replace(self, coefficients=coefficients)
 
+    def clear_caches(self) -> None:
+        """Forget every estimate and layer cost priced so far (the next estimate is priced
+        cold, as a benchmark of decisions on new items needs)."""
+        self._memo.clear()
+        self._estimates.clear()
+
     def allocator_reserve_bytes(self, dynamic_peak_bytes: int, largest_allocation_bytes: int
                                 ) -> int:
         """The allocator reserve for a dynamic peak priced outside one estimate (several
@@ -149,16 +163,6 @@ class MemoryModel:
     @property
     def dtype_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
-
-    @property
-    def dims(self) -> Dims:
-        cached = self.__dict__.get("_dims_cache")
-        if cached is not None:
-            return cached
-        cached = Dims(self.geometry, self.layout, self.implementation, self.dtype_bytes,
-                      self.lora.rank, frozenset(self.lora.target_modules))
-        object.__setattr__(self, "_dims_cache", cached)
-        return cached
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
                     padded: int | None = None, sequences: int = 1,
@@ -187,8 +191,7 @@ class MemoryModel:
                    if grad else 0.0)
         forward_change = backward_change = 0.0
         held_change: float | None = 0.0
-        if recurrent is not None and len(recurrent.calls) > 1 and kind.startswith(
-                "linear_attention"):
+        if recurrent is not None and len(recurrent.calls) > 1 and kind.linear:
             forward_change, backward_change, held_change = self._tree_change(
                 kind, modules, s, grad, padded, recurrent)
         if padding or forward_change or backward_change or held_change:
@@ -205,7 +208,7 @@ class MemoryModel:
         self._memo[memo_key] = result
         return result
 
-    def _tree_change(self, kind: str, modules: frozenset[str], s: int, grad: bool,
+    def _tree_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
                      padded: int | None, recurrent: RecurrentRow
                      ) -> tuple[float, float, float | None]:
         """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
@@ -226,22 +229,6 @@ class MemoryModel:
         return (float(tree.forward - plain.forward) + extra,
                 float(tree.backward - plain.backward) if grad else 0.0, held)
 
-    @property
-    def _kinds(self) -> tuple[str, ...]:
-        kinds = self.__dict__.get("_kinds_cache")
-        if kinds is None:
-            kinds = tuple(layer_kind(self.geometry, i) for i in range(self.geometry.num_layers))
-            object.__setattr__(self, "_kinds_cache", kinds)
-        return kinds
-
-    @property
-    def _memo(self) -> dict[tuple[Any, ...], tuple[LayerCost, bool]]:
-        memo = self.__dict__.get("_memo_cache")
-        if memo is None:
-            memo = {}
-            object.__setattr__(self, "_memo_cache", memo)
-        return memo
-
     def _probed_unit(self, index: int, n: int, s: int, grad: bool = True,
                      padded: int | None = None, recurrent: RecurrentRow | None = None
                      ) -> LayerCost | None:
@@ -250,9 +237,9 @@ class MemoryModel:
         and its backward (the layer rebuilt with grad, then its backward) as the formulas'
         unit does (`full_unit_peak`) with the rule at its largest call."""
         cost = self._probed_unit_cost(index, n, s, grad, padded)
-        kind = layer_kind(self.geometry, index)
+        kind = self._kinds[index]
         if (cost is None or recurrent is None or len(recurrent.calls) < 2
-                or not kind.startswith("linear_attention")):
+                or not kind.linear):
             return cost
         x = self.dims.hidden_tokens(s) * self.geometry.hidden_size * self.dtype_bytes
         peaks = []
@@ -276,7 +263,7 @@ class MemoryModel:
                 # Not a unit's first layer: the rest of a unit mixing layer kinds (Gated
                 # DeltaNet and attention), which is priced layer by layer.
                 return None
-        kinds = {layer_kind(self.geometry, j) for j in range(index, index + n)}
+        kinds = set(self._kinds[index:index + n])
         if len(kinds) != 1:
             return None
         kind = kinds.pop()
@@ -284,10 +271,10 @@ class MemoryModel:
             kind, RecomputeMode(grad=grad, full_layers=n).key, self._probe_tokens(kind, s),
             padded)
 
-    def _probe_tokens(self, kind: str, s: int) -> int:
+    def _probe_tokens(self, kind: PricedKind, s: int) -> int:
         """The tokens a probe curve is read at: this rank's, except a Gated DeltaNet layer's
         under CP, which runs (and is probed at) the whole row."""
-        if kind.startswith("linear_attention") and self.layout.context_parallel > 1:
+        if kind.linear and self.layout.context_parallel > 1:
             return s * self.layout.context_parallel
         return s
 
@@ -302,25 +289,23 @@ class MemoryModel:
         g, b, tp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel
         pp = self.layout.pipeline_parallel
         params = _params_per_rank(g, self.layout)
-        terms = [Term("weights", int(params * b), "resident",
+        terms = [Term(TermKind.WEIGHTS, "weights", int(params * b), Lifetime.RESIDENT,
                       f"{params / 1e9:.3f}B params/rank x {b} B (TP{tp}"
                       f"{f', PP{pp}' if pp > 1 else ''})")]
         if self.lora.rank:
             lora_params = lora_params_per_rank(g, self.lora, self.layout)
-            terms.append(Term("LoRA params + grads", int(lora_params * 2 * b), "resident",
+            terms.append(Term(TermKind.LORA_PARAMS, "LoRA params + grads",
+                              int(lora_params * 2 * b), Lifetime.RESIDENT,
                               f"{lora_params:,} params x (param + grad) x {b} B"))
-            terms.append(Term("optimizer state (LoRA, Adam)",
-                              int(lora_params * ADAM_STATE_BYTES), "resident",
+            terms.append(Term(TermKind.OPTIMIZER_STATE, "optimizer state (LoRA, Adam)",
+                              int(lora_params * ADAM_STATE_BYTES), Lifetime.RESIDENT,
                               f"{lora_params:,} params x 2 fp32 moments"))
         terms += resident_adapter_terms(g, self.lora, self.layout, b)
         return terms
 
     # ------------------------------------------------------------------ the estimate
     def estimate(self, batch: MicroBatchShape) -> Estimate:
-        cache = self.__dict__.get("_estimate_cache")
-        if cache is None:
-            cache = {}
-            object.__setattr__(self, "_estimate_cache", cache)
+        cache = self._estimates
         hit = cache.get(batch)
         if hit is None:
             if len(cache) > 4096:
@@ -360,10 +345,11 @@ class MemoryModel:
                                               implementation=self.implementation)
                       if recurrent is not None or self.layout.context_parallel > 1
                       else row_padded_chunk_tokens(segments, self.layout))
-        layers = sum(1 for kind in self._kinds if kind.startswith("linear_attention"))
+        layers = sum(1 for kind in self._kinds if kind.linear)
         if grad and continued and layers:
             per_layer = prefix_tree_state_bytes(self.dims, continued)
-            pre.append(Term("prefix-tree states handed on", int(layers * per_layer), "forward",
+            pre.append(Term(TermKind.PREFIX_TREE_STATES, "prefix-tree states handed on",
+                            int(layers * per_layer), Lifetime.FORWARD,
                             f"{layers} Gated DeltaNet layer(s) x {continued} continued "
                             "segment(s) x [value heads/TP, dk, dv] fp32"))
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
@@ -372,12 +358,11 @@ class MemoryModel:
                           functools.partial(self._probed_unit, padded=padded,
                                             recurrent=recurrent),
                           attention_layers=frozenset(
-                              i for i, kind in enumerate(self._kinds)
-                              if kind.startswith("attention")),
+                              i for i, kind in enumerate(self._kinds) if not kind.linear),
                           attention_buffers=sum(t.bytes for t in pre
-                                                if t.name in BUFFERS_OF_ATTENTION),
+                                                if t.kind in BUFFERS_OF_ATTENTION),
                           moe_layers=frozenset(i for i, kind in enumerate(self._kinds)
-                                               if kind.endswith("_moe")))
+                                               if kind.moe))
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:
@@ -394,14 +379,14 @@ class MemoryModel:
         reserve = AllocatorReserve(self.implementation.device, self.alloc_conf)
         reserve_bytes = reserve.reserve_bytes(dynamic_core, largest)
         terms += fwd_terms + bwd_terms
-        terms.append(Term("allocator reserve", int(reserve_bytes), "reserve",
-                          reserve.describe(dynamic_core, largest)))
+        terms.append(Term(TermKind.ALLOCATOR_RESERVE, "allocator reserve", int(reserve_bytes),
+                          Lifetime.RESERVE, reserve.describe(dynamic_core, largest)))
         source = "defaults"
         if (fp.probe_used or tail_probed) and self.coefficients is not None:
             source = f"probe:{self.coefficients.key}"
             if self.coefficients.partial_for(self.geometry):
                 source += " (+defaults for unprobed layer kinds)"
-        score_buffer = sum(t.bytes for t in pre if t.name == SCORE_BUFFER)
+        score_buffer = sum(t.bytes for t in pre if t.kind is TermKind.SCORE_BUFFER)
         peak_at = (f"forward: {forward_where}" if forward_peak >= backward_peak
                    else f"backward: {backward_where}")
         return Estimate(
@@ -489,7 +474,7 @@ def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
     h = g.hidden_size
     total = 0.0
     for i in range(g.num_layers):
-        if g.layer_types[i] == "linear_attention" and g.linear_attention is not None:
+        if g.layer_types[i] == LINEAR_ATTENTION and g.linear_attention is not None:
             la = g.linear_attention
             key = la.num_key_heads * la.key_head_dim
             value = la.num_value_heads * la.value_head_dim

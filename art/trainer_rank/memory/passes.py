@@ -7,16 +7,22 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
-from art.megatron.geometry import ModelGeometry
+from art.megatron.geometry import ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.recompute import LayerRecompute
-from art.trainer_rank.memory.estimate import Term
+from art.trainer_rank.memory.estimate import Lifetime, Term, TermKind
 from art.trainer_rank.memory.layer_terms import FP32, LayerCost
 from art.trainer_rank.memory.tail import INT64, TailCost
 
 INT32 = 4
-# Megatron's global buffer for unfused attention scores (one per process, reused).
-SCORE_BUFFER = "attention score buffer"
+FORWARD, BACKWARD = Lifetime.FORWARD, Lifetime.BACKWARD
+# Pre-decoder terms the first attention layer's call allocates: Megatron's global buffer for
+# unfused attention scores (one per process, reused) and the checkpointed core attention's
+# mask-type tensors.
+BUFFERS_OF_ATTENTION = frozenset({TermKind.SCORE_BUFFER, TermKind.MASK_TYPE_TENSORS})
+# Without grad, the pre-decoder terms the decoder call frees when it returns.
+FREED_WITH_THE_DECODER = frozenset({TermKind.EMBEDDING_OUTPUT, TermKind.MASK_TYPE_TENSORS,
+                                    TermKind.ROTARY_INDEX})
 
 # (layer index, selective modules, tokens, grad) -> (cost, whether the probe measured it)
 LayerPricer = Callable[[int, frozenset[str], int, bool], tuple[LayerCost, bool]]
@@ -74,38 +80,43 @@ def pre_decoder_terms(g: ModelGeometry, implementation: Implementation, b: int, 
     # Under context parallel (s < S) the packer's tokens, positions and targets span the
     # whole row, and this rank's tokens and positions are copies of its two chunks.
     split = S > s and implementation.attention != "unfused"
-    pre = [Term("packed inputs", int((3 * S + 2 * s if split else 3 * s) * INT64), "forward",
+    pre = [Term(TermKind.PACKED_INPUTS, "packed inputs",
+                int((3 * S + 2 * s if split else 3 * s) * INT64), FORWARD,
                 f"tokens, positions, targets: 3 x {S} x int64 + this CP rank's 2 x {s}"
                 if split else f"tokens, positions, targets: 3 x {s} x int64")]
     if implementation.attention == "unfused":
-        pre.append(Term("packed attention mask", int(s * S), "forward",
+        pre.append(Term(TermKind.ATTENTION_MASK, "packed attention mask", int(s * S), FORWARD,
                         f"bool [{s}, {S}] block-diagonal causal (local spec)"))
         heads = g.num_attention_heads // tp
-        pre.append(Term(SCORE_BUFFER, int(heads * s * S * b), "forward",
+        pre.append(Term(TermKind.SCORE_BUFFER, "attention score buffer",
+                        int(heads * s * S * b), FORWARD,
                         f"Megatron global memory buffer [{heads} x {s} x {S}] x {b} B; "
                         "persists at the largest size seen, priced as new"))
-    if "attention" in g.layer_types:
+    if ATTENTION in g.layer_types:
         rope_dim = g.head_dim
         if split:
             # The table spans the longest position (at most the row); the index is this
             # CP rank's rows.
-            pre.append(Term(ROTARY_TABLE_WHOLE_ROW, int(S * rope_dim * FP32), "forward",
+            pre.append(Term(TermKind.ROTARY_TABLE, "rotary table (whole row)",
+                            int(S * rope_dim * FP32), FORWARD,
                             f"[{S}, {rope_dim}] fp32, cached by Megatron's rotary module"))
-            pre.append(Term(ROTARY_INDEX_THIS_RANK, int(s * rope_dim * FP32), "forward",
+            pre.append(Term(TermKind.ROTARY_INDEX, "rotary index (this CP rank)",
+                            int(s * rope_dim * FP32), FORWARD,
                             f"[{s}, {rope_dim}] fp32, this CP rank's positions"))
         else:
-            pre.append(Term("rotary table", int(2 * s * rope_dim * FP32), "forward",
+            pre.append(Term(TermKind.ROTARY_TABLE_AND_INDEX, "rotary table",
+                            int(2 * s * rope_dim * FP32), FORWARD,
                             f"table + per-token index [{s}, {rope_dim}] fp32"))
     if checkpointed_attention_layers:
         # Megatron's checkpointed core attention passes the mask type as a new one-element
         # int32 tensor per layer (transformer/attention.py, _checkpointed_attention_forward);
         # the checkpoint keeps it until backward, and without grad one outlives its layer.
-        pre.append(Term("checkpointed attention mask-type tensors",
-                        int(checkpointed_attention_layers * INT32), "forward",
+        pre.append(Term(TermKind.MASK_TYPE_TENSORS, "checkpointed attention mask-type tensors",
+                        int(checkpointed_attention_layers * INT32), FORWARD,
                         f"{checkpointed_attention_layers} layer(s) x 1 int32"))
     # The compute path keeps the embedding output referenced for the whole decoder call,
     # so it is live throughout; the first layer's saved input is that same storage.
-    pre.append(Term("embedding output", int(hidden_local), "forward",
+    pre.append(Term(TermKind.EMBEDDING_OUTPUT, "embedding output", int(hidden_local), FORWARD,
                     "decoder input, referenced until the decoder returns"))
     return pre
 
@@ -246,16 +257,9 @@ def kept_note(units: list[Unit], s: int) -> str:
 def _gather_terms(tail: TailCost) -> list[Term]:
     if not tail.gathered_logits:
         return []
-    return [Term("gathered logits chunk (TP all-gather)", int(tail.gathered_logits), "forward",
+    return [Term(TermKind.GATHERED_LOGITS, "gathered logits chunk (TP all-gather)",
+                 int(tail.gathered_logits), FORWARD,
                  "TP pieces [chunk, vocab/TP] + their concatenation [chunk, vocab], fp32")]
-
-
-# The rotary terms under context parallel: the whole row's table, this rank's index.
-ROTARY_TABLE_WHOLE_ROW = "rotary table (whole row)"
-ROTARY_INDEX_THIS_RANK = "rotary index (this CP rank)"
-
-# Pre-decoder terms the first attention layer's call allocates.
-BUFFERS_OF_ATTENTION = (SCORE_BUFFER, "checkpointed attention mask-type tensors")
 
 
 def live_after_decoder(pre: list[Term]) -> list[Term]:
@@ -264,10 +268,9 @@ def live_after_decoder(pre: list[Term]) -> list[Term]:
     Megatron's rotary module caches its table, and the packed inputs and score buffer stay."""
     live = []
     for t in pre:
-        if t.name in ("embedding output", "checkpointed attention mask-type tensors",
-                      ROTARY_INDEX_THIS_RANK):
+        if t.kind in FREED_WITH_THE_DECODER:
             continue
-        if t.name == "rotary table":
+        if t.kind is TermKind.ROTARY_TABLE_AND_INDEX:
             t = replace(t, bytes=t.bytes // 2, note="cached table (per-token index freed)")
         live.append(t)
     return live
@@ -278,8 +281,8 @@ def _state_terms(kept: float, whose: str) -> list[Term]:
     dispatcher keeps its routing state until its next call)."""
     if kept <= 0:
         return []
-    return [Term(f"state kept by {whose} (no grad)", int(kept), "forward",
-                 "MoE token dispatchers' routing state, held until their next call")]
+    return [Term(TermKind.LAYER_STATE_KEPT, f"state kept by {whose} (no grad)", int(kept),
+                 FORWARD, "MoE token dispatchers' routing state, held until their next call")]
 
 
 def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_note: str,
@@ -292,28 +295,30 @@ def forward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_n
     head = tail.forward + tail.gathered_logits
     # Before the first attention layer runs, Megatron's score buffer does not exist yet.
     absent = 0.0 if fp.peak_after_attention else fp.attention_buffers
-    at_layer = [t for t in pre if fp.peak_after_attention or t.name not in BUFFERS_OF_ATTENTION]
+    at_layer = [t for t in pre if fp.peak_after_attention or t.kind not in BUFFERS_OF_ATTENTION]
     if grad:
         terms = [
             *pre,
-            Term("layer activations kept (all layers)", int(fp.kept_total), "forward",
-                 layer_kept_note),
-            Term("decoder output", int(x), "forward", "last layer output"),
-            Term("head + outputs (forward working set)", int(tail.forward), "forward",
-                 tail.note),
+            Term(TermKind.LAYERS_KEPT, "layer activations kept (all layers)",
+                 int(fp.kept_total), FORWARD, layer_kept_note),
+            Term(TermKind.DECODER_OUTPUT, "decoder output", int(x), FORWARD,
+                 "last layer output"),
+            Term(TermKind.HEAD_FORWARD, "head + outputs (forward working set)",
+                 int(tail.forward), FORWARD, tail.note),
             *_gather_terms(tail),
         ]
         layer_excess = fp.peak - absent - (fp.kept_total + x + head)
         if layer_excess > 0:
-            terms.append(Term("layer forward excess over head", int(layer_excess), "forward",
-                              fp.peak_where))
+            terms.append(Term(TermKind.LAYER_FORWARD_EXCESS, "layer forward excess over head",
+                              int(layer_excess), FORWARD, fp.peak_where))
             return terms, fp.peak_where
         return terms, "head"
     layer_terms = [*at_layer, *_state_terms(fp.peak_kept, "earlier layers"),
-                   Term("largest layer working set (no grad)", int(fp.peak - fp.peak_kept),
-                        "forward", fp.peak_where)]
+                   Term(TermKind.LAYER_WORKING_SET, "largest layer working set (no grad)",
+                        int(fp.peak - fp.peak_kept), FORWARD, fp.peak_where)]
     head_terms = [*live_after_decoder(pre), *_state_terms(fp.kept_total, "the layers"),
-                  Term("head + outputs (no grad)", int(tail.forward), "forward", tail.note),
+                  Term(TermKind.HEAD_FORWARD, "head + outputs (no grad)", int(tail.forward),
+                       FORWARD, tail.note),
                   *_gather_terms(tail)]
     if sum(t.bytes for t in layer_terms) >= sum(t.bytes for t in head_terms):
         return layer_terms, fp.peak_where
@@ -363,9 +368,11 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
     best = fp.kept_total + fp.output + tail.backward
     where = "head backward"
     peak_layer: int | None = None
-    parts = [("layer activations kept (all layers)", fp.kept_total, layer_kept_note),
-             ("decoder output", fp.output, "last layer output"),
-             ("head + outputs + caller loss (backward)", tail.backward, tail.note)]
+    parts = [(TermKind.LAYERS_KEPT, "layer activations kept (all layers)", fp.kept_total,
+              layer_kept_note),
+             (TermKind.DECODER_OUTPUT, "decoder output", fp.output, "last layer output"),
+             (TermKind.HEAD_BACKWARD, "head + outputs + caller loss (backward)", tail.backward,
+              tail.note)]
     outputs_held = tail.kept
     below = fp.kept_total
     retained = 0.0  # left referenced by the units whose backward has run
@@ -373,7 +380,7 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
     for unit in reversed(fp.units):
         below -= unit.kept
         above = retained - incoming
-        held_above = [("held by MoE layers above", above,
+        held_above = [(TermKind.HELD_ABOVE, "held by MoE layers above", above,
                        "routing state; a checkpoint unit's detached input and its gradient")
                       ] if above else []
         retained += unit.retained
@@ -384,12 +391,12 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
             if peak > best:
                 best, where, peak_layer = peak, f"layer {unit.start + 1} backward", unit.start
                 parts = [
-                    ("activations kept by layers below", below, ""),
+                    (TermKind.KEPT_BELOW, "activations kept by layers below", below, ""),
                     *held_above,
-                    ("this layer's kept activations", cost.kept, ""),
-                    ("layer backward working set", cost.backward,
+                    (TermKind.LAYER_KEPT, "this layer's kept activations", cost.kept, ""),
+                    (TermKind.LAYER_BACKWARD, "layer backward working set", cost.backward,
                      "incoming grad, grads, rebuilt checkpoints"),
-                    ("outputs held by the caller", outputs_held, ""),
+                    (TermKind.OUTPUTS_HELD, "outputs held by the caller", outputs_held, ""),
                 ]
             continue
         unit_peak = full_unit_peak(unit)
@@ -399,13 +406,14 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
             span = f"layer {first}" if first == last else f"layers {first}-{last}"
             best, where, peak_layer = peak, f"{span} backward (full recompute unit)", unit.start
             parts = [
-                ("activations kept by layers below", below, "checkpoint inputs"),
+                (TermKind.KEPT_BELOW, "activations kept by layers below", below,
+                 "checkpoint inputs"),
                 *held_above,
-                ("checkpoint unit input", unit.kept, ""),
-                ("full unit recompute + backward", unit_peak,
+                (TermKind.UNIT_INPUT, "checkpoint unit input", unit.kept, ""),
+                (TermKind.UNIT_BACKWARD, "full unit recompute + backward", unit_peak,
                  f"{len(unit.costs)} layer(s) rebuilt with grad + incoming grad"),
-                ("outputs held by the caller", outputs_held, ""),
+                (TermKind.OUTPUTS_HELD, "outputs held by the caller", outputs_held, ""),
             ]
-    terms = [replace(t, phase="backward") for t in pre]
-    terms += [Term(n, int(v), "backward", note) for n, v, note in parts]
+    terms = [replace(t, lifetime=BACKWARD) for t in pre]
+    terms += [Term(kind, n, int(v), BACKWARD, note) for kind, n, v, note in parts]
     return terms, where, peak_layer

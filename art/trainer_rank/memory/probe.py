@@ -57,7 +57,7 @@ from art.trainer_rank.memory.chunked import (
 )
 from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
 from art.trainer_rank.memory.fit import Fit, Poly
-from art.trainer_rank.memory.layer_terms import Dims, LayerCost
+from art.trainer_rank.memory.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.memory.layers import layer_kind
 from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
 from art.trainer_rank.memory.measure import release_score_buffer
@@ -135,11 +135,11 @@ PROBE_FORMAT_VERSION = 3
 class ProbeCoefficients:
     key: str
     tokens: tuple[int, ...]
-    layers: tuple[tuple[str, str, ProbedLayer], ...]  # (layer kind, mode key, fit)
+    layers: tuple[tuple[PricedKind, str, ProbedLayer], ...]  # (layer kind, mode key, fit)
     tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
     format: int = PROBE_FORMAT_VERSION
 
-    def layer_cost(self, kind: str, mode: str, s: int, padded: int | None = None
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
                    ) -> LayerCost | None:
         for k, m, fit in self.layers:
             if k == kind and m == mode:
@@ -186,7 +186,7 @@ class ProbeCoefficients:
                                 tuple((q, poly(a), poly(b)) for q, a, b in d["quantities"]))
 
         layers = tuple(
-            (k, m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
+            (PricedKind(k), m, ProbedLayer(poly(f["kept"]), poly(f["forward"]), poly(f["backward"]),
                                poly(f["output"]), bool(f["saves_input"]),
                                within(f["within_chunk"]) if f.get("within_chunk") else None,
                                poly(f["backward_held"]) if f.get("backward_held") else None,
@@ -260,7 +260,7 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
 
 def _without_conv_padding(rows: dict[tuple[int, int], dict[str, float]],
                           geometry: ModelGeometry, layout: Any, implementation: Any,
-                          dtype_bytes: int, kind: str, chunk: int) -> None:
+                          dtype_bytes: int, kind: PricedKind, chunk: int) -> None:
     """Takes out of sparse rows what their many sequences add to the causal convolution's
     saved input: the memory model adds it for the row's own sequence count."""
     # Adapters do not enter the convolution's padding.
@@ -327,12 +327,12 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         _CACHE[key] = coefficients
         return coefficients
 
-    layer_by_kind: dict[str, Any] = {}
+    layer_by_kind: dict[PricedKind, Any] = {}
     for layer in inner.decoder.layers:
         layer_by_kind.setdefault(layer_kind(geometry, layer.layer_number - 1), layer)
     was_training = inner.training
     inner.train()
-    fitted_layers: list[tuple[str, str, ProbedLayer]] = []
+    fitted_layers: list[tuple[PricedKind, str, ProbedLayer]] = []
     fitted_tails: list[tuple[str, bool, ProbedTail]] = []
     try:
         per_tokens = {t: probe_inputs(model, t, layout, implementation, device)

@@ -31,7 +31,7 @@ from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.memory import probe as probe_module
 from art.trainer_rank.memory.chunked import fewest_chunked_points, has_chunked_layers
 from art.trainer_rank.memory.coefficients import LayerMode
-from art.trainer_rank.memory.layer_terms import LayerCost
+from art.trainer_rank.memory.layer_terms import LayerCost, PricedKind
 from art.trainer_rank.memory.probe_runs import inner_model
 from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
 from art.trainer_rank.ranks import agree as _agree
@@ -133,7 +133,7 @@ class TrainerProbe:
     def key(self) -> str:
         return self.layers.key
 
-    def layer_cost(self, kind: str, mode: str, s: int, padded: int | None = None
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
                    ) -> LayerCost | None:
         return self.layers.layer_cost(kind, mode, s, padded)
 
