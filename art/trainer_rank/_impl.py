@@ -14,7 +14,7 @@ import contextlib
 import logging
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
@@ -31,6 +31,7 @@ from art.trainer_rank._options import TrainerRankOptions
 from art.trainer_rank._types import (
     DECLINED,
     EMPTY,
+    AdapterSelection,
     MicroBatch,
     MicroBatchStats,
     TrainerRankMemoryError,
@@ -63,6 +64,7 @@ from art.trainer_rank.memory.device import (
 )
 from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.memory.model import MemoryModel
 from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
@@ -71,12 +73,16 @@ from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.optimizer_step import GraphLedger, output_tensors
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
+from art.trainer_rank.slots.types import MaterializedCheckpoint
 
 if TYPE_CHECKING:
     from art.megatron.train import TrainingRuntime
 
 
 logger = logging.getLogger("art.trainer_rank")
+# A call's adapter: a slot name or path, a materialized checkpoint, None (the base model) or
+# Unset (the active slot).
+CheckpointSelection: TypeAlias = AdapterSelection | MaterializedCheckpoint
 
 class TrainerRank(SlotMethods):
     """LoRA training and scoring forwards with recompute-aware memory admission."""
@@ -144,7 +150,7 @@ class TrainerRank(SlotMethods):
 
     # -- limits and pricing helpers -----------------------------------------------------------
 
-    def _next_tp_model(self) -> tuple[int, Any] | None:
+    def _next_tp_model(self) -> tuple[int, MemoryModel] | None:
         return next_tp_memory_model(self.provider, self.options.head_chunk_tokens)
 
     @property
@@ -180,7 +186,8 @@ class TrainerRank(SlotMethods):
     # -- public API ---------------------------------------------------------------------------
 
     def forward_micro_batches(
-        self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
+        self, inputs: Iterable[Any], *, checkpoint: CheckpointSelection = Unset,
+        no_grad: bool | None = None
     ) -> Iterator[MicroBatch]:
         """Yield micro-batches of whole top-level items (this DP rank's share of each wave).
 
@@ -225,7 +232,8 @@ class TrainerRank(SlotMethods):
         call.raise_declined()
 
     def dp_rank_forward(
-        self, inputs: Iterable[Any], *, checkpoint: Any = Unset, no_grad: bool | None = None
+        self, inputs: Iterable[Any], *, checkpoint: CheckpointSelection = Unset,
+        no_grad: bool | None = None
     ) -> list[Any]:
         """Run already-DP-local inputs in one call; outputs mirror `inputs`. With grad every
         graph stays live until the caller's backward: the grad items run whole when they fit,
@@ -247,7 +255,8 @@ class TrainerRank(SlotMethods):
 
     # -- inputs -------------------------------------------------------------------------------
 
-    def _items(self, inputs: Iterable[Any], checkpoint: Any, no_grad: bool | None) -> list[Item]:
+    def _items(self, inputs: Iterable[Any], checkpoint: CheckpointSelection,
+               no_grad: bool | None) -> list[Item]:
         self.slots.resolve(checkpoint)
         call_no_grad = (not torch.is_grad_enabled()) if no_grad is None else bool(no_grad)
         items = make_items(inputs, call_no_grad=call_no_grad)

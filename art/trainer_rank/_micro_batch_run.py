@@ -29,7 +29,7 @@ class ComputePath:
     """What a plan's forwards run on: the model as built, and the phase agreement that turns
     a failure on one rank of the replica into the same error on every rank."""
 
-    model: Any
+    model: torch.nn.Module
     implementation: Implementation
     layout: ParallelLayout
     device: torch.device

@@ -5,14 +5,15 @@ allocates first; and the memory-model interface admission prices with."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Protocol
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.memory.estimate import Estimate
 
 
 class MemoryModelLike(Protocol):
-    def estimate(self, batch: MicroBatchShape) -> Any: ...
+    def estimate(self, batch: MicroBatchShape) -> Estimate: ...
     def with_recompute(self, recompute: EffectiveRecompute) -> MemoryModelLike: ...
     def max_tokens_that_fit(
         self, usable_bytes: int, *, outputs: OutputRequest, grad_enabled: bool, sequences: int = 1
@@ -34,7 +35,7 @@ def gib(n: int) -> str:
 class Pricing:
     """One candidate priced: the memory model's estimate and the profile's prediction."""
 
-    estimate: Any  # the memory model's Estimate
+    estimate: Estimate
     # The model's dynamic peak corrected by the profile + the allocator reserve; None when
     # the profile has nothing to say for this row.
     profile_dynamic_bytes: int | None

@@ -6,16 +6,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING
 
+from art.megatron.provider import Provider
 from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefixes
 from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
+from art.trainer_rank.decide.priced import MemoryModelLike
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.memory.device import held_output_bytes
 from art.trainer_rank.memory.pricing import TrainerPricing
 
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
-def adapter_signature(lora: Any) -> str:
+
+def adapter_signature(lora: LoraConfig | None) -> str:
     """"none", or the adapter's rank and targets, e.g. "r8:linear_fc1,linear_qkv"."""
     if lora is None:
         return "none"
@@ -24,9 +29,9 @@ def adapter_signature(lora: Any) -> str:
     return f"r{lora.r}:{','.join(targets)}"
 
 
-def trainer_admission(provider: Any, pricing: TrainerPricing, profiles: ProfileStore,
+def trainer_admission(provider: Provider, pricing: TrainerPricing, profiles: ProfileStore,
                       policy: AdmissionPolicy,
-                      next_tp_model: Callable[[], tuple[int, Any] | None]
+                      next_tp_model: Callable[[], tuple[int, MemoryModelLike] | None]
                       ) -> tuple[Admission, bool]:
     """The Admission, and whether this trainer packs shared prefixes once."""
     layout = provider.layout
