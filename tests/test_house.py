@@ -26,8 +26,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("art.trainer_rank.memory",),
     # admission, profiles, escalation, runnable layouts
     ("art.trainer_rank.decide",),
-    # adapter checkpoint slots and the optimizer step
+    # adapter checkpoint slots (each with its own Adam state)
     ("art.trainer_rank.slots",),
+    # the optimizer step and the live graphs it may refuse to run under
+    ("art.trainer_rank.optimizer",),
     # the trainer's knobs and the orchestrator
     ("art.trainer_rank._options", "art.trainer_rank._impl", "art.trainer_rank._micro_batch_run"),
     # the public API and the command line

@@ -66,11 +66,12 @@ from art.trainer_rank.memory.measure import release_score_buffer
 from art.trainer_rank.memory.meter import MemoryMeter
 from art.trainer_rank.memory.model import MemoryModel
 from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
+from art.trainer_rank.optimizer.graphs import GraphLedger, output_tensors
+from art.trainer_rank.optimizer.methods import StepMethods
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
 from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement
 from art.trainer_rank.slots.api import SlotMethods
-from art.trainer_rank.slots.optimizer_step import GraphLedger, output_tensors
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
 from art.trainer_rank.slots.types import MaterializedCheckpoint
@@ -84,7 +85,7 @@ logger = logging.getLogger("art.trainer_rank")
 # Unset (the active slot).
 CheckpointSelection: TypeAlias = AdapterSelection | MaterializedCheckpoint
 
-class TrainerRank(SlotMethods):
+class TrainerRank(SlotMethods, StepMethods):
     """LoRA training and scoring forwards with recompute-aware memory admission."""
 
     def __init__(self, runtime: TrainingRuntime) -> None:
