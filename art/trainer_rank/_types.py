@@ -6,6 +6,7 @@ runs unchanged; fields of ours come after upstream's, always with defaults.
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias, TypeVar
@@ -14,14 +15,26 @@ import torch
 
 from art.trainer_rank._request import OutputRequest
 
-# Decisions admission can take for one micro-batch (MicroBatchStats.decision).
-COLD_CAPPED = "cold-capped"  # no profile yet for this signature: size capped, then measured
-ADMITTED = "admitted"  # fits under the recompute in force
-SPLIT = "split"  # a no-grad group that does not fit whole, run as several sub-forwards
-ESCALATED = "escalated"  # fits only under full recompute, run with full recompute
-DECLINED = "declined"  # fits under no policy we may use; not run
-EMPTY = "empty"  # a DP rank with nothing left in this wave: nothing ran (lockstep)
-DECISIONS: tuple[str, ...] = (COLD_CAPPED, ADMITTED, SPLIT, ESCALATED, DECLINED, EMPTY)
+
+class Decision(enum.StrEnum):
+    """What admission decided for one micro-batch (MicroBatchStats.decision); the value is the
+    word the stats, tables and bench files show."""
+
+    COLD_CAPPED = "cold-capped"  # no profile yet for this signature: size capped, then measured
+    ADMITTED = "admitted"  # fits under the recompute in force
+    SPLIT = "split"  # a no-grad group that does not fit whole, run as several sub-forwards
+    ESCALATED = "escalated"  # fits only under full recompute, run with full recompute
+    DECLINED = "declined"  # fits under no policy we may use; not run
+    EMPTY = "empty"  # a DP rank with nothing left in this wave: nothing ran (lockstep)
+
+
+COLD_CAPPED = Decision.COLD_CAPPED
+ADMITTED = Decision.ADMITTED
+SPLIT = Decision.SPLIT
+ESCALATED = Decision.ESCALATED
+DECLINED = Decision.DECLINED
+EMPTY = Decision.EMPTY
+DECISIONS: tuple[Decision, ...] = tuple(Decision)
 
 T = TypeVar("T")
 
@@ -209,7 +222,7 @@ class MicroBatchStats:
     cold_start: bool
     subforward_count: int = 1
     # ours
-    decision: str = ADMITTED
+    decision: Decision = ADMITTED
     predicted_peak_bytes: int = 0  # resident + dynamic, the larger of memory model and profile
     recompute_summary: str = ""  # the recompute this micro-batch ran with
     grad_enabled: bool = True
@@ -223,7 +236,8 @@ class MicroBatchStats:
 
     def __post_init__(self) -> None:
         if self.decision not in DECISIONS:
-            raise ValueError(f"decision must be one of {DECISIONS}, got {self.decision!r}")
+            raise ValueError(f"decision must be one of {tuple(str(d) for d in DECISIONS)}, "
+                             f"got {self.decision!r}")
 
     @property
     def predicted_dynamic_bytes(self) -> int:

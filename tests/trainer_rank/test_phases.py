@@ -18,7 +18,9 @@ from art.trainer_rank.ranks.phases import (
     HEADS,
     OPTIMIZER_STEP,
     Fault,
+    FaultKind,
     MicroBatchContext,
+    Phase,
     PhaseAgreement,
     is_communication_error,
     where_in_model,
@@ -88,6 +90,16 @@ def test_an_error_fault_gives_the_other_ranks_a_peer_error_naming_it():
         1, FORWARD, "ValueError", "bad shape")
     assert "rank 1 raised ValueError: bad shape in the forward of micro-batch 3" in str(error)
     assert str(pickle.loads(pickle.dumps(error))) == str(error)
+
+
+def test_the_fault_record_crosses_ranks_as_words_and_comes_back_as_members():
+    fault = Fault(rank=0, phase=Phase.CALLER_BACKWARD, where="", detail="OutOfMemoryError: x",
+                  context=None, kind=FaultKind.OOM)
+    assert fault.to_json() == (
+        '{"rank": 0, "phase": "caller backward", "where": "", "detail": "OutOfMemoryError: x", '
+        '"context": null, "kind": "oom", "error_type": ""}')
+    again = Fault.from_json(fault.to_json())
+    assert again.phase is Phase.CALLER_BACKWARD and again.kind is FaultKind.OOM
 
 
 def test_an_optimizer_step_fault_has_no_micro_batch():

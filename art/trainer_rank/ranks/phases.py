@@ -39,6 +39,7 @@ and otherwise publishes the departure as an "error" fault.
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 import threading
@@ -59,17 +60,32 @@ from art.trainer_rank.ranks import agree as _agree
 
 logger = logging.getLogger("art.trainer_rank")
 
-PLAN = "plan"
-PREPARE = "prepare"
-FORWARD = "forward"
-HEADS = "heads"
-CALLER_BACKWARD = "caller backward"
-OPTIMIZER_STEP = "optimizer step"
-CALLER_LOOP = "caller's loop body"
 
-# What a fault is: an out-of-memory error, or any other exception.
-OOM = "oom"
-ERROR = "error"
+class Phase(enum.StrEnum):
+    """Where in a micro-batch (or the optimizer step) a rank is; the value is the words the
+    errors say and the fault record carries."""
+
+    PLAN = "plan"
+    PREPARE = "prepare"
+    FORWARD = "forward"
+    HEADS = "heads"
+    CALLER_BACKWARD = "caller backward"
+    OPTIMIZER_STEP = "optimizer step"
+    CALLER_LOOP = "caller's loop body"
+
+
+class FaultKind(enum.StrEnum):
+    """What a fault is: an out-of-memory error, or any other exception (the fault record's
+    word)."""
+
+    OOM = "oom"
+    ERROR = "error"
+
+
+PLAN, PREPARE, FORWARD, HEADS = Phase.PLAN, Phase.PREPARE, Phase.FORWARD, Phase.HEADS
+CALLER_BACKWARD, OPTIMIZER_STEP = Phase.CALLER_BACKWARD, Phase.OPTIMIZER_STEP
+CALLER_LOOP = Phase.CALLER_LOOP
+OOM, ERROR = FaultKind.OOM, FaultKind.ERROR
 
 FAULT_KEY = "art_trainer_rank/fault"
 FAULT_COUNT_KEY = "art_trainer_rank/fault_count"
@@ -104,11 +120,11 @@ class Fault:
     `context`: the micro-batch in flight; None in the optimizer step."""
 
     rank: int
-    phase: str
+    phase: Phase
     where: str
     detail: str
     context: MicroBatchContext | None
-    kind: str = OOM
+    kind: FaultKind = OOM
     error_type: str = ""
 
     def to_json(self) -> str:
@@ -121,6 +137,7 @@ class Fault:
         if ctx is not None:
             ctx["items"] = tuple(ctx["items"])
             ctx = MicroBatchContext(**ctx)
+        raw["phase"], raw["kind"] = Phase(raw["phase"]), FaultKind(raw["kind"])
         return cls(context=ctx, **raw)
 
     def error(self) -> RuntimeError:
@@ -189,7 +206,7 @@ def is_communication_error(exc: BaseException) -> bool:
     ))
 
 
-def where_in_model(exc: BaseException) -> tuple[str, str]:
+def where_in_model(exc: BaseException) -> tuple[Phase, str]:
     """(phase, where) of an error raised inside the compute path, from its traceback: the
     heads module, or the transformer layer whose forward was running (its number)."""
     phase, where = FORWARD, ""
@@ -268,7 +285,7 @@ class PhaseAgreement:
 
     # -- failures --------------------------------------------------------------------------
 
-    def abandon(self, exc: BaseException, phase: str, where: str,
+    def abandon(self, exc: BaseException, phase: Phase, where: str,
                 context: MicroBatchContext | None) -> BaseException:
         """This rank failed where peers may be blocked in a collective: publish the fault,
         close this rank's process groups, and return what this rank raises: the agreed
@@ -288,7 +305,7 @@ class PhaseAgreement:
         self.close()
         return self.fault.error() if oom else exc
 
-    def peer_failed(self, exc: BaseException, phase: str) -> BaseException:
+    def peer_failed(self, exc: BaseException, phase: Phase) -> BaseException:
         """A collective failed on this rank: the error of the fault a peer published, after
         closing this rank's groups in turn; an error naming the failed collective when no
         rank published one within the fault timeout."""
@@ -328,7 +345,7 @@ class PhaseAgreement:
     # -- guards ----------------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def collectives(self, phase: str, context: MicroBatchContext | None) -> Iterator[None]:
+    def collectives(self, phase: Phase, context: MicroBatchContext | None) -> Iterator[None]:
         """Collectives of this protocol or of the compute path: a failed one becomes the
         job's agreed error."""
         if self.fault is not None:
