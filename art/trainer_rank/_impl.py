@@ -401,6 +401,7 @@ class TrainerRank(SlotMethods, StepMethods):
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:
+                snapshot = None  # not held while the next micro-batch takes its own
                 call.decline(plan)
                 continue
             if plan.escalate:
@@ -426,12 +427,13 @@ class TrainerRank(SlotMethods, StepMethods):
         adapters)."""
         usable, grad = request.usable_bytes, request.grad
         replica = _agree.replica_size()
+        path = self.compute_path
         with contextlib.ExitStack() as stack:
             if plan.recompute is not None:
                 stack.enter_context(running_recompute(self.model, plan.recompute))
             meter = stack.enter_context(self._meter(usable))
             ooms_before = cuda_oom_count(self.device)
-            executed = execute(self.compute_path, plan, grad, context, replica)
+            executed = execute(path, plan, grad, context, replica)
             if executed.oom is not None:
                 stack.close()
                 return self._recovered(plan, request, executed, snapshot)
@@ -445,8 +447,7 @@ class TrainerRank(SlotMethods, StepMethods):
             del executed
             with self.phases.caller_phase(context, replica):
                 yield micro_batch
-            caller = caller_peak(self.compute_path, meter, ooms_before, usable, context,
-                                 replica)
+            caller = caller_peak(path, meter, ooms_before, usable, context, replica)
         return self._recorded(plan, request, micro_batch, caller, snapshot,
                               measure_caller=measure_caller)
 

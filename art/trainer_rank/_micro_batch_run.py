@@ -69,10 +69,15 @@ def leaf_slots(plan: Plan) -> list[str | None]:
     return [c for item in plan.items for c in item.checkpoints]
 
 
+def leaf_no_grad(plan: Plan) -> list[bool]:
+    """Whether each of the plan's sequences asked for no grad, in leaf order."""
+    return [f for item in plan.items for f in item.no_grad_leaves]
+
+
 def trained_slots(plan: Plan) -> set[str]:
     """The slots a grad plan's backward gives gradients to (its sequences that take grad)."""
-    flags = [f for item in plan.items for f in item.no_grad_leaves]
-    return {c for c, no_grad in zip(leaf_slots(plan), flags) if c is not None and not no_grad}
+    return {c for c, no_grad in zip(leaf_slots(plan), leaf_no_grad(plan))
+            if c is not None and not no_grad}
 
 
 def execute(path: ComputePath, plan: Plan, grad: bool, context: MicroBatchContext,
@@ -108,9 +113,8 @@ def execute(path: ComputePath, plan: Plan, grad: bool, context: MicroBatchContex
         return Execution([], ran, exc, failed_sub)
     if grad:
         # A sequence asking no grad inside a grad micro-batch gets detached outputs.
-        flags = [f for item in plan.items for f in item.no_grad_leaves]
         leaf_outputs = [detached_output(out) if no_grad else out
-                        for out, no_grad in zip(leaf_outputs, flags)]
+                        for out, no_grad in zip(leaf_outputs, leaf_no_grad(plan))]
     outputs, cursor = [], 0
     for item in plan.items:
         n = len(item.leaves)

@@ -64,6 +64,9 @@ class TermKind(enum.StrEnum):
     ALLOCATOR_RESERVE = "allocator reserve"
 
 
+_LIFETIMES = tuple(Lifetime)
+
+
 @dataclass(frozen=True)
 class Term:
     kind: TermKind
@@ -73,7 +76,7 @@ class Term:
     note: str = ""  # how it was computed
 
     def __post_init__(self) -> None:
-        if self.lifetime not in tuple(Lifetime):
+        if self.lifetime not in _LIFETIMES:
             raise ValueError(f"term {self.name!r}: lifetime {self.lifetime!r} is not one of "
                              f"{', '.join(Lifetime)}")
 
