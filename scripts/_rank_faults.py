@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError
-from art.trainer_rank.memory import meter as meter_module
+from art.trainer_rank.measuring import meter as meter_module
 
 LossOf = Callable[[list[Any]], "torch.Tensor | None"]
 

@@ -29,8 +29,7 @@ from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.compute.execute import run_sub_forward
 from art.trainer_rank.compute.items import Item, outputs_union
-from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
 
 SEED_SAFETY_FACTOR = 1.10
 

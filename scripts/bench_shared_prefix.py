@@ -41,7 +41,7 @@ from art.megatron.model_builder import (  # noqa: E402
 from art.trainer_rank._types import ForwardInput  # noqa: E402
 from art.trainer_rank.compute.execute import run_sub_forward  # noqa: E402
 from art.trainer_rank.compute.packing import pack_sequences  # noqa: E402
-from art.trainer_rank.memory.meter import MemoryMeter  # noqa: E402
+from art.trainer_rank.measuring.meter import MemoryMeter  # noqa: E402
 
 
 def workload(args: argparse.Namespace, vocab: int) -> list[list[ForwardInput]]:

@@ -217,7 +217,7 @@ def start_up(provider: Any, model: Any, pairs: int, lengths: list[int], seed: in
     head probed on first use, a cold cap) against a steady call of the same items."""
     from art.megatron.train import TrainingRuntime
     from art.trainer_rank import TrainerRank, TrainerRankOptions
-    from art.trainer_rank.memory import probe as probe_module
+    from art.trainer_rank.measuring import probe as probe_module
 
     result = StartUp()
     inputs = _inputs(lengths, seed)

@@ -72,7 +72,7 @@ def worker(folder: Path, out: Path) -> None:
     from art.megatron.provider import Provider
     from art.megatron.settings import load_settings
     from art.megatron.weights import load_into, prepare_checkpoint
-    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.measuring.meter import MemoryMeter
 
     tp = os.environ.get("WORLD_SIZE", "1")
     settings = load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": tp,

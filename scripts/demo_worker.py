@@ -42,7 +42,7 @@ from art.trainer_rank._types import (
     TrainerRankMemoryError,
 )
 from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefixes
-from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 
 from _workload import WorkloadSpec, forward_inputs, rl_groups

@@ -7,7 +7,7 @@ Builds a small hybrid (Gated DeltaNet + attention, LoRA on o_proj and the MLP, t
 linears frozen as under LoRA) through the Provider, runs its first (Gated DeltaNet) layer
 forward with a saved-tensor hook that attributes every storage kept for backward to the block
 whose op created it (parameters excluded; a storage counts once), and prints it
-next to the default formulas' block terms (`art/trainer_rank/memory/layers_gdn.py`, composed
+next to the default formulas' block terms (`art/trainer_rank/pricing/layers_gdn.py`, composed
 in `layers.py`). Writes bench/calibration/gdn_blocks.md.
 """
 
@@ -134,9 +134,9 @@ def measure(tokens: int, dtype: str) -> tuple[list[tuple[str, int]], Any, Any]:
 
 
 def priced(provider: Any, tokens: int) -> list[tuple[str, float]]:
-    from art.trainer_rank.memory.layer_terms import PricedKind
-    from art.trainer_rank.memory.layers import keeps_layer_input, kept_parts, layer_blocks
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import keeps_layer_input, kept_parts, layer_blocks
+    from art.trainer_rank.pricing.model import MemoryModel
 
     dims = MemoryModel.for_provider(provider).dims
     blocks = layer_blocks(dims, PricedKind.LINEAR_ATTENTION, tokens)
@@ -169,7 +169,7 @@ def main() -> int:
         "o_proj and the MLP (the GDN linears frozen); CPU kernels of `cpu_gated_delta`. "
         "Measured: storages saved for backward, attributed to the block that first saved "
         "created them (parameters excluded). Priced: the default formulas' kept bytes per block "
-        "(`art/trainer_rank/memory/layers.py`), no recompute; the layer's own output is not kept "
+        "(`art/trainer_rank/pricing/layers.py`), no recompute; the layer's own output is not kept "
         "by it.",
         "",
         "| block | priced KiB | measured KiB | priced / measured |",

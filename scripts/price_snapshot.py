@@ -26,8 +26,8 @@ from art.megatron.implementation import Implementation  # noqa: E402
 from art.megatron.layout import ParallelLayout  # noqa: E402
 from art.megatron.recompute import resolve_recompute  # noqa: E402
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest  # noqa: E402
-from art.trainer_rank.memory.model import MemoryModel  # noqa: E402
-from art.trainer_rank.memory.probe import ProbeCoefficients  # noqa: E402
+from art.trainer_rank.measuring.probe import ProbeCoefficients  # noqa: E402
+from art.trainer_rank.pricing.model import MemoryModel  # noqa: E402
 
 # (granularity, method, num_layers, selective modules)
 POLICIES = (

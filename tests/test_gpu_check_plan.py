@@ -139,7 +139,7 @@ def test_the_parent_prices_the_workers_lora_without_peft() -> None:
     from _calibration.cells import POLICY_BY_NAME
     from _calibration.harness import calibration_provider
 
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.model import MemoryModel
 
     implementation = plan.planning_implementation("cuda")
     for check in (plan.HYBRID, plan.DENSE):

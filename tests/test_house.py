@@ -22,8 +22,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("art.trainer_rank.ranks",),
     # items, packing, decoder forward, heads, one micro-batch executed
     ("art.trainer_rank.compute",),
-    # pricing, the probe (which measures the compute path), budget, meters
-    ("art.trainer_rank.memory",),
+    # pricing: the memory model's terms, from geometry, layout, recompute and the packed tokens
+    ("art.trainer_rank.pricing",),
+    # measuring: the meter, the device limit, the probe (which runs the compute path)
+    ("art.trainer_rank.measuring",),
     # admission, profiles, escalation, runnable layouts
     ("art.trainer_rank.decide",),
     # adapter checkpoint slots (each with its own Adam state)
@@ -152,10 +154,10 @@ def test_no_module_over_600_lines() -> None:
 
 def test_the_checks_see_a_violation() -> None:
     """The graph checks themselves: a made-up upward import and a made-up cycle are found."""
-    graph = {"art.trainer_rank.memory.model": {"art.trainer_rank.decide.admission"},
+    graph = {"art.trainer_rank.pricing.model": {"art.trainer_rank.decide.admission"},
              "art.trainer_rank.decide.admission": {"art.trainer_rank._types"}}
     assert upward_imports(graph) == [
-        "art.trainer_rank.memory.model (layer 4) imports art.trainer_rank.decide.admission "
-        "(layer 5)"]
-    graph["art.trainer_rank._types"] = {"art.trainer_rank.memory.model"}
+        "art.trainer_rank.pricing.model (layer 4) imports art.trainer_rank.decide.admission "
+        "(layer 6)"]
+    graph["art.trainer_rank._types"] = {"art.trainer_rank.pricing.model"}
     assert find_cycle(graph) is not None

@@ -54,7 +54,7 @@ from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.decide.runnable import layout_refusal
 from art.trainer_rank.decide.trainer_admission import trainer_admission
-from art.trainer_rank.memory.device import (
+from art.trainer_rank.measuring.device import (
     GradSnapshot,
     UnallocatedGradients,
     cuda_oom_count,
@@ -62,12 +62,11 @@ from art.trainer_rank.memory.device import (
     release_memory,
     unallocated_gradients,
 )
-from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.meter import MemoryMeter
-from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.pricing import next_tp_memory_model, trainer_pricing
+from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
+from art.trainer_rank.measuring.trainer_pricing import next_tp_memory_model, trainer_pricing
 from art.trainer_rank.optimizer.graphs import GraphLedger, output_tensors
 from art.trainer_rank.optimizer.methods import StepMethods
+from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
 from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement

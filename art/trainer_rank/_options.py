@@ -15,8 +15,8 @@ from art.megatron.recompute_ladder import RecomputeChoice
 from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
-from art.trainer_rank.memory.probe_store import default_probe_cache_dir
-from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
+from art.trainer_rank.measuring.probe_store import default_probe_cache_dir
+from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 
 ENV_PREFIX = "ART_TRAINER_RANK_"
 # env name (after the prefix) -> (field, meaning)

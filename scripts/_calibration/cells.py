@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from art.megatron.geometry import ModelGeometry, geometry_from_hf_dict
 from art.megatron.recompute import RecomputePolicy
-from art.trainer_rank.memory.probe import PROBE_TOKENS
+from art.trainer_rank.measuring.probe import PROBE_TOKENS
 
 LORA_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 

@@ -3,7 +3,7 @@
 One cell = one (geometry, recompute policy, LoRA rank, layout) model and one micro-batch
 (packed lengths, outputs, grad). It runs exactly the trainer's compute path: P's
 `pack_sequences` -> `decoder_hidden_states` -> `compute_heads` -> the caller loss
-(the cell's, `losses.py`) -> backward, inside the memory meter (`memory/meter.py`), starting
+(the cell's, `losses.py`) -> backward, inside the memory meter (`measuring/meter.py`), starting
 from the state before the micro-batch (weights, LoRA grads and optimizer state already live;
 Megatron's attention score buffer cleared, so the micro-batch pays for it as a first call would).
 
@@ -37,12 +37,11 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.coefficients import LayerMode
-from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.meter import MemoryMeter
-from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probe import modes_for, probe
-from art.trainer_rank.memory.probe_store import probe_file, store_probe
+from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
+from art.trainer_rank.measuring.probe import modes_for, probe
+from art.trainer_rank.measuring.probe_store import probe_file, store_probe
+from art.trainer_rank.pricing.coefficients import LayerMode
+from art.trainer_rank.pricing.model import MemoryModel
 
 
 @dataclass
@@ -232,7 +231,7 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
     """The probe key the model of `cells` (one geometry, policy, rank, dtype, build and TP
     size) gets from the current probe, computed without building it. The calibration runs
     one process per TP rank, so the world size is the TP size."""
-    from art.trainer_rank.memory.probe import probe_key
+    from art.trainer_rank.measuring.probe import probe_key
 
     first = cells[0]
     geometry = calibration_geometries()[first.geometry]
@@ -522,7 +521,7 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     measures something else. When that file is missing, `reprobe` builds the model and probes
     it again (TP=1; seconds a model, the file is stored for the next re-price); otherwise the
     error says what to do."""
-    from art.trainer_rank.memory.probe import ProbeCoefficients
+    from art.trainer_rank.measuring.probe import ProbeCoefficients
 
     cells = [cell_of(r) for r in rows]
     groups: dict[tuple[Any, ...], list[int]] = {}

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from art.trainer_rank._request import OutputRequest
-from art.trainer_rank.memory.probe_runs import caller_loss as synthetic_loss
+from art.trainer_rank.measuring.probe_runs import caller_loss as synthetic_loss
 
 CLIP_EPSILON = 0.2
 KL_COEFFICIENT = 0.04

@@ -17,13 +17,13 @@ from dataclasses import dataclass
 
 from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.recompute import EffectiveRecompute
-from art.trainer_rank.memory.chunked import (
+from art.trainer_rank.pricing.chunked import (
     GDN_CHUNK_TOKENS,
     SPARSE_TOKENS_PER_CHUNK,
     chunk_tokens_of,
     sparse_row_lengths,
 )
-from art.trainer_rank.memory.coefficients import LayerMode
+from art.trainer_rank.pricing.coefficients import LayerMode
 
 # Backward over forward FLOPs with frozen base weights: linears and the head compute the
 # input gradient only (LoRA's own products are negligible at rank 1); flash attention's
@@ -156,7 +156,7 @@ def probe_seconds(g: ModelGeometry, modes: Iterable[LayerMode],
                   tails: Iterable[tuple[bool, bool]], points: Sequence[int], *,
                   speeds: Speeds) -> float:
     """The layer probe: each probed (layer kind, mode) at every point, a chunked layer also on
-    its sparse rows (memory/probe.py), and each (head needed, grad) tail at every point."""
+    its sparse rows (measuring/probe.py), and each (head needed, grad) tail at every point."""
     seconds = 0.0
     for mode in modes:
         index = g.layer_types.index(mode.kind.mixer)

@@ -34,8 +34,8 @@ from _gpu_check import costs
 from art.megatron.geometry import MODEL_CONFIG_DIR, ModelGeometry, geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.trainer_rank._request import LoraShape, OutputRequest
-from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probe import default_probe_tokens, modes_for
+from art.trainer_rank.measuring.probe import default_probe_tokens, modes_for
+from art.trainer_rank.pricing.model import MemoryModel
 
 # The device call runs 540 s at most; the work gets 450 s of it, leaving the wheels' install,
 # process shutdowns and the report their time.

@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 from _calibration.harness import Cell  # noqa: E402
 from _calibration_runs import measure_on_this_rank  # noqa: E402
 
-from art.trainer_rank.memory.chunked import with_points_inside_chunks  # noqa: E402
+from art.trainer_rank.pricing.chunked import with_points_inside_chunks  # noqa: E402
 
 # Per CP rank (rows of twice as many tokens; a Gated DeltaNet layer's points are whole rows),
 # with the points inside a chunk its fit needs.

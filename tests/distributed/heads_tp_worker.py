@@ -20,7 +20,7 @@ from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_t
 from art.trainer_rank.compute.forward import decoder_hidden_states
 from art.trainer_rank.compute.heads import compute_heads
 from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 from _tiny import tiny_dense
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 DROPS = 2000
 

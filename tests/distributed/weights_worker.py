@@ -27,7 +27,7 @@ from art.megatron.distributed import shutdown_distributed
 from art.megatron.lora import lora_parameters
 from art.megatron.weights import prepare_checkpoint
 from art.megatron.weights.export import hf_state_dict
-from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.pricing.model import MemoryModel
 
 
 def run(case: dict) -> dict:

@@ -84,7 +84,7 @@ def test_gpu_shaped_build_uses_the_stand_ins_and_equals_the_local_flash_build(me
         build_gpt_model,
         build_transformer_config,
     )
-    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.measuring.meter import MemoryMeter
 
     from _tiny import tiny_dense
 

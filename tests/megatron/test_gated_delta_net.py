@@ -149,7 +149,7 @@ def test_a_sequence_continued_from_its_final_state_equals_the_whole(cut):
 
 def _backward_peak_bytes(lengths: tuple[int, ...]) -> int:
     """Peak bytes the rule's backward allocates on a packed row of `lengths`."""
-    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.measuring.meter import MemoryMeter
 
     # Heads and head sizes of the calibration hybrids: the state ([heads, 32, 32] per chunk)
     # is large enough next to the chunk's own work for the split to show.

@@ -14,9 +14,9 @@ from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.packed_attention import segmented_flash_attention
-from art.trainer_rank.memory.layer_terms import Dims
-from art.trainer_rank.memory.layers_attention import segmented_flash_costs
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
+from art.trainer_rank.pricing.layer_terms import Dims
+from art.trainer_rank.pricing.layers_attention import segmented_flash_costs
 
 # A prompt, a deeper shared part with two children, a sibling completion, and a pad block.
 TREE = AttentionLayout(16, (

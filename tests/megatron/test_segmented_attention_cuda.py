@@ -24,9 +24,9 @@ from art.megatron.geometry import geometry_from_hf_dict
 from art.megatron.implementation import Implementation, cuda_sdpa_kernel
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import pack_sequences, shares_prefixes
-from art.trainer_rank.memory.layer_terms import Dims
-from art.trainer_rank.memory.layers_attention import segmented_flash_costs
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
+from art.trainer_rank.pricing.layer_terms import Dims
+from art.trainer_rank.pricing.layers_attention import segmented_flash_costs
 
 # A prompt, a deeper shared part with two children, a sibling completion, and a pad block.
 TREE = AttentionLayout(16, (

@@ -78,7 +78,7 @@ def test_logprobs_match_transformers_and_export_is_bit_identical(megatron_proces
         assert torch.equal(exported[name], tensor), name
     # What the planner prices as resident weights is what the load left live.
     from art.megatron.lora import lora_parameters
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.model import MemoryModel
 
     model = runtime.model[0]
     priced = next(t.bytes for t in MemoryModel.for_provider(runtime.provider).resident_terms()

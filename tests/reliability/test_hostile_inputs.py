@@ -42,7 +42,7 @@ from art.trainer_rank import (
 )
 from art.trainer_rank._request import OutputRequest
 from art.trainer_rank.decide.profiles import ProfileStore
-from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT
+from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT
 
 from _tiny import tiny_dense
 

@@ -242,7 +242,7 @@ def test_a_recorded_miss_shrinks_what_is_admitted(usable):
 def test_first_gradients_count_only_the_layers_a_backward_reached_at_its_peak():
     """Gradients not allocated yet are allocated by the backward top-down: at a peak in layer
     k's backward only the layers from k up (and parameters outside the layers) have theirs."""
-    from art.trainer_rank.memory.device import unallocated_gradients
+    from art.trainer_rank.measuring.device import unallocated_gradients
 
     class Layer(torch.nn.Module):
         def __init__(self, n: int) -> None:

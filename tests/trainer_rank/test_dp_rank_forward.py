@@ -27,7 +27,7 @@ from art.trainer_rank import (
 )
 from art.trainer_rank.compute.items import make_items
 from art.trainer_rank.decide.held_split import price_held_split, token_balanced_chunks
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 from _tiny import tiny_dense
 

@@ -37,8 +37,8 @@ def test_full_chunk_line_takes_the_slope_of_rows_the_tokens_dominate():
     padding is large enough for the rule's padded work to set the peak reads a flatter slope
     (its value lies above the tokens' line); the sparse-chunk rows price that regime, so the
     line takes the steepest slope, and a nearly full row is priced on it exactly."""
-    from art.trainer_rank.memory.chunked import split_points
-    from art.trainer_rank.memory.fit import Fit
+    from art.trainer_rank.pricing.chunked import split_points
+    from art.trainer_rank.pricing.fit import Fit
 
     def peak(tokens: int, padded: int) -> float:
         # Larger of the tokens' line (20 per token) and the padded work's line (8 per token,
@@ -61,13 +61,13 @@ def test_chunked_models_get_probe_points_inside_a_chunk_on_every_device():
     from _calibration.cells import calibration_geometries
 
     from art.megatron.implementation import Implementation
-    from art.trainer_rank.memory.chunked import (
+    from art.trainer_rank.measuring.probe import PROBE_TOKENS, default_probe_tokens
+    from art.trainer_rank.pricing.chunked import (
         WHOLE_CHUNK_POINTS,
         fewest_chunked_points,
         split_points,
     )
-    from art.trainer_rank.memory.fit import Fit
-    from art.trainer_rank.memory.probe import PROBE_TOKENS, default_probe_tokens
+    from art.trainer_rank.pricing.fit import Fit
 
     hybrid, dense = calibration_geometries()["hybrid-128"], calibration_geometries()["gqa-128"]
     for device, implementation in (("cuda", Implementation.gpu_te()),
@@ -101,10 +101,10 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
 
     from art.megatron.geometry import geometry_from_hf_dict
     from art.megatron.implementation import Implementation
-    from art.trainer_rank.memory import probe_runs
-    from art.trainer_rank.memory.layer_terms import Dims, PricedKind
-    from art.trainer_rank.memory.layers import price_layer
-    from art.trainer_rank.memory.measure import release_score_buffer
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.layer_terms import Dims, PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
 
     geometry = geometry_from_hf_dict(dict(
         model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,

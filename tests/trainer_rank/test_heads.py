@@ -9,7 +9,7 @@ from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
 from art.trainer_rank.compute.heads import compute_heads, output_weight
 from art.trainer_rank.compute.packing import IGNORE_INDEX
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 from _tiny import tiny_dense
 

@@ -14,8 +14,8 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import resolve_recompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.budget import AllocatorReserve, expandable_segments
-from art.trainer_rank.memory.model import MemoryModel
+from art.trainer_rank.pricing.budget import AllocatorReserve, expandable_segments
+from art.trainer_rank.pricing.model import MemoryModel
 
 GIB = 2**30
 SEED_LENGTHS = (16355, 16355)  # 32,710 packed tokens in two sequences
@@ -103,8 +103,8 @@ def test_block_recompute_lies_between_full_and_none(seed_geometry):
 
 
 def test_hybrid_layers_are_priced_by_type(seed_geometry):
-    from art.trainer_rank.memory.layer_terms import Dims, PricedKind
-    from art.trainer_rank.memory.layers import price_layer
+    from art.trainer_rank.pricing.layer_terms import Dims, PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
 
     d = Dims(seed_geometry, ParallelLayout(tensor_parallel=2, sequence_parallel=True),
              Implementation.gpu_te(), 2, 1, frozenset(LoraShape().target_modules))
@@ -216,7 +216,7 @@ def test_terms_are_found_by_kind_not_by_display_name(monkeypatch):
     one of them changes no price."""
     from dataclasses import replace
 
-    from art.trainer_rank.memory import model as model_module
+    from art.trainer_rank.pricing import model as model_module
 
     def memory():
         return _model(load_geometry("Qwen3-8B"), granularity="selective", modules=("core_attn",),

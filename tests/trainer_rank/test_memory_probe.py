@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 SMALL_PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 # The production points' spacing (about 1.5x apart), stopping where test rows stop.
@@ -146,9 +146,9 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
     )
 
     from art.trainer_rank._request import MicroBatchShape, OutputRequest
-    from art.trainer_rank.memory.layer_terms import PricedKind
-    from art.trainer_rank.memory.layers import price_layer
-    from art.trainer_rank.memory.tail import default_tail
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+    from art.trainer_rank.pricing.tail import default_tail
 
     hidden = OutputRequest.parse("hidden_states")
     tokens = (48, 64, 96)
@@ -211,7 +211,7 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
     )
 
     from art.trainer_rank._request import MicroBatchShape, OutputRequest
-    from art.trainer_rank.memory import probe as probe_module
+    from art.trainer_rank.measuring import probe as probe_module
 
     geometry = calibration_geometries()["gqa-128"]
     cell = Cell("gqa-128", "selective mlp", 1, 1, (128,), "logprobs", True)
@@ -261,7 +261,7 @@ def test_moe_layers_probe_and_measure_within_target(megatron_process):
 
 
 def test_fit_is_exact_at_probe_points_and_never_below_a_convex_peak():
-    from art.trainer_rank.memory.probe import Fit
+    from art.trainer_rank.measuring.probe import Fit
 
     def peak(s: float) -> float:  # which op wins changes with s, as in a real layer
         return max(40_000 * s, 60 * s * s + 2_000 * s, 3e6)
@@ -280,8 +280,8 @@ def test_probe_for_provider_feeds_memory_model_for_provider(megatron_process):
     from _calibration.harness import calibration_geometries as geometries
 
     from art.trainer_rank._request import MicroBatchShape, OutputRequest
-    from art.trainer_rank.memory.model import MemoryModel
-    from art.trainer_rank.memory.probe import probe_for_provider
+    from art.trainer_rank.measuring.probe import probe_for_provider
+    from art.trainer_rank.pricing.model import MemoryModel
 
     cell = Cell("gqa-128", "full uniform 1", 8, 1, (192,), "logprobs", True)
     built = CalibrationModel(geometries()["gqa-128"], POLICY_BY_NAME["full uniform 1"],
@@ -315,7 +315,7 @@ def test_reprice_uses_only_a_probe_stored_under_the_current_key(megatron_process
         reprice_rows,
     )
 
-    from art.trainer_rank.memory import probe as probe_module
+    from art.trainer_rank.measuring import probe as probe_module
 
     tokens = (48, 64, 96)
     cells = [Cell("gqa-128", "none", 8, 1, (70, 41), "logprobs", True),

@@ -12,7 +12,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
-from art.trainer_rank.memory.meter import (
+from art.trainer_rank.measuring.meter import (
     FRESH,
     VIEW,
     WRITTEN,
@@ -20,7 +20,7 @@ from art.trainer_rank.memory.meter import (
     MemoryMeter,
     output_kinds,
 )
-from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
+from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
 
 from _tiny import tiny_dense
 

@@ -198,7 +198,7 @@ def test_unpack_on_a_shared_row_copies_each_sequence_and_adds_gradients_into_one
     the gradient equals the sum of the sequences' gradients at their rows, and the backward
     holds the sequences' gradients beside that one row (views and concatenations of slices
     materialise a whole-row gradient per slice and sum them pairwise)."""
-    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.measuring.meter import MemoryMeter
 
     sequences = _group([5, 6, 7, 8] * 10, [1, 2] * 20, [3] * 30, [9] * 5)
     batch = pack_sequences(sequences, implementation=FLASH, layout=ParallelLayout(),

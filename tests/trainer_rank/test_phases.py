@@ -124,7 +124,7 @@ def test_groups_close_inside_a_meter_whose_limit_an_oom_reached():
     # with its live bytes at the limit: closing must allocate nothing there (an OOM raised
     # while closing left the groups open and the peers blocked on them: the TP=2 x DP=2
     # soak's hang after an OOM in the caller's backward). One real gloo process group.
-    from art.trainer_rank.memory.meter import MemoryMeter
+    from art.trainer_rank.measuring.meter import MemoryMeter
     from art.trainer_rank.ranks.phases import close_process_groups
 
     started = not dist.is_initialized()

@@ -12,8 +12,8 @@ import pytest
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
-from art.trainer_rank.memory import probe as probe_module
-from art.trainer_rank.memory import probe_runs, probe_store
+from art.trainer_rank.measuring import probe as probe_module
+from art.trainer_rank.measuring import probe_runs, probe_store
 
 LIMIT = 16 * 2**20
 

@@ -27,7 +27,7 @@ from art.trainer_rank import (
     format_stats_table,
 )
 from art.trainer_rank.compute.execute import run_sub_forward
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 LIMIT_BYTES = 16 * 2**20
 LENGTHS = (140, 116)  # one group, like the seed's two ~16-20k-token sequences

@@ -214,7 +214,7 @@ def test_resident_slots_are_priced_as_the_store_holds_them(megatron_process, tmp
     `plan` prices them per cell."""
     from art.trainer_rank._request import LoraShape, MicroBatchShape
     from art.trainer_rank.cli.planner import plan
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.model import MemoryModel
 
     a = _adapter(tmp_path, "a", 1)
     model = _provider().build_model(seed=0)

@@ -4,7 +4,7 @@ limit, priced by its start-up probe and measured per micro-batch (seeded random 
 predicted/measured within [1.00, 1.05] for every micro-batch, the cold-capped first one and
 the profile-corrected later ones included. The Gated DeltaNet kernels pad each sequence to
 whole 64-token chunks, so these small rows sit on the steps the chunked fit prices
-(memory/chunked.py)."""
+(pricing/chunked.py)."""
 
 from __future__ import annotations
 
@@ -112,8 +112,8 @@ def test_a_hybrid_probe_cut_short_by_the_limit_keeps_what_its_fit_needs(megatron
     """Under a limit that admits no probe point the probe still measures its fewest points;
     for a hybrid those include three whole-chunk points and one inside a chunk, which its
     Gated DeltaNet fit needs (with one whole point every larger row would be priced at it)."""
-    from art.trainer_rank.memory.model import MemoryModel
-    from art.trainer_rank.memory.probing import probe_tokens_for_limit
+    from art.trainer_rank.measuring.probing import probe_tokens_for_limit
+    from art.trainer_rank.pricing.model import MemoryModel
 
     p = _provider("none", None, None, None)
     model = p.build_model(seed=0)

@@ -10,7 +10,7 @@ from _trainer_helpers import loss_of, make_inputs
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankMemoryError, TrainerRankOptions
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter
 
 LIMIT = 6 * 2**20
 

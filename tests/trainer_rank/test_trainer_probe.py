@@ -11,12 +11,12 @@ from _trainer_helpers import grads, make_inputs
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probing import (
+from art.trainer_rank.measuring.probing import (
     MIN_PROBE_POINTS,
     _model_state_kept,
     probe_tokens_for_limit,
 )
+from art.trainer_rank.pricing.model import MemoryModel
 
 LIMIT = 16 * 2**20  # small: the probe stops at a few hundred tokens
 

@@ -103,7 +103,7 @@ def build_provider(args: argparse.Namespace, env: dict[str, str] | None = None) 
 def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = None,
                        provider: Any = None):
     """The MemoryModel of `build_provider`'s provider (built here when not given)."""
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.model import MemoryModel
 
     environ = dict(os.environ if env is None else env)
     provider = provider or build_provider(args, environ)

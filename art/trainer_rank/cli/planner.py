@@ -354,7 +354,7 @@ MemoryModelFactory = Callable[..., Any]
 
 
 def _default_factory(**kwargs: Any) -> Any:
-    from art.trainer_rank.memory.model import MemoryModel
+    from art.trainer_rank.pricing.model import MemoryModel
 
     geometry = kwargs.pop("geometry")
     return MemoryModel(geometry, **kwargs)
@@ -487,7 +487,7 @@ def scaled_batch(batch: MicroBatchShape, packed_tokens: int) -> MicroBatchShape:
 def max_packed_tokens(memory_model: Any, batch: MicroBatchShape, usable_bytes: int) -> int:
     """Largest packed-token count of this batch's shape whose dynamic peak fits `usable_bytes`
     (bisection over the estimate; 0 when not even one token per sequence fits)."""
-    from art.trainer_rank.memory.model import largest_fitting
+    from art.trainer_rank.pricing.model import largest_fitting
 
     if usable_bytes <= 0:
         return 0

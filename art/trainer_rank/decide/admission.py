@@ -33,8 +33,8 @@ from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
-from art.trainer_rank.memory.device import UnallocatedGradients
-from art.trainer_rank.memory.model import largest_fitting
+from art.trainer_rank.measuring.device import UnallocatedGradients
+from art.trainer_rank.pricing.model import largest_fitting
 
 # After this many consecutive candidates that do not fit, stop looking further down the queue.
 MAX_MISFITS_SCANNED = 8

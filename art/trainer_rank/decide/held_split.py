@@ -30,8 +30,8 @@ from art.trainer_rank._types import (
 from art.trainer_rank.compute.items import Item
 from art.trainer_rank.decide.plan import Plan, PlanRequest
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
-from art.trainer_rank.memory.device import UnallocatedGradients
-from art.trainer_rank.memory.estimate import Estimate
+from art.trainer_rank.measuring.device import UnallocatedGradients
+from art.trainer_rank.pricing.estimate import Estimate
 
 
 class CallPricer(Protocol):

@@ -13,7 +13,7 @@ from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank._types import ForwardInput, TrainerRankMemoryError
 from art.trainer_rank.compute.items import Item
 from art.trainer_rank.decide.priced import Pricing
-from art.trainer_rank.memory.device import UnallocatedGradients
+from art.trainer_rank.measuring.device import UnallocatedGradients
 
 
 class PlanMode(StrEnum):

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from art.megatron.recompute import EffectiveRecompute
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
-from art.trainer_rank.memory.estimate import Estimate
+from art.trainer_rank.pricing.estimate import Estimate
 
 
 class MemoryModelLike(Protocol):

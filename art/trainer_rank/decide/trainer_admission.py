@@ -13,8 +13,8 @@ from art.trainer_rank.compute.packing import packed_length_tokens, shares_prefix
 from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
 from art.trainer_rank.decide.priced import MemoryModelLike
 from art.trainer_rank.decide.profiles import ProfileStore
-from art.trainer_rank.memory.device import held_output_bytes
-from art.trainer_rank.memory.pricing import TrainerPricing
+from art.trainer_rank.measuring.device import held_output_bytes
+from art.trainer_rank.measuring.trainer_pricing import TrainerPricing
 
 if TYPE_CHECKING:
     from peft import LoraConfig

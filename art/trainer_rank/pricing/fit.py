@@ -1,6 +1,6 @@
 """Measured memory curves: exact at the probe's token counts, local quadratics between them.
 
-Used by the layer probe (`memory/probe.py`) for every quantity it measures."""
+Used by the layer probe (`measuring/probe.py`) for every quantity it measures."""
 
 from __future__ import annotations
 

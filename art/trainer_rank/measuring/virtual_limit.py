@@ -2,7 +2,7 @@
 
 On CPU nothing runs out of memory at the sizes tests use, so the OOM, split and decline paths
 of admission would never run for real. With this limit set, TrainerRank runs each micro-batch
-inside a `memory.meter.MemoryMeter` with that limit: every storage a tensor op creates is
+inside a `measuring.meter.MemoryMeter` with that limit: every storage a tensor op creates is
 counted from allocation until its last reference dies, and the op that crosses the limit
 raises `torch.OutOfMemoryError`, as the CUDA allocator would.
 """

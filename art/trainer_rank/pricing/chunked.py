@@ -25,9 +25,9 @@ from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.packing import packed_length_tokens, sequence_multiple_tokens
-from art.trainer_rank.memory.fit import Fit
-from art.trainer_rank.memory.layer_terms import PricedKind
-from art.trainer_rank.memory.layers_gdn import GDN_CHUNK_TOKENS
+from art.trainer_rank.pricing.fit import Fit
+from art.trainer_rank.pricing.layer_terms import PricedKind
+from art.trainer_rank.pricing.layers_gdn import GDN_CHUNK_TOKENS
 
 QUANTITIES = ("kept", "forward", "backward", "output", "backward_held")
 # Tokens per chunk of the sparse rows: one short sequence per chunk, two fills that both

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from art.trainer_rank.memory.layer_terms import (
+from art.trainer_rank.pricing.layer_terms import (
     FP32,
     INT64,
     Block,

@@ -7,7 +7,7 @@ chunked kernels on GPU, their CPU counterparts otherwise) and the gated output n
 
 from __future__ import annotations
 
-from art.trainer_rank.memory.layer_terms import (
+from art.trainer_rank.pricing.layer_terms import (
     FP32,
     Block,
     BlockRole,

@@ -11,7 +11,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape
-from art.trainer_rank.memory.layer_terms import FP32
+from art.trainer_rank.pricing.layer_terms import FP32
 
 INT64 = 8
 # The head backward's per-token side tensors: masks, clamped ids, fp32 per-token weights.

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
-from art.trainer_rank.memory.layer_terms import LayerCost, PricedKind
+from art.trainer_rank.pricing.layer_terms import LayerCost, PricedKind
 
 
 @dataclass(frozen=True)

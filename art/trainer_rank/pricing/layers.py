@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from art.megatron.geometry import ModelGeometry
-from art.trainer_rank.memory.layer_terms import (
+from art.trainer_rank.pricing.layer_terms import (
     FP32,
     Block,
     BlockRole,
@@ -41,12 +41,12 @@ from art.trainer_rank.memory.layer_terms import (
     linear_input_saved,
     norm_block,
 )
-from art.trainer_rank.memory.layers_attention import attention_blocks
-from art.trainer_rank.memory.layers_gdn import (
+from art.trainer_rank.pricing.layers_attention import attention_blocks
+from art.trainer_rank.pricing.layers_gdn import (
     linear_attention_blocks,
     linear_attention_keeps_input,
 )
-from art.trainer_rank.memory.layers_mlp import mlp_blocks, moe_blocks, moe_dispatcher_state
+from art.trainer_rank.pricing.layers_mlp import mlp_blocks, moe_blocks, moe_dispatcher_state
 
 
 def layer_kind(geometry: ModelGeometry, index: int) -> PricedKind:

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 
 from art.trainer_rank._request import OutputRequest, output_request_problem
-from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.meter import MemoryMeter
+from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
 
 
 def inner_model(model: Any) -> Any:

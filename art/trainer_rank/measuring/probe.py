@@ -43,7 +43,18 @@ from typing import Any
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
-from art.trainer_rank.memory.chunked import (
+from art.trainer_rank.measuring.meter import release_score_buffer
+from art.trainer_rank.measuring.probe_runs import (
+    inner_model,
+    measure_mode,
+    measure_tail,
+    probe_inputs,
+    restore_modes,
+    set_modes,
+    tail_inputs,
+)
+from art.trainer_rank.measuring.probe_store import store_probe, stored_probe_text
+from art.trainer_rank.pricing.chunked import (
     GDN_CHUNK_TOKENS,
     QUANTITIES,
     SPARSE_TOKENS_PER_CHUNK,
@@ -55,22 +66,11 @@ from art.trainer_rank.memory.chunked import (
     split_points,
     with_points_inside_chunks,
 )
-from art.trainer_rank.memory.coefficients import LayerMode, RecomputeMode
-from art.trainer_rank.memory.fit import Fit, Poly
-from art.trainer_rank.memory.layer_terms import Dims, LayerCost, PricedKind
-from art.trainer_rank.memory.layers import layer_kind
-from art.trainer_rank.memory.layers_gdn import conv_sequence_padding_bytes
-from art.trainer_rank.memory.measure import release_score_buffer
-from art.trainer_rank.memory.probe_runs import (
-    inner_model,
-    measure_mode,
-    measure_tail,
-    probe_inputs,
-    restore_modes,
-    set_modes,
-    tail_inputs,
-)
-from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
+from art.trainer_rank.pricing.coefficients import LayerMode, RecomputeMode
+from art.trainer_rank.pricing.fit import Fit, Poly
+from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
+from art.trainer_rank.pricing.layers import layer_kind
+from art.trainer_rank.pricing.layers_gdn import conv_sequence_padding_bytes
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -91,10 +91,10 @@ class ProbedLayer:
     backward: Fit
     output: Fit
     saves_input: bool
-    # Chunked kernels: the fits run over whole-chunk rows (memory/chunked.py).
+    # Chunked kernels: the fits run over whole-chunk rows (pricing/chunked.py).
     within_chunk: WithinChunk | None = None
     backward_held: Fit | None = None
-    # Chunked kernels: rows of one short sequence per chunk (memory/chunked.py).
+    # Chunked kernels: rows of one short sequence per chunk (pricing/chunked.py).
     sparse_chunks: SparseChunks | None = None
 
     def cost(self, s: int, padded: int | None = None) -> LayerCost:

@@ -8,7 +8,7 @@ from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from art.megatron.geometry import LayerKind
-from art.trainer_rank.memory.estimate import Lifetime, Term, TermKind
+from art.trainer_rank.pricing.estimate import Lifetime, Term, TermKind
 
 if TYPE_CHECKING:
     from art.megatron.geometry import ModelGeometry

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field, replace
 from art.megatron.geometry import ATTENTION, ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.recompute import LayerRecompute
-from art.trainer_rank.memory.estimate import Lifetime, Term, TermKind
-from art.trainer_rank.memory.layer_terms import FP32, LayerCost
-from art.trainer_rank.memory.tail import INT64, TailCost
+from art.trainer_rank.pricing.estimate import Lifetime, Term, TermKind
+from art.trainer_rank.pricing.layer_terms import FP32, LayerCost
+from art.trainer_rank.pricing.tail import INT64, TailCost
 
 INT32 = 4
 FORWARD, BACKWARD = Lifetime.FORWARD, Lifetime.BACKWARD

@@ -11,9 +11,9 @@ import torch
 
 from art.megatron.recompute import EffectiveRecompute
 from art.megatron.recompute_ladder import RecomputeChoice, RecomputeLadder, build_ladder
-from art.trainer_rank.memory.device import device_usable_bytes
-from art.trainer_rank.memory.model import MemoryModel
-from art.trainer_rank.memory.probing import TrainerProbe
+from art.trainer_rank.measuring.device import device_usable_bytes
+from art.trainer_rank.measuring.probing import TrainerProbe
+from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 
 

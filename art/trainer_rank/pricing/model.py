@@ -32,19 +32,19 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
-from art.trainer_rank.memory.adapters import lora_params_per_rank, resident_adapter_terms
-from art.trainer_rank.memory.budget import AllocatorReserve
-from art.trainer_rank.memory.chunked import has_chunked_layers, row_padded_chunk_tokens
-from art.trainer_rank.memory.coefficients import Coefficients, RecomputeMode
-from art.trainer_rank.memory.estimate import Estimate, Lifetime, Term, TermKind
-from art.trainer_rank.memory.layer_terms import Dims, LayerCost, PricedKind
-from art.trainer_rank.memory.layers import layer_kind, price_layer
-from art.trainer_rank.memory.layers_gdn import (
+from art.trainer_rank.pricing.adapters import lora_params_per_rank, resident_adapter_terms
+from art.trainer_rank.pricing.budget import AllocatorReserve
+from art.trainer_rank.pricing.chunked import has_chunked_layers, row_padded_chunk_tokens
+from art.trainer_rank.pricing.coefficients import Coefficients, RecomputeMode
+from art.trainer_rank.pricing.estimate import Estimate, Lifetime, Term, TermKind
+from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
+from art.trainer_rank.pricing.layers import layer_kind, price_layer
+from art.trainer_rank.pricing.layers_gdn import (
     conv_sequence_padding_bytes,
     prefix_tree_extra_forward_bytes,
     prefix_tree_state_bytes,
 )
-from art.trainer_rank.memory.passes import (
+from art.trainer_rank.pricing.passes import (
     BUFFERS_OF_ATTENTION,
     Unit,
     backward_terms,
@@ -54,7 +54,7 @@ from art.trainer_rank.memory.passes import (
     kept_note,
     pre_decoder_terms,
 )
-from art.trainer_rank.memory.tail import (
+from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
     TailCost,
     default_tail,
@@ -167,7 +167,7 @@ class MemoryModel:
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
                     padded: int | None = None, sequences: int = 1,
                     recurrent: RecurrentRow | None = None) -> tuple[LayerCost, bool]:
-        """`padded`: the row's tokens padded to whole kernel chunks (memory/chunked.py);
+        """`padded`: the row's tokens padded to whole kernel chunks (pricing/chunked.py);
         `sequences`: how many segments (sequences, or prefix-tree nodes) a recurrent layer
         runs the row as; `recurrent`: the row's calls when it holds prefix trees."""
         kind = self._kinds[index]

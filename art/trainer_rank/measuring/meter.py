@@ -53,7 +53,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves, tree_map
 
-from art.trainer_rank.memory.virtual_limit import ENV_TEST_MEMORY_LIMIT
+from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT
 
 FRESH, WRITTEN, VIEW = 0, 1, 2
 _KINDS: dict[Any, tuple[int, ...]] = {}
@@ -417,3 +417,16 @@ class MemoryMeter:
                 f"from {ENV_TEST_MEMORY_LIMIT} or MemoryMeter(limit_bytes=...); raise it or "
                 "make the micro-batch smaller)"
             )
+
+
+def release_score_buffer() -> None:
+    """Drop Megatron's global memory buffer (unfused attention's [heads, s, s] score buffer).
+
+    It persists at the largest size seen; the memory model prices it inside every micro-batch,
+    so it is released before each one: measured from the state before, it is then really
+    allocated inside the micro-batch, and on GPU it is not also counted as live before."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    if buffer is not None:
+        buffer.buffer.clear()

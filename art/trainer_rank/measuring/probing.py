@@ -28,12 +28,12 @@ from typing import Any
 import torch
 
 from art.trainer_rank._request import OutputRequest
-from art.trainer_rank.memory import probe as probe_module
-from art.trainer_rank.memory.chunked import fewest_chunked_points, has_chunked_layers
-from art.trainer_rank.memory.coefficients import LayerMode
-from art.trainer_rank.memory.layer_terms import LayerCost, PricedKind
-from art.trainer_rank.memory.probe_runs import inner_model
-from art.trainer_rank.memory.probe_store import store_probe, stored_probe_text
+from art.trainer_rank.measuring import probe as probe_module
+from art.trainer_rank.measuring.probe_runs import inner_model
+from art.trainer_rank.measuring.probe_store import store_probe, stored_probe_text
+from art.trainer_rank.pricing.chunked import fewest_chunked_points, has_chunked_layers
+from art.trainer_rank.pricing.coefficients import LayerMode
+from art.trainer_rank.pricing.layer_terms import LayerCost, PricedKind
 from art.trainer_rank.ranks import agree as _agree
 
 

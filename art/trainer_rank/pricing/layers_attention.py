@@ -8,7 +8,7 @@ over torch's CPU or CUDA kernels; TE's flash; or Megatron's unfused DotProductAt
 
 from __future__ import annotations
 
-from art.trainer_rank.memory.layer_terms import (
+from art.trainer_rank.pricing.layer_terms import (
     FP32,
     Block,
     BlockRole,

@@ -1,1 +1,0 @@
-"""The memory model: pricing (layers, model, estimate, adapters), probe, budget, meters."""
