@@ -36,6 +36,64 @@ DEFAULT_SELECTIVE_MODULES: tuple[str, ...] = ("core_attn",)
 WITHOUT_OUTPUT_MODULES: frozenset[str] = frozenset({"layernorm", "moe_act", "mla_up_proj"})
 
 
+GRANULARITIES: tuple[str, ...] = ("full", "selective")
+METHODS: tuple[str, ...] = ("uniform", "block")
+
+
+@dataclass(frozen=True)
+class RecomputeRuleBreak:
+    """A recompute configuration Megatron rejects or would silently ignore: the settings at
+    fault (RecomputeConfig's field names) and a clause that says why and what to do."""
+
+    settings: tuple[str, ...]
+    reason: str
+
+
+def recompute_rule_break(granularity: str | None, method: str | None,
+                         num_layers: int | None, modules: tuple[str, ...] | None
+                         ) -> RecomputeRuleBreak | None:
+    """Megatron-Core's rules on the recompute settings alone (no model needed): the first one
+    broken, or None. The settings loader and resolve_recompute both ask this, so each rule
+    lives here once; the rules that need the model (a uniform count dividing each chunk, the
+    modules a model has) are resolve_recompute's own."""
+    if granularity not in (None, *GRANULARITIES):
+        return RecomputeRuleBreak(("granularity",),
+                                  f"{granularity!r} is not one of full, selective, none")
+    if method not in (None, *METHODS):
+        return RecomputeRuleBreak(("method",), f"{method!r} is not one of uniform, block, none")
+    if num_layers is not None and (isinstance(num_layers, bool) or not isinstance(num_layers, int)
+                                   or num_layers < 1):
+        return RecomputeRuleBreak(("num_layers",), f"must be an integer >= 1, got {num_layers!r}")
+    if modules is not None:
+        unknown = [m for m in modules if m not in RECOMPUTE_MODULES]
+        if unknown:
+            return RecomputeRuleBreak(("modules",), f"unknown module(s) {', '.join(unknown)}; "
+                                      f"allowed: {', '.join(RECOMPUTE_MODULES)}")
+    if granularity == "full":
+        if method is None:
+            return RecomputeRuleBreak(("method",), "full recompute needs a method (uniform or "
+                                      "block); Megatron rejects full recompute without one")
+        if num_layers is None:
+            return RecomputeRuleBreak(("num_layers",), "full recompute needs a number of layers "
+                                      "(>= 1), e.g. 1")
+        if modules:
+            return RecomputeRuleBreak(("modules",), "recompute modules only apply to selective "
+                                      "recompute; unset them or set RECOMPUTE_GRANULARITY="
+                                      "selective")
+    elif granularity == "selective":
+        if num_layers is not None:
+            return RecomputeRuleBreak(("num_layers",), "selective recompute does not take a "
+                                      "number of layers (Megatron rejects it); set it to none")
+    else:
+        stray = tuple(name for name, is_set in (("method", method is not None),
+                                                ("num_layers", num_layers is not None),
+                                                ("modules", bool(modules))) if is_set)
+        if stray:
+            return RecomputeRuleBreak(stray, "set while recompute granularity is none, so it "
+                                      "would be ignored; unset it or choose a granularity")
+    return None
+
+
 @dataclass(frozen=True)
 class LayerRecompute:
     """The recompute that applies to one transformer layer."""
@@ -187,45 +245,24 @@ def resolve_recompute(
     if sum(layers_per_chunk) != total or len(layers_per_chunk) != n_chunks:
         raise ValueError(f"layers_per_chunk {layers_per_chunk} does not cover {total} layers")
 
-    if granularity not in (None, "selective", "full"):
-        raise ValueError(
-            f"recompute granularity {granularity!r} is not one of: full, selective, none"
-        )
+    rule_break = recompute_rule_break(granularity, method, num_layers, modules)
+    if rule_break is not None:
+        named = ", ".join(f"recompute {name}={value!r}" for name, value in (
+            ("granularity", granularity), ("method", method), ("num_layers", num_layers),
+            ("modules", modules)) if name in rule_break.settings)
+        raise ValueError(f"{named}: {rule_break.reason}")
     requested: tuple[str, ...] = ()
-    if granularity == "full":
-        if method not in ("uniform", "block"):
-            raise ValueError(
-                f"full recompute needs a recompute method (uniform or block), got {method!r}"
-            )
-        if num_layers is None or num_layers < 1:
-            raise ValueError(
-                f"full recompute needs recompute num_layers >= 1, got {num_layers!r}"
-            )
-        if modules:
-            raise ValueError(
-                f"recompute modules {','.join(modules)} only apply to selective recompute; "
-                "unset them or use granularity selective"
-            )
-        if method == "uniform":
-            for c, n in enumerate(layers_per_chunk):
-                if n % num_layers:
-                    raise ValueError(
-                        f"full uniform recompute with num_layers={num_layers} does not divide the "
-                        f"{n} layers of model chunk {c} (Megatron-Core 0.16.1 fails with "
-                        f"IndexError mid-forward); use a divisor of {n}, e.g. 1"
-                    )
+    if granularity == "full" and method == "uniform":
+        assert num_layers is not None
+        for c, n in enumerate(layers_per_chunk):
+            if n % num_layers:
+                raise ValueError(
+                    f"full uniform recompute with num_layers={num_layers} does not divide the "
+                    f"{n} layers of model chunk {c} (Megatron-Core 0.16.1 fails with "
+                    f"IndexError mid-forward); use a divisor of {n}, e.g. 1"
+                )
     elif granularity == "selective":
-        if num_layers is not None:
-            raise ValueError(
-                f"selective recompute does not take recompute num_layers (got {num_layers}); "
-                "unset it (Megatron rejects it)"
-            )
         requested = DEFAULT_SELECTIVE_MODULES if modules is None else tuple(modules)
-        unknown = [m for m in requested if m not in RECOMPUTE_MODULES]
-        if unknown:
-            raise ValueError(
-                f"unknown recompute module(s) {unknown}; allowed: {', '.join(RECOMPUTE_MODULES)}"
-            )
         any_moe = any(moe_layers)
         needs = {
             "moe": (any_moe, "MoE layers"),
@@ -239,12 +276,6 @@ def resolve_recompute(
                     f"recompute module {mod!r} needs {needs[mod][1]}, which this model does not "
                     "have; remove it from the recompute modules"
                 )
-    else:
-        if method is not None or num_layers is not None or modules:
-            raise ValueError(
-                "recompute method / num_layers / modules are set but recompute granularity is "
-                "none; set a granularity or unset them"
-            )
 
     layers: list[LayerRecompute] = []
     index = 0

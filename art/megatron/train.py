@@ -85,14 +85,14 @@ def freeze_model(model_chunks: list[Any]) -> list[Any]:
 
 
 def random_state_from_env() -> int | None:
-    """ART_MEGATRON_RANDOM_STATE as an int (None when unset or a none-word)."""
-    raw = os.environ.get(ENV_RANDOM_STATE, "").strip()
-    if raw.lower() in ("", "none", "null", "off", "disable", "disabled"):
+    """ART_MEGATRON_RANDOM_STATE as an int (None when unset or a none-word), parsed by its
+    declaration in settings.py."""
+    from art.megatron.settings import MEGATRON_ENV
+
+    raw = os.environ.get(ENV_RANDOM_STATE)
+    if raw is None:
         return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_RANDOM_STATE}={raw!r} is not an integer seed") from None
+    return MEGATRON_ENV.variable("RANDOM_STATE").parse(ENV_RANDOM_STATE, raw)
 
 
 def seed_everything(seed: int) -> None:

@@ -11,92 +11,120 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 from art._paths import directory_problem, file_path_problem
+from art.env_vars import (
+    UNSET,
+    EnvTable,
+    EnvVar,
+    UnknownName,
+    Unset,
+    is_unset_word,
+    parse_bool,
+    parse_byte_count,
+    parse_int,
+    parse_number,
+    parse_text,
+)
 from art.megatron.recompute_ladder import RecomputeChoice
-from art.megatron.settings import reject_unknown_variable
 from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.decide.profiles import ENV_PROFILE_PATH
 from art.trainer_rank.measuring.probe_store import default_probe_cache_dir
-from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT, test_memory_limit_bytes
+from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT
 
 ENV_PREFIX = "ART_TRAINER_RANK_"
-# env name (after the prefix) -> (field, meaning)
-ENV_VARIABLES: dict[str, tuple[str, str]] = {
-    "PROFILE_PATH": ("profile_path", "JSON file for learned memory profiles (unset: in memory)"),
-    "TEST_MEMORY_LIMIT_BYTES": (
-        "test_memory_limit_bytes",
-        "virtual memory limit for CPU runs: live tensor bytes past it raise OutOfMemoryError",
+
+
+def _recompute_choice(variable: str, raw: str) -> RecomputeChoice | Unset:
+    if is_unset_word(raw):
+        return UNSET
+    choice = _choice(raw)
+    if choice is None:
+        raise ValueError(f"{variable}={raw!r}: must be one of "
+                         + ", ".join(c.value for c in RecomputeChoice))
+    return choice
+
+
+TRAINER_RANK_ENV = EnvTable(
+    prefix=ENV_PREFIX,
+    variables=(
+        EnvVar("PROFILE_PATH", parse_text, "JSON file for learned memory profiles",
+               field="profile_path", default=None, nullable=True,
+               default_text="unset: in memory, per process"),
+        EnvVar("RECOMPUTE", _recompute_choice,
+               "which recompute rung a grad micro-batch runs: `configured` (the configured "
+               "policy, or decline), `escalate` (the configured policy when it fits, else the "
+               "least-work rung above it that fits), `adaptive` (the least-work rung that fits, "
+               "below the configured one too); see \"Recompute per micro-batch\"",
+               field="recompute", default=RecomputeChoice.ESCALATE, default_text="escalate"),
+        EnvVar("ESCALATE_TO_FULL_RECOMPUTE", parse_bool,
+               "false: never run another recompute than the configured one (the same as "
+               "`RECOMPUTE=configured`)",
+               field="escalate_to_full_recompute", default=True, default_text="true"),
+        EnvVar("COLD_START_FRACTION", parse_number,
+               "first micro-batch of an unprofiled signature: this fraction of what the memory "
+               "model admits",
+               field="cold_start_fraction", default=0.25, default_text="0.25"),
+        EnvVar("TRUST_WINDOW", parse_number,
+               "a profile is trusted from (smallest observed / w) to (largest observed x w) "
+               "tokens",
+               field="trust_window", default=2.0, default_text="2"),
+        EnvVar("HEAD_CHUNK_TOKENS", parse_int,
+               "tokens per output-head chunk (full-vocabulary logits exist one chunk at a time)",
+               field="head_chunk_tokens", default=HEAD_CHUNK_TOKENS,
+               default_text=str(HEAD_CHUNK_TOKENS)),
+        EnvVar("TEST_MEMORY_LIMIT_BYTES", parse_byte_count,
+               "virtual memory limit (CPU tests and the demo)",
+               field="test_memory_limit_bytes", default=None, nullable=True,
+               default_text="unset"),
+        EnvVar("PROBE_LAYERS", parse_bool,
+               "at start-up, measure one real layer per recompute mode (and each output mix's "
+               "head on first use) and price with those coefficients instead of the default "
+               "formulas; it measures only sizes whose micro-batch fits the usable limit",
+               field="probe_layers", default=True, default_text="true"),
+        EnvVar("FAULT_TIMEOUT_S", parse_number,
+               "after a collective failed because a peer failed, how long a rank waits for the "
+               "peer's fault record that names it; also how long a rank whose caller left the "
+               "loop waits for its peers to leave too (see \"An OOM on one rank\")",
+               field="fault_timeout_s", default=60.0, default_text="60"),
+        EnvVar("PROBE_CACHE", parse_bool,
+               "keep the probe's coefficients on disk, so that later jobs on the same model, "
+               "layout and policy skip the probe (see \"The probe is paid once\")",
+               field="probe_cache", default=True, default_text="true"),
+        EnvVar("PROBE_CACHE_DIR", parse_text,
+               "directory for the cached probe coefficients (JSON, one file per "
+               "model/layout/policy key)",
+               field="probe_cache_dir", default=None, nullable=True,
+               default_text="the profile file's directory, else "
+                            "`$XDG_CACHE_HOME/art-trainer-rank/probes`, else "
+                            "`~/.cache/art-trainer-rank/probes`"),
     ),
-    "RECOMPUTE": (
-        "recompute",
-        "which recompute rung a grad micro-batch runs: configured (the configured policy, or "
-        "decline), escalate (default: the configured policy when it fits, else the least-work "
-        "rung above it that fits), adaptive (the least-work rung that fits, below the "
-        "configured one too)",
-    ),
-    "ESCALATE_TO_FULL_RECOMPUTE": (
-        "escalate_to_full_recompute",
-        "false: never run another recompute than the configured one (the same as "
-        "RECOMPUTE=configured; default true)",
-    ),
-    "COLD_START_FRACTION": (
-        "cold_start_fraction",
-        "first micro-batch of an unprofiled signature: this fraction of what the model admits",
-    ),
-    "TRUST_WINDOW": (
-        "trust_window",
-        "a profile is used from min observed / w to max observed x w tokens (default 2)",
-    ),
-    "HEAD_CHUNK_TOKENS": ("head_chunk_tokens", "tokens per output-head chunk"),
-    "PROBE_LAYERS": (
-        "probe_layers",
-        "measure one real layer (and the head per output mix) at start-up and price with the "
-        "measured coefficients instead of the default formulas (default true)",
-    ),
-    "FAULT_TIMEOUT_S": (
-        "fault_timeout_s",
-        "after a peer's collective failed, seconds to wait for the fault record that names "
-        "the failing rank; also how long a rank whose caller left the micro-batch loop waits "
-        "for its peers to leave too (default 60)",
-    ),
-    "PROBE_CACHE": (
-        "probe_cache",
-        "keep the probe's coefficients on disk and reuse them in later jobs when the same "
-        "software measured the same model, layout and policy (default true; false: in memory "
-        "only)",
-    ),
-    "PROBE_CACHE_DIR": (
-        "probe_cache_dir",
-        "directory for cached probe coefficients (unset: the profile file's directory, else "
-        "$XDG_CACHE_HOME/art-trainer-rank/probes, else ~/.cache/art-trainer-rank/probes)",
-    ),
-}
-# Upstream's test-only switches (layout anchors, hooks): accepted, nothing here reads them.
-UPSTREAM_TEST_ONLY: frozenset[str] = frozenset({"TEST_HOOKS", "TEST_ANCHOR"})
+    # Upstream's test-only switches (layout anchors, hooks): accepted, nothing here reads them.
+    ignored=frozenset({"TEST_HOOKS", "TEST_ANCHOR"}),
+    unknown=UnknownName.ERROR,
+)
+_default = TRAINER_RANK_ENV.default
 assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
 assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
 
 _BOOLEAN_FIELDS = ("escalate_to_full_recompute", "probe_layers", "probe_cache")
-_TRUE = {"1", "true", "yes", "on"}
-_FALSE = {"0", "false", "no", "off"}
 
 
 @dataclass(frozen=True)
 class TrainerRankOptions:
-    profile_path: str | None = None
-    test_memory_limit_bytes: int | None = None
-    escalate_to_full_recompute: bool = True
-    recompute: RecomputeChoice = RecomputeChoice.ESCALATE
-    cold_start_fraction: float = 0.25
-    trust_window: float = 2.0
-    head_chunk_tokens: int = HEAD_CHUNK_TOKENS
-    probe_layers: bool = True
-    probe_cache: bool = True
-    probe_cache_dir: str | None = None
+    profile_path: str | None = _default("profile_path")
+    test_memory_limit_bytes: int | None = _default("test_memory_limit_bytes")
+    escalate_to_full_recompute: bool = _default("escalate_to_full_recompute")
+    recompute: RecomputeChoice = _default("recompute")
+    cold_start_fraction: float = _default("cold_start_fraction")
+    trust_window: float = _default("trust_window")
+    head_chunk_tokens: int = _default("head_chunk_tokens")
+    probe_layers: bool = _default("probe_layers")
+    probe_cache: bool = _default("probe_cache")
+    probe_cache_dir: str | None = _default("probe_cache_dir")
     # Runtime OOMs tolerated for one call before giving up (each one shrinks what is admitted).
     max_oom_retries: int = 8
     # How long a rank whose collective failed waits for the peer's fault record, and a rank whose
     # caller left the loop waits for its peers to leave too (ranks/phases.py).
-    fault_timeout_s: float = 60.0
+    fault_timeout_s: float = _default("fault_timeout_s")
 
     def __post_init__(self) -> None:
         if isinstance(self.recompute, str) and not isinstance(self.recompute, RecomputeChoice):
@@ -149,20 +177,13 @@ class TrainerRankOptions:
         ART_TRAINER_RANK_* name is an error with the closest known name."""
         environ = os.environ if env is None else env
         values: dict[str, Any] = {}
-        for name, raw in environ.items():
-            if not name.startswith(ENV_PREFIX):
-                continue
-            short = name[len(ENV_PREFIX):]
-            if short in UPSTREAM_TEST_ONLY:
-                continue
-            reject_unknown_variable(name, raw, ENV_PREFIX, ENV_VARIABLES)
-            field_name = ENV_VARIABLES[short][0]
-            value = _parse(name, field_name, raw)
+        for given in TRAINER_RANK_ENV.read(environ).applied:
+            name = given.variable.field
             # Checked here, so that the error names the variable the value came from.
-            problem = field_problem(field_name, value)
+            problem = field_problem(name, given.value)
             if problem is not None:
-                raise ValueError(f"{name}={raw!r}: {problem}")
-            values[field_name] = value
+                raise ValueError(f"{given.label}={given.raw!r}: {problem}")
+            values[name] = given.value
         known = {f.name for f in fields(cls)}
         unknown = set(overrides) - known
         if unknown:
@@ -232,29 +253,3 @@ def field_problem(field_name: str, value: Any) -> str | None:
     if field_name == "max_oom_retries":
         return None if _is_int(value) and value >= 0 else "must be an integer >= 0"
     return None
-
-
-def _parse(name: str, field_name: str, raw: str) -> Any:
-    text = raw.strip()
-    if field_name in ("profile_path", "probe_cache_dir"):
-        return text or None
-    if field_name == "test_memory_limit_bytes":
-        return test_memory_limit_bytes({ENV_TEST_MEMORY_LIMIT: text})
-    if field_name == "recompute":
-        choice = _choice(text)
-        return text if choice is None else choice
-    if field_name in _BOOLEAN_FIELDS:
-        if text.lower() in _TRUE:
-            return True
-        if text.lower() in _FALSE:
-            return False
-        raise ValueError(f"{name}={raw!r} is not a boolean; use true or false")
-    if field_name in ("cold_start_fraction", "trust_window", "fault_timeout_s"):
-        try:
-            return float(text)
-        except ValueError:
-            raise ValueError(f"{name}={raw!r} is not a number") from None
-    try:
-        return int(text)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer") from None

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from art.megatron.settings import ENV_PREFIX, KNOWN_VARIABLES, Settings, load_settings
+from art.megatron.settings import ENV_PREFIX, MEGATRON_ENV, Settings, load_settings
 
 SEED_ENV = {
     "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "1",
@@ -153,12 +153,18 @@ def test_every_upstream_variable_is_accepted_and_listed():
     assert two.sequence_parallel is True  # on exactly when TP > 1, unless set
 
 
+def text_fields(s: Settings) -> set[str]:
+    return {line.split()[0] for line in str(s).splitlines()[1:]}
+
+
 def test_known_variables_are_documented_and_printed():
     s = load_settings(SEED_ENV)
-    for name, meaning in KNOWN_VARIABLES.items():
-        assert meaning and "default" in meaning, name
-    assert str(s).count("\n") == len(KNOWN_VARIABLES)
-    assert all(not k.startswith(ENV_PREFIX) for k in KNOWN_VARIABLES)
+    applied = MEGATRON_ENV.applied_variables()
+    for variable in applied:
+        assert variable.meaning and variable.default_text, variable.name
+        assert variable.field in text_fields(s), variable.name
+    assert str(s).count("\n") == len(applied)
+    assert all(not v.name.startswith(ENV_PREFIX) for v in MEGATRON_ENV.variables)
 
 
 def test_settings_object_validates_direct_construction():

@@ -12,26 +12,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from art.env_vars import UNSET, parse_byte_count
+
 ENV_TEST_MEMORY_LIMIT = "ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES"
 
 
 def test_memory_limit_bytes(env: Mapping[str, str] | None = None) -> int | None:
     """The virtual limit from ART_TRAINER_RANK_TEST_MEMORY_LIMIT_BYTES, or None when unset."""
     environ = os.environ if env is None else env
-    raw = environ.get(ENV_TEST_MEMORY_LIMIT, "").strip()
-    if not raw:
-        return None
-    try:
-        value = int(float(raw)) if any(c in raw for c in ".eE") else int(raw)
-    except (ValueError, OverflowError):  # OverflowError: "1e999"
-        raise ValueError(
-            f"{ENV_TEST_MEMORY_LIMIT}={raw!r} is not a byte count; set a positive integer such "
-            "as 268435456 (256 MiB) or unset it"
-        ) from None
-    if value <= 0:
-        raise ValueError(f"{ENV_TEST_MEMORY_LIMIT}={raw!r} must be a positive byte count; set "
-                         "one such as 268435456 (256 MiB) or unset it")
-    return value
+    raw = environ.get(ENV_TEST_MEMORY_LIMIT)
+    value = UNSET if raw is None else parse_byte_count(ENV_TEST_MEMORY_LIMIT, raw)
+    return None if value is UNSET else value
 
 
 test_memory_limit_bytes.__test__ = False  # type: ignore[attr-defined]  # not a pytest test
