@@ -1,13 +1,16 @@
 """Core attention over a packed row that keeps what flash attention keeps: output + logsumexp.
 
 Each query segment of the `AttentionLayout` is computed block by block: against its own rows
-(causal) and against every context span (the shared prefix it sees, in full). Every block is one
-call of a flash-style kernel that returns the block's output and its logsumexp; blocks are
-merged by their logsumexps. Backward calls the kernel's backward per block with the merged
-output and logsumexp, which gives each block's exact share of dq, dk and dv (the softmax
-statistics are the whole row's). So no [S, S] mask, score or probability tensor ever exists:
-saved for backward are q, k, v (the layer's own tensors), the output and one fp32 logsumexp
-per head and token. Sibling segments never meet, and a prefix is computed once for all of them.
+(causal) and against every context span (the shared prefix it sees, in full). Consecutive
+segments of one length that see only themselves (a row of many sequences, which the packer
+orders by length) run as one batched call: the row's rows viewed as [segments, heads, L, d].
+Every block is one call of a flash-style kernel that returns the block's output and its
+logsumexp; blocks are merged by their logsumexps. Backward calls the kernel's backward per
+block with the merged output and logsumexp, which gives each block's exact share of dq, dk and
+dv (the softmax statistics are the whole row's). So no [S, S] mask, score or probability
+tensor ever exists: saved for backward are q, k, v (the layer's own tensors), the output and
+one fp32 logsumexp per head and token. Sibling segments never meet, and a prefix is computed
+once for all of them.
 
 The kernels, per device (`_kernel_for`):
 - CPU: torch's CPU flash kernel, `aten::_scaled_dot_product_flash_attention_for_cpu` and its
@@ -239,20 +242,73 @@ def _kernel_for(query: Tensor, key: Tensor, value: Tensor) -> str:
 @dataclass(frozen=True)
 class _QueryPiece:
     """Query rows of one segment (in the rows this rank holds) and the key blocks they see
-    (in row coordinates): (span, causal), the causal one square and last."""
+    (in row coordinates): (span, causal), the causal one square and last. `count` > 1: the
+    rows are that many consecutive segments of one length, each seeing only itself
+    (causally), run as one batched kernel call (`_segments`)."""
 
     rows: slice
     blocks: tuple[tuple[KeySpan, bool], ...]
+    count: int = 1
+
+    @property
+    def segment_tokens(self) -> int:
+        return (self.rows.stop - self.rows.start) // self.count
 
 
-def _query_pieces(layout: AttentionLayout, split: ContextParallelSplit | None
-                  ) -> list[_QueryPiece]:
-    """Every segment as one piece; under context parallel, every part of a segment inside
-    one of this rank's two chunks, which sees the segment's context, the segment's rows
-    before it (in full) and itself (causally)."""
+def _segments(x: Tensor, rows: slice, count: int) -> Tensor:
+    """The rows of a [b, heads, s, ...] heads-first view as the kernels take them: [b, heads,
+    L, ...], or for `count` consecutive equal segments of a b = 1 row [count, heads, L, ...]
+    (a view: the row's s dimension split into count x L)."""
+    part = x[:, :, rows]
+    if count == 1:
+        return part
+    return part[0].unflatten(1, (count, -1)).transpose(0, 1)
+
+
+def _batched_segments_limit(kernel_name: str, segment_tokens: int, row_tokens: int) -> int:
+    """How many equal segments one kernel call may take. The memory model prices one block's
+    working set at the whole row; the memory-efficient kernel pads each batch element's
+    logsumexp to a multiple of 32 queries, so a batch of short segments is capped where
+    its padded logsumexp would pass the row's."""
+    if kernel_name != "cuda-efficient":
+        return row_tokens
+    padded = -(-segment_tokens // EFFICIENT_LSE_ALIGN) * EFFICIENT_LSE_ALIGN
+    return max(1, row_tokens // padded)
+
+
+def _batched(pieces: list[_QueryPiece], kernel_name: str, row_tokens: int, batch_size: int
+             ) -> list[_QueryPiece]:
+    """Consecutive pieces of one length that see only themselves, merged into one batched
+    piece each (a packed row of many short sequences runs a call per length, not per
+    sequence). Only on a b = 1 row, whose segments the kernels can take as a batch view."""
+    if batch_size != 1:
+        return pieces
+    merged: list[_QueryPiece] = []
+    for piece in pieces:
+        last = merged[-1] if merged else None
+        if (last is not None and len(piece.blocks) == 1 and len(last.blocks) == 1
+                and last.rows.stop == piece.rows.start
+                and last.segment_tokens == piece.rows.stop - piece.rows.start
+                and last.count < _batched_segments_limit(kernel_name, last.segment_tokens,
+                                                         row_tokens)):
+            start = last.rows.start
+            merged[-1] = _QueryPiece(slice(start, piece.rows.stop),
+                                     ((KeySpan(start, piece.rows.stop - start), True),),
+                                     last.count + 1)
+        else:
+            merged.append(piece)
+    return merged
+
+
+def _query_pieces(layout: AttentionLayout, split: ContextParallelSplit | None,
+                  kernel_name: str = "cpu-flash", batch_size: int = 1) -> list[_QueryPiece]:
+    """Every segment as one piece, runs of equal context-free segments batched; under context
+    parallel, every part of a segment inside one of this rank's two chunks, which sees the
+    segment's context, the segment's rows before it (in full) and itself (causally)."""
     if split is None:
-        return [_QueryPiece(slice(seg.start, seg.end), tuple(_blocks(seg)))
-                for seg in layout.segments]
+        return _batched([_QueryPiece(slice(seg.start, seg.end), tuple(_blocks(seg)))
+                         for seg in layout.segments], kernel_name, layout.total_tokens,
+                        batch_size)
     starts = [seg.start for seg in layout.segments]
     pieces = []
     local_start = 0
@@ -290,19 +346,19 @@ class _SegmentedFlash(torch.autograd.Function):
         lse = torch.empty(b, heads, s, dtype=torch.float32, device=query.device)
         key_row, value_row = _whole_row(key, value, split)
         q, k, v, o = (_heads_first(t) for t in (query, key_row, value_row, out))
-        for piece in _query_pieces(layout, split):
-            rows = piece.rows
-            q_seg = q[:, :, rows]
+        for piece in _query_pieces(layout, split, kernel_name, b):
+            rows, count = piece.rows, piece.count
+            q_seg = _segments(q, rows, count)
             blocks = piece.blocks
             acc: Tensor | None = None  # fp32 running output, merged block by block
             running_lse: Tensor | None = None
             for span, causal in blocks:
                 keys = slice(span.start, span.end)
-                part, part_lse = kernel.forward(q_seg, k[:, :, keys], v[:, :, keys], causal,
-                                                scale)
+                part, part_lse = kernel.forward(q_seg, _segments(k, keys, count),
+                                                _segments(v, keys, count), causal, scale)
                 if len(blocks) == 1:
-                    o[:, :, rows] = part
-                    lse[:, :, rows] = part_lse
+                    _segments(o, rows, count).copy_(part)
+                    _segments(lse, rows, count).copy_(part_lse)
                     del part, part_lse
                     break
                 if acc is None or running_lse is None:
@@ -347,16 +403,17 @@ class _SegmentedFlash(torch.autograd.Function):
         dvalue = torch.zeros(value_row.shape, dtype=acc_dtype, device=value.device)
         q, k, v, o, g = (_heads_first(t) for t in (query, key_row, value_row, out, grad))
         dq, dk, dv = (_heads_first(t) for t in (dquery, dkey, dvalue))
-        for piece in _query_pieces(layout, split):
-            rows = piece.rows
-            q_seg, o_seg, g_seg = q[:, :, rows], o[:, :, rows], g[:, :, rows]
+        for piece in _query_pieces(layout, split, ctx.kernel_name, b):
+            rows, count = piece.rows, piece.count
+            q_seg, o_seg, g_seg = (_segments(t, rows, count) for t in (q, o, g))
             # The whole row's statistics, contiguous [b, heads, L] as the kernels read them.
-            lse_seg = lse[:, :, rows].contiguous()
+            lse_seg = _segments(lse, rows, count).contiguous()
             for span, causal in piece.blocks:
                 keys = slice(span.start, span.end)
-                kernel.backward_into(g_seg, q_seg, k[:, :, keys], v[:, :, keys], o_seg, lse_seg,
-                                     causal, ctx.scale, dq[:, :, rows], dk[:, :, keys],
-                                     dv[:, :, keys])
+                kernel.backward_into(g_seg, q_seg, _segments(k, keys, count),
+                                     _segments(v, keys, count), o_seg, lse_seg, causal,
+                                     ctx.scale, _segments(dq, rows, count),
+                                     _segments(dk, keys, count), _segments(dv, keys, count))
         del key_row, value_row, k, v
         if split is not None:
             # Each rank's queries saw every rank's keys: the key/value gradients are the sum.

@@ -113,3 +113,46 @@ def test_an_8k_row_runs_within_the_priced_transients():
     assert expected <= forward_seen <= 1.1 * expected <= forward, (forward_seen, expected)
     assert 0.6 * backward <= backward_seen <= backward, (backward_seen, backward)
     assert meter.peak_bytes < 16 * 2**20  # an 8k x 8k fp32 score matrix alone is 256 MiB
+
+
+# Runs of equal segments that see only themselves (batched), a shared prompt with two children
+# (not batched), and a run broken by another length.
+RUNS = AttentionLayout(40, (
+    AttentionSegment(0, 3), AttentionSegment(3, 3), AttentionSegment(6, 3),
+    AttentionSegment(9, 5), AttentionSegment(14, 5),
+    AttentionSegment(19, 2, (KeySpan(14, 5),)), AttentionSegment(21, 2, (KeySpan(14, 5),)),
+    AttentionSegment(23, 3), AttentionSegment(26, 7), AttentionSegment(33, 7),
+))
+
+
+def test_equal_segments_run_as_one_batched_call_with_the_same_results(monkeypatch):
+    """Consecutive equal segments with no context take one kernel call per run, forward and
+    backward, and the results still equal the masked softmax; segments with a context and
+    runs broken by another length are not merged."""
+    import art.megatron.packed_attention as pa
+
+    batches: dict[str, list[int]] = {"fwd": [], "bwd": []}
+    forward, backward = pa._FLASH_FWD, pa._FLASH_BWD
+
+    def counting_forward(q, *args, **kwargs):
+        batches["fwd"].append(q.shape[0])
+        return forward(q, *args, **kwargs)
+
+    def counting_backward(g, *args, **kwargs):
+        batches["bwd"].append(g.shape[0])
+        return backward(g, *args, **kwargs)
+
+    monkeypatch.setattr(pa, "_FLASH_FWD", counting_forward)
+    monkeypatch.setattr(pa, "_FLASH_BWD", counting_backward)
+    q, k, v = _qkv(40, 4, 2, 8)
+    out = segmented_flash_attention(q, k, v, RUNS, 1 / math.sqrt(8))
+    grad = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), grad)
+    want_out = _reference(q, k, v, RUNS)
+    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    # 3 x 3, 5 + 5 (the prompt), each child: context block + its own, 3, 7 x 2
+    assert batches["fwd"] == [3, 2, 1, 1, 1, 1, 1, 2]
+    assert batches["bwd"] == batches["fwd"]

@@ -254,6 +254,30 @@ def test_stand_in_kernels_give_the_masked_softmax(stand_ins, kernel, heads, grou
         assert [c[2:7] for c in seen] == expected
 
 
+@pytest.mark.parametrize("kernel,calls_per_slot", [("flash", 2), ("efficient", 5)])
+def test_equal_segments_are_batched_within_the_kernels_limits(stand_ins, kernel,
+                                                               calls_per_slot):
+    """Stand-ins (no GPU here): 16 sequences of 8 tokens and a 16-token one. The flash
+    kernel takes the 16 as one batched call; the memory-efficient one pads each batch
+    element's logsumexp to 32 queries, so its batches stop at 144 // 32 = 4 segments (four
+    calls) and the pricing's row-sized logsumexp still bounds them. Both still equal the
+    masked softmax, and every batched call has the batch's shape."""
+    layout = AttentionLayout.causal_blocks([8] * 16 + [16])
+    q, k, v = _qkv(144, 4, 2, 8)
+    out, grad, got = _run(q, k, v, layout, f"cuda-{kernel}")
+    want_out = _reference(q, k, v, layout)
+    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    slots = 1 if kernel == "flash" else 2
+    for direction in ("fwd", "bwd"):
+        seen = [c for c in stand_ins.calls if c[1] == direction]
+        assert len(seen) == calls_per_slot * slots
+        assert [c[2] for c in seen][-slots:] == [16] * slots
+        assert all(c[2:4] == (8, 8) for c in seen[:-slots])
+
+
 def test_batch_above_one_reads_the_efficient_backward_out_compact(stand_ins):
     """Stand-in (no GPU here): with b = 2 the segment's output view has a row stride of
     b x heads x d; the efficient backward reads heads x d, so it must be handed a compact

@@ -244,3 +244,23 @@ def test_the_seed_group_packs_to_32710_tokens():
     sp = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
     assert pack_sequences(sequences, implementation=FLASH, layout=sp,
                           groups=[2]).padded_tokens == 32710
+
+
+def test_the_flash_build_lays_equal_lengths_side_by_side_and_unpacks_in_item_order():
+    """On the segmented flash attention (CP = 1) the row's roots are ordered by length, ties
+    in item order, so equal sequences form runs the attention batches; a group's prompt is a
+    root like any other and its completions follow. Every sequence still unpacks to its own
+    tokens, in the caller's order. Unfused attention and CP keep the caller's order."""
+    flash = Implementation.cpu_local("flash")
+    sequences = _seqs(5, 3, 5, 3, 2)
+    batch = pack_sequences(sequences, implementation=flash, layout=ParallelLayout())
+    assert [s.length for s in batch.attention_layout.segments] == [2, 3, 3, 5, 5]
+    assert batch.offsets == (8, 2, 13, 5, 0)
+    for sequence, got in zip(sequences, unpack(batch.tokens[0], batch)):
+        assert got.tolist() == sequence.tolist()
+    unfused = pack_sequences(sequences, implementation=Implementation.cpu_local("unfused"),
+                             layout=ParallelLayout())
+    assert unfused.offsets == (0, 5, 8, 13, 16)
+    cp = pack_sequences(sequences, implementation=flash,
+                        layout=ParallelLayout(context_parallel=2))
+    assert cp.offsets == tuple(sorted(cp.offsets))

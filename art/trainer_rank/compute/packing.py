@@ -179,8 +179,11 @@ def pack_sequences(
     cursor = 0
     shared = 0
     if share:
+        # Roots of equal length side by side: the segmented flash attention runs each such
+        # run as one batched call (without CP, whose split keeps the row's own order).
+        by_length = implementation.attention == "flash" and layout.context_parallel == 1
         cursor, shared = _lay_out_trees(sequences, sizes, device, tokens, positions, segments,
-                                        pieces)
+                                        pieces, roots_by_length=by_length)
     else:
         for index, sequence in enumerate(sequences):
             sequence = sequence.to(device=device, dtype=torch.long)
@@ -241,12 +244,13 @@ def _merge_spans(spans: Sequence[KeySpan]) -> tuple[KeySpan, ...]:
 
 def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: torch.device,
                    tokens: list[Tensor], positions: list[Tensor],
-                   segments: list[AttentionSegment], pieces: list[list[KeySpan]]
-                   ) -> tuple[int, int]:
+                   segments: list[AttentionSegment], pieces: list[list[KeySpan]],
+                   roots_by_length: bool = False) -> tuple[int, int]:
     """Every group's prefix tree (a sequence alone is a tree of one node) laid out depth by
-    depth over the whole row: all roots in group order, then all their children in their
-    parents' order, and so on. Each node's segment sees its ancestors' spans and itself
-    causally; positions continue from the node's depth. Depth-major order keeps the segments
+    depth over the whole row: all roots in group order (`roots_by_length`: by length, ties in
+    group order), then all their children in their parents' order, and so on. Each node's
+    segment sees its ancestors' spans and itself causally; positions continue from the
+    node's depth. Depth-major order keeps the segments
     of one depth contiguous, so a recurrent layer runs each depth as one varlen call over a
     slice of the row. Returns (rows laid out, logical tokens saved)."""
     level: list[tuple[TreeNode, list[Tensor], int, tuple[KeySpan, ...]]] = []
@@ -257,6 +261,8 @@ def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: to
                  [TreeNode(0, int(members[0].numel()), (0,))])
         level.extend((root, members, first, ()) for root in roots)
         first += size
+    if roots_by_length:
+        level.sort(key=lambda entry: entry[0].length)
     cursor = 0
     while level:
         below: list[tuple[TreeNode, list[Tensor], int, tuple[KeySpan, ...]]] = []
