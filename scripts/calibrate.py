@@ -60,7 +60,7 @@ TARGET = (1.00, 1.05)
 TP2_GEOMETRY = "gqa-128"  # the TP=2 subset's model
 
 
-RUNG_GEOMETRIES = ("gqa-128", "hybrid-128")
+RUNG_GEOMETRIES = ("gqa-128", "hybrid-128", "hybrid-moe-128")
 
 
 def rung_matrix(args: argparse.Namespace, tensor_parallel: int) -> list:
@@ -404,7 +404,8 @@ def main() -> int:
                              "to what the probe measures")
     parser.add_argument("--rungs", action="store_true",
                         help="the recompute rungs switched at run time (RUNGS_BY_BUILT) on "
-                             "gqa-128 and hybrid-128 instead of the policy matrix")
+                             "gqa-128, hybrid-128 and hybrid-moe-128 instead of the policy "
+                             "matrix")
     parser.add_argument("--worker-out", help=argparse.SUPPRESS)
     parser.add_argument("--worker-probes", help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -225,14 +225,26 @@ RUNGS_BY_BUILT: dict[str, tuple[str, ...]] = {
 }
 
 
+# A model whose every MLP is MoE has no `core_attn,mlp` rung (mlp does nothing there) and has
+# `core_attn,moe` instead.
+MOE_RUNGS_BY_BUILT: dict[str, tuple[str, ...]] = {
+    "selective default": ("none", "selective core_attn+moe",
+                          "full block 1 (selective core_attn on the rest)", "full uniform 1"),
+    "full uniform 1": ("selective core_attn", "selective core_attn+moe"),
+}
+MOE_GEOMETRIES = ("hybrid-moe-128",)
+
+
 def rung_cells(seed: int, *, geometries: tuple[str, ...], rows: int, tensor_parallel: int = 1,
                max_tokens: int = MAX_TOKENS) -> list[Cell]:
     """Seeded grad rows for each rung switched at run time on a model built with another
-    policy (`RUNGS_BY_BUILT`): without grad no rung keeps anything, so only grad rows."""
+    policy (`RUNGS_BY_BUILT`, `MOE_RUNGS_BY_BUILT` for MoE models): without grad no rung
+    keeps anything, so only grad rows."""
     rng = random.Random(seed + 2000)
     cells: list[Cell] = []
     for geo in geometries:
-        for built, rungs in RUNGS_BY_BUILT.items():
+        by_built = MOE_RUNGS_BY_BUILT if geo in MOE_GEOMETRIES else RUNGS_BY_BUILT
+        for built, rungs in by_built.items():
             for rung in rungs:
                 for i in range(rows):
                     lengths = draw_lengths(rng, high=max_tokens, multiple=tensor_parallel)

@@ -25,6 +25,8 @@ CASES = [
                     "ART_MEGATRON_RECOMPUTE_MODULES": "layernorm"}),
     ("tiny-qwen3-moe", {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
                         "ART_MEGATRON_RECOMPUTE_MODULES": "core_attn,moe"}),
+    # Built selective core_attn: the MoE rung is switched on at run time.
+    ("tiny-qwen3_5-moe", {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
     ("tiny-qwen3_5", {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
     ("tiny-qwen3_5", {}),
 ]
@@ -94,3 +96,25 @@ def test_the_ladder_is_ordered_by_recomputed_work(megatron_process):
     # Attention grows with each sequence squared, the rest with its tokens.
     one_row = recomputed_flops(geometry, provider.effective_recompute, (460,))
     assert one_row > flops["selective core_attn"]
+
+
+@pytest.mark.parametrize("model_name,has_moe_rung", [("tiny-qwen3", False),
+                                                     ("tiny-qwen3-moe", True),
+                                                     ("tiny-qwen3_5-moe", True)])
+def test_models_with_moe_layers_get_the_moe_rung(megatron_process, model_name, has_moe_rung):
+    """Selective `core_attn,moe` is a rung where the layers are MoE, between `core_attn` and
+    the block rungs in work at these lengths; `moe_act` is not (Megatron needs grouped GEMM
+    experts for it, which this build does not make), and a dense model has neither."""
+    provider = Provider(model_name, settings=load_settings(
+        {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}), dtype="float32")
+    ladder = build_ladder(provider.effective_recompute, provider.recompute_as)
+    names = [rung.name for rung in ladder]
+    assert ("selective core_attn+moe" in names) is has_moe_rung, names
+    assert not any("moe_act" in name for name in names)
+    if has_moe_rung:
+        lengths = (300, 120, 40)
+        flops = {rung.name: rung.recomputed_flops(provider.geometry, lengths)
+                 for rung in ladder}
+        assert flops["selective core_attn"] < flops["selective core_attn+moe"] \
+            < flops["full uniform 1"]
+        assert "selective core_attn+mlp" not in names  # mlp does nothing on MoE layers
