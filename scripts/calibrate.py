@@ -244,17 +244,10 @@ def summarize(rows: list[dict]) -> str:
     lo, hi = TARGET
     builds = sorted({r.get("build") or "local" for r in rows})
     lines = ["# Memory model calibration (CPU, real Megatron-Core runs)", ""]
-    described = {
-        "local": "the local spec with the segmented flash attention over torch's CPU flash "
-                 "kernel, what this machine builds",
-        "gpu-shaped": "the local spec with CPU stand-ins that keep for backward what the GPU "
-                      "build's fused kernels keep, art/megatron/cpu_fused.py, and the segmented "
-                      "flash attention",
-        "local-unfused": "the local spec with Megatron's unfused attention (s^2 scores and a "
-                         "dense mask), selectable with Implementation.cpu_local(\"unfused\")",
-    }
-    lines += [f"Build: {', '.join(builds)} ("
-              + "; ".join(f"{b}: {described[b]}" for b in builds) + ").", ""]
+    if builds != ["local"]:
+        lines += [f"Build: {', '.join(builds)} (gpu-shaped: the local spec with CPU stand-ins "
+                  "that keep for backward what the GPU build's fused kernels keep, "
+                  "art/megatron/cpu_fused.py, and the segmented flash attention).", ""]
     inside = sum(lo <= r["ratio"] <= hi for r in rows)
     d_inside = sum(lo <= r["default_ratio"] <= hi for r in rows)
     low = min(rows, key=lambda r: r["ratio"])
@@ -372,8 +365,6 @@ def plot(rows: list[dict], path: Path) -> None:
 
 
 def main() -> int:
-    from _calibration.harness import BUILDS
-
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random packed lengths")
@@ -389,11 +380,9 @@ def main() -> int:
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
     parser.add_argument("--cp", type=int, choices=(1, 2), default=1,
                         help="2: the dense matrix at TP=1 x CP=2 on two torchrun ranks only")
-    parser.add_argument("--build", choices=BUILDS, default="local",
-                        help="local: the CPU's local spec with the segmented flash attention "
-                             "(what this machine builds); gpu-shaped: CPU stand-ins keeping "
-                             "what the GPU build's fused kernels keep; local-unfused: the "
-                             "local spec with Megatron's unfused attention (s^2 scores)")
+    parser.add_argument("--build", choices=("local", "gpu-shaped"), default="local",
+                        help="local: the CPU's local spec; gpu-shaped: CPU stand-ins keeping "
+                             "what the GPU build's fused kernels keep")
     parser.add_argument("--reprice", metavar="CSV",
                         help="re-price a measured CSV with the current memory model (both "
                              "columns; the probe's from <out>/probes) and rewrite the "

@@ -51,10 +51,9 @@ class Implementation:
         return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}"
 
     @classmethod
-    def cpu_local(cls, attention: str = "flash") -> Implementation:
-        """Megatron's local spec on CPU (no TE, no apex); attention "flash" (the segmented
-        flash attention over torch's CPU flash kernel, see packed_attention: the default, it
-        keeps no s^2 scores) or "unfused" (Megatron's DotProductAttention, still selectable)."""
+    def cpu_local(cls, attention: str = "unfused") -> Implementation:
+        """Megatron's local spec on CPU (no TE, no apex); attention "unfused" (Megatron's
+        DotProductAttention) or "flash" (segmented flash attention, see packed_attention)."""
         return cls(spec="local", attention=attention, norm="torch", swiglu_fused=False,
                    device="cpu")
 
@@ -98,16 +97,15 @@ class Implementation:
     def detect(cls, context_parallel: int = 1) -> Implementation:
         """What `model_builder` will build on this machine. Context parallel runs in the
         segmented flash attention (see context_parallel.py), so CP > 1 builds the local spec
-        with it on CUDA without Transformer Engine even where TE is installed. On CPU the local
-        spec always runs it (Megatron's unfused attention keeps s^2 scores and refuses CP;
-        `cpu_local("unfused")` still builds it)."""
+        with it: on CUDA without Transformer Engine even where TE is installed, and on CPU
+        instead of Megatron's unfused attention (which refuses CP)."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
 
         if cuda_available() and transformer_engine_available() and context_parallel == 1:
             return cls.gpu_te()
         if cuda_available():
             return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch")
-        return cls.cpu_local()
+        return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
 
 
 def torch_cuda_rms_norm_fused() -> bool:
