@@ -126,7 +126,7 @@ def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
     from art.megatron.implementation import Implementation
     from art.megatron.packed_attention import SegmentedFlashAttention
     from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
-    from art.trainer_rank.compute.packing import pack_sequences
+    from art.trainer_rank.compute.packing import pack_sequences, unpack
 
     geometry = calibration_geometries()["hybrid-128"]
     generator = torch.Generator().manual_seed(0)
@@ -141,7 +141,8 @@ def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
                                device=torch.device("cpu"))
         out = decoder_hidden_states(model, batch)
         out.pow(2).mean().backward()
-        hidden[name] = out.detach()
+        # In item order: a flash row lays its sequences out by length, the unfused one not.
+        hidden[name] = torch.cat(unpack(out.detach(), batch))
     decoder = unwrap_model(model).decoder
     attention = decoder.layers[3].self_attention
     assert isinstance(attention.core_attention, SegmentedFlashAttention)

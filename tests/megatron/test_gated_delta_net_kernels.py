@@ -120,7 +120,8 @@ def _run(model, implementation, leaves, groups, monkeypatch, rule=None, conv=Non
 
 def test_a_prefix_tree_runs_depth_by_depth_with_fla_states(hybrid, monkeypatch):
     """A group of two sharing a 70-token prompt and a sequence alone, laid out depth by depth
-    (prompt, alone | child 1, child 2): per Gated DeltaNet layer one varlen call per depth;
+    (alone, prompt | child 1, child 2: the roots of a flash row by length): per Gated DeltaNet
+    layer one varlen call per depth;
     the second starts both children from the prompt's final state ([2, heads, dk, dv], fp32,
     carrying gradient) and the first asks for final states."""
     geometry, implementation, model = hybrid
@@ -132,7 +133,7 @@ def test_a_prefix_tree_runs_depth_by_depth_with_fla_states(hybrid, monkeypatch):
     heads = geometry.linear_attention.num_value_heads
     dims = (geometry.linear_attention.key_head_dim, geometry.linear_attention.value_head_dim)
     for first, second in zip(recorder.calls[::2], recorder.calls[1::2]):
-        assert first["cu_seqlens"] == [0, 70, 120] and first["initial_state"] is None
+        assert first["cu_seqlens"] == [0, 50, 120] and first["initial_state"] is None
         assert first["output_final_state"] is True
         assert second["cu_seqlens"] == [0, 80, 110] and second["output_final_state"] is False
         assert second["initial_state"] == ((2, heads, *dims), torch.float32, True)
@@ -154,9 +155,10 @@ def test_plain_sequences_are_one_varlen_call_and_causal_conv1d_gets_seq_idx(hybr
     with torch.no_grad():
         outputs = _run(model, implementation, leaves, None, monkeypatch,
                        rule=fla_stand_in(rules), conv=conv_stand_in(convs))
-    assert {tuple(c["cu_seqlens"]) for c in rules.calls} == {(0, 150, 250, 300)}
+    # The row's sequences by length (50, 100, 150), as the flash build lays them out.
+    assert {tuple(c["cu_seqlens"]) for c in rules.calls} == {(0, 50, 150, 300)}
     assert all(c["initial_state"] is None and not c["output_final_state"] for c in rules.calls)
-    expected = [0] * 150 + [1] * 100 + [2] * 50
+    expected = [0] * 50 + [1] * 100 + [2] * 150
     assert convs.calls and all(c["seq_idx"] == (torch.int32, expected) and c["channel_last"]
                                and c["activation"] == "silu" for c in convs.calls)
     monkeypatch.undo()
