@@ -43,11 +43,9 @@ def _reference(q, k, v, layout: AttentionLayout) -> torch.Tensor:
     return out.permute(2, 0, 1, 3).reshape(q.shape[0], 1, -1)
 
 
-@pytest.mark.parametrize("layout", [TREE, AttentionLayout.causal_blocks([6, 1, 9])],
-                         ids=["tree", "causal-blocks"])
-def test_equals_the_masked_softmax_in_output_and_gradients(layout):
-    q, k, v = _qkv(16, 4, 2, 8)
-    out = segmented_flash_attention(q, k, v, layout, 1 / math.sqrt(8))
+def _assert_equals_reference(q, k, v, layout: AttentionLayout) -> None:
+    """Output and gradients of the segmented attention equal the fp64 masked softmax."""
+    out = segmented_flash_attention(q, k, v, layout, 1 / math.sqrt(q.shape[-1]))
     grad = torch.randn_like(out)
     got = torch.autograd.grad(out, (q, k, v), grad)
     want_out = _reference(q, k, v, layout)
@@ -55,6 +53,12 @@ def test_equals_the_masked_softmax_in_output_and_gradients(layout):
     torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [TREE, AttentionLayout.causal_blocks([6, 1, 9])],
+                         ids=["tree", "causal-blocks"])
+def test_equals_the_masked_softmax_in_output_and_gradients(layout):
+    _assert_equals_reference(*_qkv(16, 4, 2, 8), layout)
 
 
 def test_bfloat16_stays_close_to_the_fp64_reference():
@@ -144,15 +148,7 @@ def test_equal_segments_run_as_one_batched_call_with_the_same_results(monkeypatc
 
     monkeypatch.setattr(pa, "_FLASH_FWD", counting_forward)
     monkeypatch.setattr(pa, "_FLASH_BWD", counting_backward)
-    q, k, v = _qkv(40, 4, 2, 8)
-    out = segmented_flash_attention(q, k, v, RUNS, 1 / math.sqrt(8))
-    grad = torch.randn_like(out)
-    got = torch.autograd.grad(out, (q, k, v), grad)
-    want_out = _reference(q, k, v, RUNS)
-    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
-    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    _assert_equals_reference(*_qkv(40, 4, 2, 8), RUNS)
     # 3 x 3, 5 + 5 (the prompt), each child: context block + its own, 3, 7 x 2
     assert batches["fwd"] == [3, 2, 1, 1, 1, 1, 1, 2]
     assert batches["bwd"] == batches["fwd"]

@@ -224,6 +224,15 @@ def _expected_blocks(layout, kernel, heads, groups):
     return calls
 
 
+def _assert_equals_reference(q, k, v, layout, out, grad, got) -> None:
+    """`out` and the gradients `got` (for `grad`) equal the fp64 masked softmax's."""
+    want_out = _reference(q, k, v, layout)
+    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+
+
 def _run(q, k, v, layout, kernel_name):
     out = pa._SegmentedFlash.apply(q, k, v, layout, SCALE, kernel_name, None)
     grad = torch.randn(out.shape, generator=torch.Generator().manual_seed(7), dtype=out.dtype)
@@ -242,11 +251,7 @@ def test_stand_in_kernels_give_the_masked_softmax(stand_ins, kernel, heads, grou
     per query slot, as many heads as groups)."""
     q, k, v = _qkv(16, heads, groups, 8)
     out, grad, got = _run(q, k, v, layout, f"cuda-{kernel}")
-    want_out = _reference(q, k, v, layout)
-    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
-    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    _assert_equals_reference(q, k, v, layout, out, grad, got)
     expected = _expected_blocks(layout, kernel, heads, groups)
     for direction in ("fwd", "bwd"):
         seen = [c for c in stand_ins.calls if c[1] == direction]
@@ -265,11 +270,7 @@ def test_equal_segments_are_batched_within_the_kernels_limits(stand_ins, kernel,
     layout = AttentionLayout.causal_blocks([8] * 16 + [16])
     q, k, v = _qkv(144, 4, 2, 8)
     out, grad, got = _run(q, k, v, layout, f"cuda-{kernel}")
-    want_out = _reference(q, k, v, layout)
-    want = torch.autograd.grad(want_out, (q, k, v), grad.double())
-    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a.double(), b.double(), rtol=1e-5, atol=1e-5)
+    _assert_equals_reference(q, k, v, layout, out, grad, got)
     slots = 1 if kernel == "flash" else 2
     for direction in ("fwd", "bwd"):
         seen = [c for c in stand_ins.calls if c[1] == direction]
