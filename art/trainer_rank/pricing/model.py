@@ -57,6 +57,7 @@ from art.trainer_rank.pricing.passes import (
 from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
     TailCost,
+    caller_per_token_loss_bytes,
     default_tail,
     gathered_logits_bytes,
     largest_allocation,
@@ -423,13 +424,17 @@ class MemoryModel:
                 kept, forward, backward = probed
                 # The probe's kept is the outputs' storages; the caller's loss scalars too.
                 kept += CALLER_LOSS_SCALARS_BYTES if batch.grad_enabled else 0
+                # The probe measured its synthetic loss; a caller's per-token loss is more.
+                caller_loss = (caller_per_token_loss_bytes(batch.outputs, S)
+                               if batch.grad_enabled else 0.0)
+                backward += caller_loss
                 # The probe measured the gather inside its forward: shown as its own term.
                 gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
                 # What the head keeps for its own backward is not among the probe's curves:
                 # the formulas' (a few bytes per token).
                 saved = default_tail(self, batch, S).saved
                 return TailCost(kept, forward - gathered, backward, "probe", gathered,
-                                saved), True
+                                saved, caller_loss), True
         return default_tail(self, batch, S), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,

@@ -10,7 +10,7 @@ from typing import Protocol
 from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank._request import MicroBatchShape
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.pricing.layer_terms import FP32
 
 INT64 = 8
@@ -37,7 +37,8 @@ class TailCost:
     `gathered_logits`: the TP all-gather of one logits chunk, live at the forward peak on top
     of `forward` (a term of its own); `saved`: what the head and final norm keep for their own
     backward beside `kept` (the log-normaliser, the norm's inverse rms), live from the
-    forward's return until the head's backward."""
+    forward's return until the head's backward; `caller_loss`: of `backward`, a caller's
+    per-token loss gradients at the row (`caller_per_token_loss_bytes`)."""
 
     kept: float
     forward: float
@@ -45,6 +46,7 @@ class TailCost:
     note: str
     gathered_logits: float = 0.0
     saved: float = 0.0
+    caller_loss: float = 0.0
 
 
 def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) -> float:
@@ -60,6 +62,17 @@ def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) ->
 
 # The caller's loss and its gradient: two fp32 scalars live through the backward.
 CALLER_LOSS_SCALARS_BYTES = 2 * FP32
+
+
+def caller_per_token_loss_bytes(outputs: OutputRequest, rows: float) -> float:
+    """What a caller's per-token loss over the returned log-probs keeps live through the
+    head's backward, beyond the probe's synthetic loss (a plain sum, whose gradient is a view
+    of one scalar): an RL policy loss (importance ratios, a KL penalty, mean over tokens)
+    hands back one fp32 gradient per target log-prob, and an entropy over the returned top-k
+    keeps its exp(top-k), fp32 per token and k, for its backward. Priced for every grad
+    micro-batch that returns log-probs, since the trainer never sees the caller's loss."""
+    per_token = (1 if outputs.target_logprobs else 0) + outputs.top_k
+    return rows * per_token * FP32
 
 
 def caller_mean_square_per_row(model: PricedModel) -> tuple[float, float]:
@@ -133,10 +146,14 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
         # The caller's gradient of the top-k log-probs and its fp32 sum over k.
         top_k_grads = rows * out.top_k * FP32 * 2
         grads = hidden_row + bookkeeping + top_k_grads
-        backward = held + saved_head + norm_internal + chunk_bwd + grads + caller
+        caller_loss = caller_per_token_loss_bytes(out, rows)
+        backward = held + saved_head + norm_internal + chunk_bwd + grads + caller + caller_loss
+    else:
+        caller_loss = 0.0
     return TailCost(kept=held, forward=forward, backward=backward, note=note,
                     gathered_logits=gathered_logits_bytes(model, batch, rows),
-                    saved=saved_head + (norm_internal if grad else 0.0))
+                    saved=saved_head + (norm_internal if grad else 0.0),
+                    caller_loss=caller_loss)
 
 
 def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
@@ -192,8 +209,10 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         # gather's zeroed rows. Those stand in for the caller's gradients at the row, which
         # for log-probs summed by the caller are a view of the loss's scalar gradient (no
         # storage) and for logits and hidden states are tensors the row's tail holds.
-        backward = max(row.backward + kept + held_row + rows * logprob_grad_row - row.kept
-                       + rescore.backward, gather_backward)
+        # (The row's own caller-loss term is that same gradient at the row: not twice.)
+        backward = max(row.backward - row.caller_loss + kept + held_row
+                       + rows * logprob_grad_row - row.kept + rescore.backward,
+                       gather_backward)
     forward = max(row.forward + kept - row.kept + rescore.forward,
                   row.kept + row.saved + copies + caller_forward)
     return replace(row, kept=kept, forward=forward, backward=backward,
