@@ -346,7 +346,9 @@ class _SegmentedFlash(torch.autograd.Function):
         lse = torch.empty(b, heads, s, dtype=torch.float32, device=query.device)
         key_row, value_row = _whole_row(key, value, split)
         q, k, v, o = (_heads_first(t) for t in (query, key_row, value_row, out))
-        for piece in _query_pieces(layout, split, kernel_name, b):
+        # The same pieces (and batches) in backward: worked out once, kept on ctx.
+        pieces = _query_pieces(layout, split, kernel_name, b)
+        for piece in pieces:
             rows, count = piece.rows, piece.count
             q_seg = _segments(q, rows, count)
             blocks = piece.blocks
@@ -377,7 +379,7 @@ class _SegmentedFlash(torch.autograd.Function):
                 lse[:, :, rows] = running_lse
                 del acc, running_lse
         del key_row, value_row, k, v
-        ctx.layout = layout
+        ctx.pieces = pieces
         ctx.scale = scale
         ctx.kernel_name = kernel_name
         ctx.split = split
@@ -388,7 +390,6 @@ class _SegmentedFlash(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_flat: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         query, key, value, flat, lse = ctx.saved_tensors
-        layout: AttentionLayout = ctx.layout
         split: ContextParallelSplit | None = ctx.split
         kernel = _KERNELS[ctx.kernel_name]
         s, b, heads, dim = query.shape
@@ -403,7 +404,7 @@ class _SegmentedFlash(torch.autograd.Function):
         dvalue = torch.zeros(value_row.shape, dtype=acc_dtype, device=value.device)
         q, k, v, o, g = (_heads_first(t) for t in (query, key_row, value_row, out, grad))
         dq, dk, dv = (_heads_first(t) for t in (dquery, dkey, dvalue))
-        for piece in _query_pieces(layout, split, ctx.kernel_name, b):
+        for piece in ctx.pieces:
             rows, count = piece.rows, piece.count
             q_seg, o_seg, g_seg = (_segments(t, rows, count) for t in (q, o, g))
             # The whole row's statistics, contiguous [b, heads, L] as the kernels read them.
