@@ -105,7 +105,9 @@ _default = TRAINER_RANK_ENV.default
 assert f"{ENV_PREFIX}PROFILE_PATH" == ENV_PROFILE_PATH
 assert f"{ENV_PREFIX}TEST_MEMORY_LIMIT_BYTES" == ENV_TEST_MEMORY_LIMIT
 
-_BOOLEAN_FIELDS = ("escalate_to_full_recompute", "probe_layers", "probe_cache")
+# The switches: what field_problem checks for a bool when the options come as arguments.
+_BOOLEAN_FIELDS = frozenset(v.field for v in TRAINER_RANK_ENV.applied_variables()
+                            if v.parse is parse_bool)
 
 
 @dataclass(frozen=True)

@@ -126,6 +126,7 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
     forward = held + saved_head + chunk_fwd + bookkeeping + (norm_internal if grad else 0.0)
     note = f"head chunk {chunk} tok x vocab/TP {int(vocab_local)}; outputs {out.key}"
     backward = 0.0
+    caller_loss = 0.0
     if grad:
         caller = 0.0
         if out.hidden_states:
@@ -148,8 +149,6 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
         grads = hidden_row + bookkeeping + top_k_grads
         caller_loss = caller_per_token_loss_bytes(out, rows)
         backward = held + saved_head + norm_internal + chunk_bwd + grads + caller + caller_loss
-    else:
-        caller_loss = 0.0
     return TailCost(kept=held, forward=forward, backward=backward, note=note,
                     gathered_logits=gathered_logits_bytes(model, batch, rows),
                     saved=saved_head + (norm_internal if grad else 0.0),
