@@ -5,8 +5,8 @@ other: the selective flags are module attributes read at forward time and full r
 read from the shared config at forward time (decide/escalation.py switches both). The rungs:
 - no recompute;
 - selective `core_attn`, selective `core_attn,mlp`, and where the layers have them selective
-  `core_attn,moe` (and `core_attn,mlp,moe` with dense and MoE layers both; `moe_act` needs
-  grouped GEMM experts, which this build does not make: Megatron refuses it there);
+  `core_attn,moe` (and `core_attn,mlp,moe` with dense and MoE layers both; `moe_act` is no
+  rung: it needs grouped GEMM experts, which this build does not make);
 - full recompute of the first N layers of each chunk (`recompute_method=block`), the other
   layers keeping the base policy: the configured one when it is selective or none, else
   selective `core_attn`; N = 1 .. layers per chunk - 1;
@@ -59,9 +59,6 @@ class LayerFlops:
     core_attn: float  # the attention products, or the Gated DeltaNet recurrence
     mlp: float  # dense MLP, or routed + shared experts and the router
     norms: float  # the layer's two norms
-    # The routed experts' SwiGLU (silu(gate) x up), elementwise: what `moe_act` alone redoes.
-    # Inside `mlp`'s share of a full recompute, where the matmuls dwarf it.
-    expert_activation: float = 0.0
 
     @property
     def layer(self) -> float:
@@ -91,18 +88,15 @@ def layer_flops(geometry: ModelGeometry, index: int, sequence_lengths_tokens: Se
         projections = 2 * s * h * (q + 2 * kv + gate) + 2 * s * q * h
         # QK^T and scores x V, causal: half of each sequence's square.
         core = 2 * q * squares
-    activation = 0.0
     if g.moe_layers[index]:
         experts = g.moe_router_topk * 3 * 2 * s * h * g.moe_ffn_hidden_size
         shared = 3 * 2 * s * h * g.shared_expert_ffn_hidden_size
         mlp = experts + shared + 2 * s * h * g.num_experts
-        # silu (a sigmoid and a product) and the product with up: about 6 per element.
-        activation = 6 * g.moe_router_topk * s * g.moe_ffn_hidden_size
     else:
         mlp = 3 * 2 * s * h * g.ffn_hidden_size  # SwiGLU: gate, up and down
     norms = 2 * 4 * s * h
     tp = float(tensor_parallel)
-    return LayerFlops(projections / tp, core / tp, mlp / tp, norms, activation / tp)
+    return LayerFlops(projections / tp, core / tp, mlp / tp, norms)
 
 
 def recomputed_flops(geometry: ModelGeometry, recompute: EffectiveRecompute,
@@ -119,8 +113,6 @@ def recomputed_flops(geometry: ModelGeometry, recompute: EffectiveRecompute,
             total += f.core_attn
         if "mlp" in mods or "moe" in mods:
             total += f.mlp
-        elif "moe_act" in mods:
-            total += f.expert_activation
         if "layernorm" in mods:
             total += f.norms * len(lr.recomputed_norms) / 2
     return total
@@ -165,7 +157,6 @@ def build_ladder(configured: EffectiveRecompute,
     for granularity, modules in ((None, None), ("selective", ("core_attn",)),
                                  ("selective", ("core_attn", "mlp")),
                                  ("selective", ("core_attn", "moe")),
-                                 ("selective", ("core_attn", "moe_act")),
                                  ("selective", ("core_attn", "mlp", "moe"))):
         try:
             candidates.append(resolve(granularity, None, None, modules))
