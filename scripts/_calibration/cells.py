@@ -232,7 +232,6 @@ MOE_RUNGS_BY_BUILT: dict[str, tuple[str, ...]] = {
                           "full block 1 (selective core_attn on the rest)", "full uniform 1"),
     "full uniform 1": ("selective core_attn", "selective core_attn+moe"),
 }
-MOE_GEOMETRIES = ("hybrid-moe-128",)
 
 
 def rung_cells(seed: int, *, geometries: tuple[str, ...], rows: int, tensor_parallel: int = 1,
@@ -243,7 +242,8 @@ def rung_cells(seed: int, *, geometries: tuple[str, ...], rows: int, tensor_para
     rng = random.Random(seed + 2000)
     cells: list[Cell] = []
     for geo in geometries:
-        by_built = MOE_RUNGS_BY_BUILT if geo in MOE_GEOMETRIES else RUNGS_BY_BUILT
+        moe = all(calibration_geometries()[geo].moe_layers)
+        by_built = MOE_RUNGS_BY_BUILT if moe else RUNGS_BY_BUILT
         for built, rungs in by_built.items():
             for rung in rungs:
                 for i in range(rows):
