@@ -7,14 +7,17 @@
 It installs what the machine lacks from the wheels carried in `.whl/` (offline; our package is
 the repo root on the path), checks the device, builds the plan (_gpu_check/plan.py: the seed's
 geometry cut to 8 layers under four recompute policies, the seed's group and pairs of
-rollouts, grad and no grad; a dense geometry's few cells), and runs it in one worker process
-per allocator setting (PYTORCH_CUDA_ALLOC_CONF unset, then expandable_segments:True), each
-with its share of the GPU-time budget (450 s; the device call's timeout is 540 s). A worker
-starts a step only when its predicted seconds fit before its deadline and is killed if it
-overruns it; every row it finished is kept. Writes gpu_check.csv, .md, .png, .json and .log
-under --out (default bench/gpu; a dry run: a temporary folder) and prints a one-line summary
-last. Exit status: 0 when cells were measured and none failed, 1 otherwise, 2 when the check
-could not start (a module missing without its wheel, no GPU, a plan over its budget).
+rollouts, grad and no grad; a dense geometry's few cells). On a GPU it first runs the seed's
+call through TrainerRank on that geometry (scripts/seed_call.py, its own process, at most
+130 s: seed_call.md / .json). Then it runs the plan in one worker process per allocator
+setting (PYTORCH_CUDA_ALLOC_CONF unset, then expandable_segments:True; the second only when
+the first measured a cell), each with its share of the matrix's GPU-time budget (410 s; the
+device call's timeout is 600 s, and the check stops itself by 590 s). A worker starts a step
+only when its predicted seconds fit before its deadline and is killed if it overruns it;
+every row it finished is kept. Writes gpu_check.csv, .md, .png, .json and .log under --out
+(default bench/gpu; a dry run: a temporary folder) and prints a one-line summary last. Exit
+status: 0 when cells were measured and none failed, 1 otherwise, 2 when the check could not
+start (a module missing without its wheel, no GPU, a plan over its budget).
 """
 
 from __future__ import annotations
@@ -100,7 +103,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="output folder (default bench/gpu; with --dry-run a temporary "
                              "folder)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds of work (default 450 on a GPU, 300 for a dry run)")
+                        help="seconds of the matrix's work (default 410 on a GPU, 300 for a "
+                             "dry run)")
+    parser.add_argument("--seed-call-s", type=float, default=None,
+                        help="seconds for the seed's call through TrainerRank before the "
+                             "matrix (default 130 on a GPU; 0: none; a dry run runs none)")
     parser.add_argument("--show-plan", action="store_true",
                         help="print the plan (every step and its predicted seconds, for an "
                              "H200 or, with --dry-run, the CPU) and exit; needs no GPU")
@@ -114,6 +121,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.budget_s is not None and args.budget_s <= 0:
         parser.error(f"--budget-s must be positive, got {args.budget_s}")
+    if args.seed_call_s is not None and args.seed_call_s < 0:
+        parser.error(f"--seed-call-s must be 0 or more, got {args.seed_call_s}")
     return args
 
 
@@ -123,7 +132,8 @@ def show_plan(args: argparse.Namespace) -> int:
 
     try:
         plan = (plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS) if args.dry_run
-                else plans.gpu_plan(budget_seconds=args.budget_s or plans.BUDGET_SECONDS))
+                else plans.gpu_plan(budget_seconds=args.budget_s or plans.BUDGET_SECONDS,
+                                    after_seed_call=seed_call_allowance(args) > 0))
     except ValueError as error:
         print(f"gpu_check: cannot plan: {error}")
         return 2
@@ -178,6 +188,55 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.close()
 
 
+def seed_call_allowance(args: argparse.Namespace) -> float:
+    """Seconds for the seed's call before the matrix (GPU runs; 0: none)."""
+    from _gpu_check.plan import SEED_CALL_SECONDS
+
+    return SEED_CALL_SECONDS if args.seed_call_s is None else args.seed_call_s
+
+
+def seed_call_command(out: Path) -> list[str]:
+    """The seed's call (scripts/seed_call.py) through TrainerRank on the check's hybrid
+    geometry: the runtime builder, the probe, admission under the seed's limit, the caller's
+    backward, and the same rollouts as separate items to compare."""
+    from _gpu_check.plan import HYBRID
+
+    return [sys.executable, str(ROOT / "scripts" / "seed_call.py"), "--model", HYBRID.config,
+            "--layers", str(HYBRID.layers), "--dtype", "bfloat16",
+            "--json", str(out / "seed_call.json"), "--md", str(out / "seed_call.md")]
+
+
+def run_seed_call(out: Path, say: Callable[[str], None], hard_stop: float) -> dict:
+    """The seed's call in its own process (one GPU: TP=1, the seed's selective recompute),
+    before the matrix; its lines go to the log, its report to seed_call.md / .json."""
+    env = dict(os.environ, ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE="1",
+               ART_MEGATRON_RECOMPUTE_GRANULARITY="selective")
+    say(f"gpu_check: the seed's call through TrainerRank, {hard_stop - time.time():.0f} s "
+        "until it is stopped")
+    exit_ = run_worker(seed_call_command(out), env, hard_stop, lambda line: say(
+        f"seed_call: {line}"))
+    return {"allocator": "seed call", "alloc_conf": "", "seconds": round(exit_.seconds, 1),
+            "exit": "killed" if exit_.killed else exit_.returncode,
+            "deadline_seconds": round(exit_.seconds, 1), "report": "seed_call.md"}
+
+
+def seed_call_summary(path: Path) -> str:
+    """One line from the seed call's report (or why there is none)."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        return f"gpu_check: the seed's call wrote no report ({type(error).__name__})"
+    if "declined" in found:
+        return f"gpu_check: the seed's call was declined: {found['declined']}"
+    measured = found.get("measured_bytes") or 0
+    return (f"gpu_check: the seed's call: {found.get('decision')} with "
+            f"{found.get('recompute')}, {found.get('stats_packed_tokens', 0):,} packed tokens, "
+            f"predicted {found.get('predicted_bytes', 0) / 2**20:,.0f} MiB / measured "
+            f"{measured / 2**20:,.0f} MiB = "
+            f"{found.get('predicted_bytes', 0) / max(1, measured):.3f}; shared vs separate "
+            f"outputs max |diff| {found.get('output_max_abs_diff', float('nan')):.2e}")
+
+
 def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], started: float,
            command: str) -> int:
     from _gpu_check import wheels
@@ -192,11 +251,13 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
             + ", ".join(f"{k} {v}" for k, v in setup.versions.items()))
         from _gpu_check import plan as plans
 
+        seed_call_seconds = 0.0 if args.dry_run else seed_call_allowance(args)
         if args.dry_run:
             plan = plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS)
         else:
             plan = plans.gpu_plan(min(info.free_bytes, info.total_bytes),
-                                  args.budget_s or plans.BUDGET_SECONDS)
+                                  args.budget_s or plans.BUDGET_SECONDS,
+                                  after_seed_call=seed_call_seconds > 0)
     except (wheels.SetupError, ValueError, ImportError) as error:
         say(f"gpu_check: cannot start: {type(error).__name__}: {error}")
         return 2
@@ -205,15 +266,17 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
         + (f"; trimmed: {'; '.join(plan.trimmed)}" if plan.trimmed else ""))
     from _gpu_check import report
 
+    processes: list[dict] = []
+    end = started + seed_call_seconds + plan.budget_seconds
+    # Past this no worker may run: the report must be written inside the device call.
+    last = started + plans.DEVICE_TIMEOUT_SECONDS - REPORT_MARGIN_SECONDS
+    if seed_call_seconds > 0:
+        processes.append(run_seed_call(out, say, min(time.time() + seed_call_seconds, last)))
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     plan_file = work / "plan.json"
     plan_file.write_text(plan.to_json())
-    end = started + plan.budget_seconds
-    # Past this no worker may run: the report must be written inside the device call.
-    last = started + plans.DEVICE_TIMEOUT_SECONDS - REPORT_MARGIN_SECONDS
     reported: list[dict] = []
     missing: dict[str, str] = {}
-    processes: list[dict] = []
     allocators = plan.allocators
     for n, allocator in enumerate(allocators):
         now = time.time()
@@ -231,24 +294,35 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
                           "--plan-file", str(plan_file), "--allocator", allocator,
                           "--deadline", repr(deadline), "--launched-at", repr(now),
                           "--rows", str(rows_file), "--probe-dir", str(work / "probes")]
-        say(f"gpu_check: {allocator} process (PYTORCH_CUDA_ALLOC_CONF={conf or 'unset'}), "
-            f"{deadline - now:.0f} s until its deadline")
-        exit_ = run_worker(worker_command, env, min(deadline + KILL_GRACE_SECONDS, last), say)
-        rows = read_rows(rows_file)
-        reported += rows
-        reason = (f"its process was killed {KILL_GRACE_SECONDS:.0f} s past its deadline"
-                  if exit_.killed else f"its process exited with status {exit_.returncode} "
-                  "before this step")
-        missing[allocator] = reason
-        processes.append({"allocator": allocator, "alloc_conf": conf or "",
-                          "exit": "killed" if exit_.killed else exit_.returncode,
-                          "seconds": round(exit_.seconds, 1),
-                          "deadline_seconds": round(deadline - now, 1)})
+        if n > 0 and not report.counts(reported)["ok"]:
+            # Nothing measured under the first setting: the same failures would repeat, and
+            # the device time is better left for a rerun.
+            missing[allocator] = "its process was not started: the one before it measured no cell"
+            say(f"gpu_check: {allocator} process not started: {allocators[n - 1]} measured no "
+                "cell")
+            processes.append({"allocator": allocator, "alloc_conf": conf or "",
+                              "exit": "not started", "seconds": 0.0, "deadline_seconds": 0.0})
+        else:
+            say(f"gpu_check: {allocator} process (PYTORCH_CUDA_ALLOC_CONF={conf or 'unset'}), "
+                f"{deadline - now:.0f} s until its deadline")
+            exit_ = run_worker(worker_command, env, min(deadline + KILL_GRACE_SECONDS, last),
+                               say)
+            reported += read_rows(rows_file)
+            missing[allocator] = (
+                f"its process was killed {KILL_GRACE_SECONDS:.0f} s past its deadline"
+                if exit_.killed else f"its process exited with status {exit_.returncode} "
+                "before this step")
+            processes.append({"allocator": allocator, "alloc_conf": conf or "",
+                              "exit": "killed" if exit_.killed else exit_.returncode,
+                              "seconds": round(exit_.seconds, 1),
+                              "deadline_seconds": round(deadline - now, 1)})
         # Written after each process too: a run cut short still leaves its figures.
         rows_so_far = report.merged_rows(plan, reported, missing)
         summary = report.write_report(out, plan, rows_so_far, info, setup, command=command,
                                       elapsed=time.time() - started, processes=processes,
                                       final=n == len(allocators) - 1)
+    if seed_call_seconds > 0:
+        say(seed_call_summary(out / "seed_call.json"))
     say(summary)
     n = report.counts(rows_so_far)
     return 0 if n["ok"] and not n["failed"] else 1

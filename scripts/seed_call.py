@@ -1,19 +1,22 @@
-"""The seed report's call, end to end on CPU: a Qwen3.5-pattern hybrid (three Gated DeltaNet
-layers, then an attention layer), TP=2, selective recompute, a rank-1 LoRA, one group of two
-rollouts of 19,222 and 19,221 tokens sharing a 5,733-token prompt, hidden states and target
-log-probs requested, and the caller's backward.
+"""The seed report's call, end to end on CPU or one GPU: a Qwen3.5-pattern hybrid (three
+Gated DeltaNet layers, then an attention layer), TP=2, selective recompute, a rank-1 LoRA, one
+group of two rollouts of 19,222 and 19,221 tokens sharing a 5,733-token prompt, hidden states
+and target log-probs requested, and the caller's backward.
 
     torchrun --nproc_per_node=2 scripts/seed_call.py [--scale 1.0] [--json report.json]
+    ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE=1 python scripts/seed_call.py \
+        --model Qwen3.5-27B --layers 8 --dtype bfloat16          # the GPU check, one H200
 
-The model is the shipped `tiny-qwen3_5` config (hidden 64; random weights) built with the
-segmented flash attention, so the prefix tree runs through every layer: the attention layer
-sees it as its layout, the Gated DeltaNet layers continue each rollout from the prompt's final
-state and conv window. The planner prices the group as the packer lays it out (the prompt
-once: 32,710 tokens at scale 1) under a virtual limit set between its price under selective
-recompute and under full recompute, which is where the seed's H200s stood: selective does not
-fit, full does. It prints the decision with the numbers, the measured peak, then runs the two
-rollouts again as separate items (each with its own copy of the prompt) and compares outputs
-and LoRA gradients. `--scale` shrinks every length (the test runs a small one).
+The model is the shipped `tiny-qwen3_5` config by default (hidden 64; random weights), built
+with the segmented flash attention (on CUDA: what `Implementation.detect` finds), so the
+prefix tree runs through every layer: the attention layer sees it as its layout, the Gated
+DeltaNet layers continue each rollout from the prompt's final state and conv window. The
+planner prices the group as the packer lays it out (the prompt once: 32,710 tokens at scale 1)
+under a virtual limit set between its price under selective recompute and under full
+recompute, which is where the seed's H200s stood: selective does not fit, full does. It
+prints the decision with the numbers, the measured peak, then runs the two rollouts again as
+separate items (each with its own copy of the prompt) and compares outputs and LoRA
+gradients. `--scale` shrinks every length (the test runs a small one).
 """
 
 from __future__ import annotations
@@ -45,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write this rank's report here")
     parser.add_argument("--md", default=None,
                         help="write what rank 0 prints here, as a markdown page with the command")
+    parser.add_argument("--model", default="tiny-qwen3_5",
+                        help="a shipped model config (random weights at its dims)")
+    parser.add_argument("--layers", type=int, default=None,
+                        help="keep the model's first N layers (its layer pattern's start)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     args = parser.parse_args(argv)
     if not 0 < args.scale <= 1:
         parser.error(f"--scale must be in (0, 1], got {args.scale}")
@@ -103,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
 
     lora = LoraConfig(r=1, lora_alpha=2, lora_dropout=0.0,
                       target_modules=["o_proj", "gate_proj", "up_proj", "down_proj"])
-    provider = Provider(load_geometry("tiny-qwen3_5"), lora=lora, dtype="float32",
-                        implementation=Implementation.cpu_local("flash"))
+    geometry = load_geometry(args.model)
+    if args.layers is not None:
+        geometry = geometry.first_layers(args.layers)
+    # CUDA builds what it detects (without Transformer Engine: the local spec over torch's
+    # CUDA kernels); CPU the segmented flash attention, so the prefix tree runs there too.
+    implementation = (Implementation.detect() if torch.cuda.is_available()
+                      else Implementation.cpu_local("flash"))
+    provider = Provider(geometry, lora=lora, dtype=args.dtype, implementation=implementation)
     state = provider.initialize_distributed()
     rank0 = state.rank == 0
     lines: list[str] = []
@@ -200,10 +214,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1))
     if args.md and rank0:
-        command = "torchrun --nproc_per_node=2 scripts/seed_call.py " + " ".join(
+        launcher = (f"torchrun --nproc_per_node={state.world_size}" if state.world_size > 1
+                    else "python")
+        command = f"{launcher} scripts/seed_call.py " + " ".join(
             a for a in (argv if argv is not None else sys.argv[1:]))
         Path(args.md).write_text(
-            "# The seed's call on CPU (written by scripts/seed_call.py)\n\n"
+            f"# The seed's call on {'CUDA' if torch.cuda.is_available() else 'CPU'} "
+            "(written by scripts/seed_call.py)\n\n"
             f"Command: `{command.strip()}`\n\n```text\n" + "\n".join(lines) + "\n```\n")
     dist.barrier()
     from art.megatron.distributed import shutdown_distributed

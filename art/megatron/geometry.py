@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import enum
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -103,6 +103,15 @@ class ModelGeometry:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def first_layers(self, count: int, name: str | None = None) -> ModelGeometry:
+        """This model cut to its first `count` layers (the layer pattern's start kept): the
+        real dims of a model too large for the machine at hand."""
+        if not 1 <= count <= self.num_layers:
+            raise ValueError(f"{self.name}: cannot keep {count} of its {self.num_layers} "
+                             f"layers; give 1 to {self.num_layers}")
+        return replace(self, name=name or f"{self.name}-{count}L", num_layers=count,
+                       layer_types=self.layer_types[:count], moe_layers=self.moe_layers[:count])
 
 
 def shipped_model_names() -> list[str]:

@@ -29,11 +29,17 @@ TARGET_DIR = Path("/tmp/art-gpu-check-site")
 
 # Distribution -> (version, the module the check imports from it). Only what the device
 # image lacks on the check's import path: Megatron-Core (its own needs, torch, numpy and
-# packaging, are there) and fla-core (einops and triton are there). pydantic, which
-# art.megatron.train imports, is not on this path.
+# packaging, are there), fla-core (einops and triton are there), and pydantic with its own
+# needs for the seed's call (art.megatron.train, the runtime builder, imports it), with the
+# typing-extensions pydantic-core asks for (>= 4.16, newer than the image may hold).
 WHEELS: dict[str, tuple[str, str]] = {
     "megatron-core": ("0.16.1", "megatron.core"),
     "fla-core": ("0.6.0", "fla"),
+    "pydantic": ("2.14.4", "pydantic"),
+    "pydantic-core": ("2.50.5", "pydantic_core"),
+    "annotated-types": ("0.8.0", "annotated_types"),
+    "typing-inspection": ("0.4.5", "typing_inspection"),
+    "typing-extensions": ("4.16.0", "typing_extensions"),
 }
 # CPU runs (the dry run) take Gated DeltaNet from art/megatron/cpu_gated_delta.py, not fla.
 CPU_MODULES: tuple[str, ...] = ("megatron.core",)
