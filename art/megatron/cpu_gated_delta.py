@@ -1,4 +1,5 @@
-"""Gated DeltaNet kernels on CPU that keep for backward what fla's GPU kernels keep.
+"""Gated DeltaNet kernels in plain torch that keep for backward what fla's GPU kernels keep:
+on CPU, and on CUDA where fla refuses its backward (fla_support.py).
 
 Megatron-Core 0.16.1's `GatedDeltaNet` calls two fla functions: `l2norm` on q and k, and
 `chunk_gated_delta_rule`. fla's Triton kernels do not run without a GPU, and Megatron's own
@@ -118,7 +119,7 @@ def _compact(x: torch.Tensor) -> torch.Tensor:
 
 def _decay(g: torch.Tensor, include_diagonal: bool) -> torch.Tensor:
     """exp(g_i - g_j) on the causal part of each chunk, 0 elsewhere; [B, H, N, C, C]."""
-    keep = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool).tril(
+    keep = torch.ones(CHUNK_TOKENS, CHUNK_TOKENS, dtype=torch.bool, device=g.device).tril(
         0 if include_diagonal else -1)
     diff = g.unsqueeze(-1) - g.unsqueeze(-2)
     # Masked before exp: above the diagonal the difference is positive and may overflow.
@@ -183,7 +184,7 @@ class _ChunkGatedDeltaRule(torch.autograd.Function):
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         g_cum = _chunked(g, layout).cumsum(-1)  # chunk-local cumulative decay, fp32
         k_c, beta_c = _chunked(k, layout), _chunked(beta, layout)
-        eye = torch.eye(CHUNK_TOKENS)
+        eye = torch.eye(CHUNK_TOKENS, device=k.device)
         inverse = torch.linalg.solve_triangular(
             eye + _strict_kkt(k_c, beta_c, g_cum), eye.expand(*k_c.shape[:3], -1, -1),
             upper=False, unitriangular=True)

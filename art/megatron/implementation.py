@@ -13,7 +13,10 @@ class Implementation:
     (Megatron's DotProductAttention; keeps s^2 scores and probabilities). norm: "fused"
     (keeps input + fp32 rstd: TE's, or torch's CUDA `_fused_rms_norm`) or "torch" (the
     CPU composite rms_norm keeps fp32 copies). spec: "local" (Megatron's local layer spec)
-    or "te" (Transformer Engine spec).
+    or "te" (Transformer Engine spec). delta_rule: the Gated DeltaNet layers' chunked delta
+    rule, "fla" (fla's Triton kernels, CUDA only) or "torch" (`cpu_gated_delta`: the same
+    contract and saved set in plain torch; on CPU always, on CUDA where fla refuses its
+    backward, see fla_support.py).
     """
 
     spec: str = "te"
@@ -21,6 +24,7 @@ class Implementation:
     norm: str = "fused"
     swiglu_fused: bool = True
     device: str = "cuda"
+    delta_rule: str = "fla"
 
     def __post_init__(self) -> None:
         if self.spec not in ("local", "te"):
@@ -31,6 +35,11 @@ class Implementation:
             raise ValueError(f"norm must be 'fused' or 'torch', got {self.norm!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.device == "cpu":
+            # fla's kernels need a GPU: every CPU build runs the torch rule.
+            object.__setattr__(self, "delta_rule", "torch")
+        if self.delta_rule not in ("fla", "torch"):
+            raise ValueError(f"delta_rule must be 'fla' or 'torch', got {self.delta_rule!r}")
 
     @property
     def norm_fused_into_linear(self) -> bool:
@@ -48,7 +57,9 @@ class Implementation:
     @property
     def key(self) -> str:
         fused = "swiglu-fused" if self.swiglu_fused else "swiglu-unfused"
-        return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}"
+        # The torch rule is named only where it is not the device's own (CUDA).
+        rule = "/torch-delta-rule" if self.device == "cuda" and self.delta_rule == "torch" else ""
+        return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}{rule}"
 
     @classmethod
     def cpu_local(cls, attention: str = "unfused") -> Implementation:
@@ -70,11 +81,11 @@ class Implementation:
         return self.spec == "local" and self.device == "cpu" and self.norm == "fused"
 
     @classmethod
-    def gpu_te(cls) -> Implementation:
-        return cls()
+    def gpu_te(cls, delta_rule: str = "fla") -> Implementation:
+        return cls(delta_rule=delta_rule)
 
     @classmethod
-    def cuda_local(cls, norm: str = "fused") -> Implementation:
+    def cuda_local(cls, norm: str = "fused", delta_rule: str = "fla") -> Implementation:
         """A CUDA build without Transformer Engine: Megatron's local spec with the segmented
         flash attention over torch's CUDA SDPA kernels (packed rows and prefix trees, no
         s^2 term), torch's RMSNorm (torch >= 2.8 runs it as the fused CUDA kernel
@@ -82,7 +93,7 @@ class Implementation:
         checks that the kernel is registered and says "torch" otherwise), unfused SwiGLU
         and RoPE (their fusions need TE or Megatron's compiled extensions here)."""
         return cls(spec="local", attention="flash", norm=norm, swiglu_fused=False,
-                   device="cuda")
+                   device="cuda", delta_rule=delta_rule)
 
     def for_context_parallel(self) -> Implementation:
         """What the runtime builds for CP > 1 on this implementation's device: the local spec
@@ -90,7 +101,8 @@ class Implementation:
         if self.spec == "local" and self.attention == "flash":
             return self
         if self.device == "cuda":
-            return Implementation.cuda_local("fused" if self.norm == "fused" else "torch")
+            return Implementation.cuda_local("fused" if self.norm == "fused" else "torch",
+                                             self.delta_rule)
         return Implementation.cpu_local("flash")
 
     @classmethod
@@ -100,12 +112,15 @@ class Implementation:
         with it: on CUDA without Transformer Engine even where TE is installed, and on CPU
         instead of Megatron's unfused attention (which refuses CP)."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
+        from art.megatron.fla_support import fla_delta_rule_refusal
 
-        if cuda_available() and transformer_engine_available() and context_parallel == 1:
-            return cls.gpu_te()
-        if cuda_available():
-            return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch")
-        return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
+        if not cuda_available():
+            return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
+        # Where fla would refuse its backward, the torch rule runs instead (slower, correct).
+        rule = "torch" if fla_delta_rule_refusal() is not None else "fla"
+        if transformer_engine_available() and context_parallel == 1:
+            return cls.gpu_te(rule)
+        return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch", rule)
 
 
 def torch_cuda_rms_norm_fused() -> bool:

@@ -142,6 +142,10 @@ def build_transformer_config(
         from art.megatron.cpu_runtime import GPU_SHAPED_CONFIG_FLAG
 
         setattr(config, GPU_SHAPED_CONFIG_FLAG, True)
+    if impl.device == "cuda" and impl.delta_rule == "torch" and geometry.is_hybrid:
+        from art.megatron.specs.gated_delta_net import TORCH_DELTA_RULE_CONFIG_FLAG
+
+        setattr(config, TORCH_DELTA_RULE_CONFIG_FLAG, True)
     return config
 
 

@@ -9,6 +9,7 @@ step that allocates weights; it needs Megatron's parallel state (`initialize_dis
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -60,6 +61,7 @@ class Provider:
             )
         self.lora_config: LoraConfig | None = lora
         self._world_size: int | None = None
+        self._warned_delta_rule = False
         self._validate()
 
     def _validate(self) -> None:
@@ -182,6 +184,19 @@ class Provider:
                 "needs the `fla` package (flash-linear-attention) on CUDA. Install "
                 "flash-linear-attention, or price it without building (estimate / plan)"
             )
+        from art.megatron.fla_support import fla_delta_rule_refusal
+
+        refusal = fla_delta_rule_refusal()
+        if refusal is not None and self.implementation.delta_rule == "fla":
+            raise ValueError(
+                f"{self.geometry.name}: the build asks for fla's delta rule "
+                f"({self.implementation.key}), but {refusal}; or build with "
+                "Implementation.detect(), which runs the pure-torch rule (slower) here")
+        if refusal is not None and not self._warned_delta_rule:
+            self._warned_delta_rule = True
+            warnings.warn(f"{self.geometry.name}: the Gated DeltaNet layers run the pure-torch "
+                          f"delta rule (correct, slower than fla's kernels): {refusal}",
+                          stacklevel=3)
 
     def transformer_config(self):
         """Megatron's TransformerConfig; its recompute fields are checked against ours."""

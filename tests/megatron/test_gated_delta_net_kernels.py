@@ -190,3 +190,29 @@ def test_the_transformer_engine_hybrid_spec_builds_the_packed_mixer():
     assert mixers[0].module is GatedDeltaNetTP and mixers[0].submodules == "te submodules"
     assert mixers[1].module is torch.nn.Identity
     assert block.layer_specs[0].submodules.self_attention.module is GatedDeltaNet  # a copy
+
+
+def test_a_torch_rule_build_never_calls_fla_s_rule(hybrid, monkeypatch):
+    """A CUDA build where fla refuses its backward (fla_support.py) carries the torch-rule
+    flag on its config: its layers call `cpu_gated_delta` directly, and fla's rule (here the
+    recording stand-in where Megatron holds it) is never reached, also in backward."""
+    from art.megatron.specs.gated_delta_net import TORCH_DELTA_RULE_CONFIG_FLAG
+
+    geometry, implementation, model = hybrid
+    fla_calls, torch_calls = Recorder(), Recorder()
+    real = cpu_gated_delta.chunk_gated_delta_rule
+
+    def torch_rule(*args, **kwargs):
+        torch_calls.calls.append({})
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_gated_delta, "chunk_gated_delta_rule", torch_rule)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    for config in configs.values():
+        monkeypatch.setattr(config, TORCH_DELTA_RULE_CONFIG_FLAG, True, raising=False)
+    outputs = _run(model, implementation, _leaves(geometry.vocab_size), [2, 1], monkeypatch,
+                   rule=fla_stand_in(fla_calls))
+    sum(o.target_logprobs.sum() for o in outputs).backward()
+    layers = sum(1 for t in geometry.layer_types if t == "linear_attention")
+    assert not fla_calls.calls and len(torch_calls.calls) == 2 * layers
+    model.zero_grad(set_to_none=True)

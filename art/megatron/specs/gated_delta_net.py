@@ -77,6 +77,11 @@ def _my_slices(full: torch.Tensor, sections: list[int], rank: int, size: int,
                       for part in torch.split(full, sections, dim=dim)], dim=dim)
 
 
+# Set on a TransformerConfig by the model builder when a CUDA build runs the torch delta rule
+# (Implementation.delta_rule): the layers call it instead of fla's kernels.
+TORCH_DELTA_RULE_CONFIG_FLAG = "art_torch_delta_rule"
+
+
 class GatedDeltaNetTP(GatedDeltaNet):
     """Megatron's GatedDeltaNet; with CPU initialisation, weights drawn at full size and sliced.
 
@@ -93,6 +98,17 @@ class GatedDeltaNetTP(GatedDeltaNet):
         if config.use_cpu_initialization and config.perform_initialization:
             torch.set_rng_state(state)
             self._initialise_full_size()
+
+    def _delta_rule(self) -> Any:
+        """fla's `chunk_gated_delta_rule` as Megatron imports it (on CPU the runtime points it
+        at the torch rule), or the torch rule itself where the build chose it on CUDA."""
+        if getattr(self.config, TORCH_DELTA_RULE_CONFIG_FLAG, False):
+            from art.megatron import cpu_gated_delta
+
+            return cpu_gated_delta.chunk_gated_delta_rule
+        from megatron.core.ssm import gated_delta_net as megatron_gdn
+
+        return megatron_gdn.chunk_gated_delta_rule
 
     def forward(self, hidden_states: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 key_value_states: Any = None, inference_context: Any = None,
@@ -151,8 +167,7 @@ class GatedDeltaNetTP(GatedDeltaNet):
 
         g = -self.A_log.exp() * torch.nn.functional.softplus(alpha.float() + self.dt_bias)
         beta = beta.sigmoid()
-        core = delta_rule_over_row(megatron_gdn.chunk_gated_delta_rule, query, key, value, g,
-                                   beta, layout)
+        core = delta_rule_over_row(self._delta_rule(), query, key, value, g, beta, layout)
 
         norm_out = self._apply_gated_norm(core, gate)
         norm_out = norm_out.reshape(batch, seq_len, -1).transpose(0, 1).contiguous()

@@ -115,7 +115,7 @@ def rule_work(d: Dims, tokens: float, padded: float) -> tuple[float, float]:
     b = d.dtype_bytes
     vheads = la.num_value_heads / d.tp
     dk, dv = la.key_head_dim, la.value_head_dim
-    if d.implementation.device == "cuda":
+    if d.implementation.delta_rule == "fla":
         # fla's kernels: the fp32 chunk matrix before its inverse, w and u (k's dtype), the
         # per-chunk states h and v_new; backward rebuilds them and adds dh (fp32) and the
         # fp32 gradients of q, k, v, w. From fla-core 0.6's chunk_gated_delta_rule_fwd/bwd
