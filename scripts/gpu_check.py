@@ -255,9 +255,15 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
         if args.dry_run:
             plan = plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS)
         else:
+            from art.megatron.fla_support import fla_delta_rule_refusal
+
+            refusal = fla_delta_rule_refusal()
+            if refusal is not None:
+                say(f"gpu_check: the hybrid runs the pure-torch delta rule: {refusal}")
             plan = plans.gpu_plan(min(info.free_bytes, info.total_bytes),
                                   args.budget_s or plans.BUDGET_SECONDS,
-                                  after_seed_call=seed_call_seconds > 0)
+                                  after_seed_call=seed_call_seconds > 0,
+                                  delta_rule="torch" if refusal else "fla")
     except (wheels.SetupError, ValueError, ImportError) as error:
         say(f"gpu_check: cannot start: {type(error).__name__}: {error}")
         return 2

@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -128,12 +129,22 @@ def main(argv: list[str] | None = None) -> int:
             print(text, flush=True)
             lines.append(text)
 
+    started = time.perf_counter()
+
+    def progress(text: str) -> None:
+        """Standard output only (not the report): how far a run stopped from outside got."""
+        if rank0:
+            print(f"[{time.perf_counter() - started:.0f} s] {text}", flush=True)
+
+    progress(f"building {geometry.name} ({implementation.key}, {args.dtype}) and probing it "
+             "through TrainerRank")
     rollouts = seed_group(args.scale, provider.geometry.vocab_size, args.seed)
     group = _inputs(rollouts)
     options = TrainerRankOptions.from_env()
     trainer = TrainerRank(build_runtime_for_provider(
         provider, build_optimizer=False, model_initialization="random", seed=args.seed,
         trainer_options=replace(options, test_memory_limit_bytes=64 * 2**30)))
+    progress("TrainerRank is ready")
     # The group's price under the configured (selective) and full recompute, as admission
     # prices it: the limit goes between, where the seed's GPUs were.
     item = make_items([group])[0]
@@ -156,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                               "shared_tokens": item.shared_tokens, "limit_bytes": limit,
                               "selective_bytes": selective.dynamic_bytes,
                               "full_bytes": full.dynamic_bytes}
+    progress("the group, its prompt laid out once")
     trainer.zero_grad()
     shared_outputs: list[Any] = []
     try:
@@ -185,6 +197,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The reference: the same rollouts as separate items, each with its own prompt copy.
     trainer.options = replace(trainer.options, test_memory_limit_bytes=64 * 2**30)
+    progress("the rollouts as separate items")
     trainer.zero_grad()
     recorded = len(trainer.stats_history)
     alone: list[Any] = [None, None]

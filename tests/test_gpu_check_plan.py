@@ -327,6 +327,54 @@ def test_the_readme_gives_the_recipe(capsys: pytest.CaptureFixture[str]) -> None
     printed = capsys.readouterr().out.splitlines()
     for line in printed[:1 + len(plan.gpu_plan().trimmed)]:
         assert line in text
-    assert "scripts/gpu_check --out $OUT/gpu" in text
-    assert '"carry": [".whl"]' in text and '"timeout_s": 540' in text
+    assert '{"command": "scripts/gpu_check --out $OUT"' in text
+    assert '"carry": [".whl"]' in text
+    assert f'"timeout_s": {plan.DEVICE_TIMEOUT_SECONDS + 10}' in text
     assert "/.whl/" in (ROOT / ".gitignore").read_text().split()
+
+
+def test_the_readme_quotes_the_committed_gpu_run() -> None:
+    """The summary line README quotes is the one the committed run printed last."""
+    log = ROOT / "bench" / "gpu" / "gpu_check.log"
+    last = log.read_text().strip().splitlines()[-1]
+    assert last.startswith("gpu_check: ") and last in (ROOT / "README.md").read_text()
+
+
+def test_a_first_process_that_measured_nothing_starts_no_second(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its failures would repeat: the device time is kept for a rerun. The workers here are
+    stand-ins that exit at once without a row."""
+    started: list[list[str]] = []
+
+    def worker_exits(command, env, hard_stop, on_line):
+        started.append(list(command))
+        return gpu_check.WorkerExit(1, False, 0.1)
+
+    monkeypatch.setattr(gpu_check, "run_worker", worker_exits)
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    assert len(started) == 1 and "segmented" in started[0]
+    text = (tmp_path / "gpu_check.md").read_text()
+    assert "expandable process 0 s, exit not started" in text
+    rows = json.loads((tmp_path / "gpu_check.json").read_text())["steps"]
+    assert {r["reason"] for r in rows if r["allocator"] == "expandable"} == {
+        "its process was not started: the one before it measured no cell"}
+
+
+def test_the_seed_call_runs_the_check_s_hybrid_and_is_summarised(tmp_path: Path) -> None:
+    import seed_call
+
+    command = gpu_check.seed_call_command(tmp_path)
+    args = seed_call.parse_args(command[2:])
+    assert (args.model, args.layers, args.dtype) == (plan.HYBRID.config, plan.HYBRID.layers,
+                                                    "bfloat16")
+    assert args.json == str(tmp_path / "seed_call.json")
+    report_file = tmp_path / "seed_call.json"
+    assert "wrote no report" in gpu_check.seed_call_summary(report_file)
+    report_file.write_text(json.dumps({
+        "decision": "escalated", "recompute": "full recompute of the first 1 layer(s)",
+        "stats_packed_tokens": 32710, "predicted_bytes": 3 * 2**30,
+        "measured_bytes": 2 * 2**30, "output_max_abs_diff": 0.01}))
+    line = gpu_check.seed_call_summary(report_file)
+    assert "escalated" in line and "32,710 packed tokens" in line and "= 1.500" in line
+    report_file.write_text(json.dumps({"declined": "does not fit: 9 GiB over"}))
+    assert "declined: does not fit" in gpu_check.seed_call_summary(report_file)

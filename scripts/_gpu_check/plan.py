@@ -221,10 +221,13 @@ def dense_cells(geometry: str, policy: str, dtype: str) -> list[CheckCell]:
 
 # ---------------------------------------------------------------------------------- pricing
 
-def planning_implementation(device: str) -> Implementation:
+def planning_implementation(device: str, delta_rule: str = "fla") -> Implementation:
     """The kernels the plan prices: CUDA without Transformer Engine (what the device builds:
-    no TE is carried there), or its CPU counterpart (the local spec, segmented attention)."""
-    return Implementation.cuda_local() if device == "cuda" else Implementation.cpu_local("flash")
+    no TE is carried there) with fla's delta rule or, where fla refuses its backward, the
+    torch rule; or its CPU counterpart (the local spec, segmented attention)."""
+    if device == "cuda":
+        return Implementation.cuda_local(delta_rule=delta_rule)
+    return Implementation.cpu_local("flash")
 
 
 def what_if_model(geometry: ModelGeometry, policy: str, dtype: str,
@@ -381,13 +384,14 @@ DENSE_POLICIES = ("selective default",)
 
 
 def gpu_plan(gpu_memory_bytes: int = H200_MEMORY_BYTES,
-             budget_seconds: float = BUDGET_SECONDS, *, after_seed_call: bool = True) -> Plan:
+             budget_seconds: float = BUDGET_SECONDS, *, after_seed_call: bool = True,
+             delta_rule: str = "fla") -> Plan:
     """The matrix on one GPU of `gpu_memory_bytes`, fitted to `budget_seconds`. After the
     seed's call (the same hybrid dims, bf16) Triton's disk cache holds fla's compiled kernels,
     so the first process's hybrid warm-up costs what a later one's does."""
     speeds = (replace(costs.H200, first_hybrid_warmup_s=costs.H200.later_hybrid_warmup_s)
               if after_seed_call else costs.H200)
-    dtype, implementation = "bfloat16", planning_implementation("cuda")
+    dtype, implementation = "bfloat16", planning_implementation("cuda", delta_rule)
     limit = int(gpu_memory_bytes * USABLE_FRACTION)
     hybrid, dense = HYBRID.build(), DENSE.build()
     scale = seed_scale_that_fits(hybrid, dtype, implementation, limit)
