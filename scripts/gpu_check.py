@@ -7,17 +7,18 @@
 It installs what the machine lacks from the wheels carried in `.whl/` (offline; our package is
 the repo root on the path), checks the device, builds the plan (_gpu_check/plan.py: the seed's
 geometry cut to 8 layers under four recompute policies, the seed's group and pairs of
-rollouts, grad and no grad; a dense geometry's few cells). On a GPU it first runs the seed's
-call through TrainerRank on that geometry (scripts/seed_call.py, its own process, at most
-130 s: seed_call.md / .json). Then it runs the plan in one worker process per allocator
-setting (PYTORCH_CUDA_ALLOC_CONF unset, then expandable_segments:True; the second only when
-the first measured a cell), each with its share of the matrix's GPU-time budget (410 s; the
-device call's timeout is 600 s, and the check stops itself by 590 s). A worker starts a step
-only when its predicted seconds fit before its deadline and is killed if it overruns it;
-every row it finished is kept. Writes gpu_check.csv, .md, .png, .json and .log under --out
-(default bench/gpu; a dry run: a temporary folder) and prints a one-line summary last. Exit
-status: 0 when cells were measured and none failed, 1 otherwise, 2 when the check could not
-start (a module missing without its wheel, no GPU, a plan over its budget).
+rollouts, grad and no grad; a dense geometry's few cells) and runs it in one worker process
+per allocator setting (PYTORCH_CUDA_ALLOC_CONF unset, then expandable_segments:True; the
+second only when the first measured a cell), each with its share of the matrix's GPU-time
+budget (420 s). On a GPU it then runs the seed's call through TrainerRank on the same hybrid
+geometry (scripts/seed_call.py, its own process, up to 130 s: seed_call.md / .json), once the
+matrix's warm-ups have filled Triton's cache. The device call's timeout is 600 s, and the
+check ends itself by 590 s. A worker starts a step only when its predicted seconds fit before
+its deadline and is killed if it overruns it; every row it finished is kept. Writes
+gpu_check.csv, .md, .png, .json and .log under --out (default bench/gpu; a dry run: a
+temporary folder) and prints a one-line summary last. Exit status: 0 when cells were measured
+and none failed, 1 otherwise, 2 when the check could not start (a module missing without its
+wheel, no GPU, a plan over its budget).
 """
 
 from __future__ import annotations
@@ -103,10 +104,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         help="output folder (default bench/gpu; with --dry-run a temporary "
                              "folder)")
     parser.add_argument("--budget-s", type=float, default=None,
-                        help="seconds of the matrix's work (default 410 on a GPU, 300 for a "
+                        help="seconds of the matrix's work (default 420 on a GPU, 300 for a "
                              "dry run)")
     parser.add_argument("--seed-call-s", type=float, default=None,
-                        help="seconds for the seed's call through TrainerRank before the "
+                        help="seconds for the seed's call through TrainerRank after the "
                              "matrix (default 130 on a GPU; 0: none; a dry run runs none)")
     parser.add_argument("--show-plan", action="store_true",
                         help="print the plan (every step and its predicted seconds, for an "
@@ -132,8 +133,7 @@ def show_plan(args: argparse.Namespace) -> int:
 
     try:
         plan = (plans.dry_run_plan(args.budget_s or plans.DRY_RUN_BUDGET_SECONDS) if args.dry_run
-                else plans.gpu_plan(budget_seconds=args.budget_s or plans.BUDGET_SECONDS,
-                                    after_seed_call=seed_call_allowance(args) > 0))
+                else plans.gpu_plan(budget_seconds=args.budget_s or plans.BUDGET_SECONDS))
     except ValueError as error:
         print(f"gpu_check: cannot plan: {error}")
         return 2
@@ -189,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def seed_call_allowance(args: argparse.Namespace) -> float:
-    """Seconds for the seed's call before the matrix (GPU runs; 0: none)."""
+    """Seconds for the seed's call after the matrix (GPU runs; 0: none)."""
     from _gpu_check.plan import SEED_CALL_SECONDS
 
     return SEED_CALL_SECONDS if args.seed_call_s is None else args.seed_call_s
@@ -208,7 +208,7 @@ def seed_call_command(out: Path) -> list[str]:
 
 def run_seed_call(out: Path, say: Callable[[str], None], hard_stop: float) -> dict:
     """The seed's call in its own process (one GPU: TP=1, the seed's selective recompute),
-    before the matrix; its lines go to the log, its report to seed_call.md / .json."""
+    after the matrix; its lines go to the log, its report to seed_call.md / .json."""
     env = dict(os.environ, ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE="1",
                ART_MEGATRON_RECOMPUTE_GRANULARITY="selective")
     say(f"gpu_check: the seed's call through TrainerRank, {hard_stop - time.time():.0f} s "
@@ -262,7 +262,6 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
                 say(f"gpu_check: the hybrid runs the pure-torch delta rule: {refusal}")
             plan = plans.gpu_plan(min(info.free_bytes, info.total_bytes),
                                   args.budget_s or plans.BUDGET_SECONDS,
-                                  after_seed_call=seed_call_seconds > 0,
                                   delta_rule="torch" if refusal else "fla")
     except (wheels.SetupError, ValueError, ImportError) as error:
         say(f"gpu_check: cannot start: {type(error).__name__}: {error}")
@@ -273,11 +272,9 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
     from _gpu_check import report
 
     processes: list[dict] = []
-    end = started + seed_call_seconds + plan.budget_seconds
+    end = started + plan.budget_seconds
     # Past this no worker may run: the report must be written inside the device call.
     last = started + plans.DEVICE_TIMEOUT_SECONDS - REPORT_MARGIN_SECONDS
-    if seed_call_seconds > 0:
-        processes.append(run_seed_call(out, say, min(time.time() + seed_call_seconds, last)))
     work = Path(tempfile.mkdtemp(prefix="gpu_check-"))
     plan_file = work / "plan.json"
     plan_file.write_text(plan.to_json())
@@ -326,8 +323,13 @@ def _check(args: argparse.Namespace, out: Path, say: Callable[[str], None], star
         rows_so_far = report.merged_rows(plan, reported, missing)
         summary = report.write_report(out, plan, rows_so_far, info, setup, command=command,
                                       elapsed=time.time() - started, processes=processes,
-                                      final=n == len(allocators) - 1)
+                                      final=n == len(allocators) - 1 and not seed_call_seconds)
     if seed_call_seconds > 0:
+        # After the matrix, whose warm-ups have filled Triton's disk cache with the kernels
+        # this geometry compiles; its share is what is left of the call, up to its allowance.
+        processes.append(run_seed_call(out, say, min(time.time() + seed_call_seconds, last)))
+        summary = report.write_report(out, plan, rows_so_far, info, setup, command=command,
+                                      elapsed=time.time() - started, processes=processes)
         say(seed_call_summary(out / "seed_call.json"))
     say(summary)
     n = report.counts(rows_so_far)

@@ -141,7 +141,7 @@ def markdown(plan: Plan, rows: Sequence[dict[str, Any]], device: DeviceInfo, set
                     for p in processes) + ")",
         f"- cells: {n['ok']} measured, {n['failed']} failed, {n['skipped']} skipped, "
         f"{n['not run']} not run",
-        *(f"- the seed's call through TrainerRank (before the matrix): [{p['report']}]"
+        *(f"- the seed's call through TrainerRank (after the matrix): [{p['report']}]"
           f"({p['report']}), exit {p['exit']}" for p in processes if p.get("report")),
         "",
         ("Measured = `torch.cuda.max_memory_allocated` above the allocated bytes at the "
