@@ -1,11 +1,12 @@
 """Predicted seconds of the GPU check's steps: FLOPs at an assumed effective rate plus fixed
 per-step costs.
 
-No GPU figure exists yet, so every constant in `H200` is a stated assumption (an effective
+Every constant in `H200` is a stated assumption, set before any GPU run (an effective
 bf16 rate well under the H200's measured ~790 TFLOP/s for one large product, since a
 micro-batch also runs unfused RoPE, SwiGLU and fla's Triton kernels; start-up and kernel
 compilation from what such stacks usually take). Each run writes every step's predicted and
-taken seconds side by side (the CSV's `predicted_seconds` / `seconds`, the MD's time table),
+taken seconds side by side (the CSV's `predicted_seconds` / `seconds`, the MD's time table;
+bench/gpu holds the first run's, which reached few of the hybrid's steps),
 so a later session can replace them with measured ones. `CPU` is sized from this repo's CPU
 dry run.
 """
