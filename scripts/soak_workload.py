@@ -58,8 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(row), flush=True)
         decisions.update(row.pop("decisions"))
         totals.update({k: v for k, v in row.items() if k not in ("seed", "seconds")})
+    command = " ".join(["scripts/soak_workload.py", *(sys.argv[1:] if argv is None else argv)])
     summary = dict(totals, decisions=dict(decisions), seeds=args.seeds,
-                   seconds=round(time.perf_counter() - started, 1))
+                   seconds=round(time.perf_counter() - started, 1), command=command)
     print("TOTAL " + json.dumps(summary))
     if args.out is not None:
         args.out.write_text(json.dumps(summary, indent=1) + "\n")
