@@ -39,3 +39,18 @@ def test_random_workloads_keep_every_invariant(fuzz_model):
     assert counts.micro_batches >= CALLS // 2
     assert counts.outputs_checked >= CALLS
     assert counts.decisions["admitted"] + counts.decisions["cold-capped"] > 0
+
+
+def test_the_readme_quotes_the_committed_soak():
+    """README's workload-soak figures are bench/soak_workload.json's."""
+    import json
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    totals = json.loads((root / "bench" / "soak_workload.json").read_text())
+    text = " ".join((root / "README.md").read_text().split())
+    assert totals["command"] in text
+    assert (f"{totals['calls']:,} calls, {totals['micro_batches']:,} micro-batches, "
+            f"{totals['outputs_checked']:,} outputs checked, {totals['declined_items']:,} items "
+            f"declined, {totals['runtime_oom_retries']} runtime OOM retries, "
+            f"{totals['escaped_ooms']} escaped OOMs") in text
