@@ -174,6 +174,29 @@ def cp2_cells(quick: bool, seed: int, build: str = "local",
     return [replace(c, context_parallel=2) for c in cells]
 
 
+EP2_GEOMETRIES = ("hybrid-moe-128",)
+
+
+def ep2_cells(quick: bool, seed: int, build: str = "local",
+              rows_per_model: int | None = None,
+              geometries: Sequence[str] | None = None) -> list:
+    """The MoE matrix at TP=1 x EP=2: each rank holds half the experts and both feed the same
+    seeded row, so every rank's experts take both ranks' tokens routed to them."""
+    from dataclasses import replace
+
+    from _calibration.cells import off_grid_matrix, shared_prefix_cells
+
+    policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
+    top = 1500 if quick else 3000
+    chosen = tuple(geometries or EP2_GEOMETRIES)
+    cells = off_grid_matrix(seed + 3, rows_per_model=2 if quick else rows_per_model or 3,
+                            geometries=chosen, policies=policies, max_tokens=top,
+                            build=build)
+    cells += shared_prefix_cells(seed + 3, geometries=chosen, policies=policies,
+                                 rows=1, max_tokens=top, build=build)
+    return [replace(c, expert_parallel=2) for c in cells]
+
+
 def tp2_wanted(geometries: Sequence[str] | None) -> bool:
     """Whether the geometries asked for have TP=2 cells (all but the dense ones TP=1 only)."""
     from _calibration.cells import HYBRID_GEOMETRIES
@@ -187,8 +210,11 @@ def worker(args: argparse.Namespace) -> int:
     import torch.distributed as dist
     from _calibration.harness import merge_rank_rows, run_cells
 
-    cp = args.cp
-    if cp > 1:
+    cp, ep = args.cp, args.ep
+    if ep > 1:
+        cells = ep2_cells(args.quick, args.seed, args.build, args.rows_per_model,
+                          args.geometries)
+    elif cp > 1:
         cells = cp2_cells(args.quick, args.seed, args.build, args.rows_per_model,
                           args.geometries)
     elif args.rungs:
@@ -197,7 +223,8 @@ def worker(args: argparse.Namespace) -> int:
         cells = tp2_cells(args.quick, args.seed, args.build, args.geometries,
                           args.rows_per_model)
     rank = int(os.environ.get("RANK", "0"))
-    results = run_cells(cells, tensor_parallel=1 if cp > 1 else 2, context_parallel=cp,
+    results = run_cells(cells, tensor_parallel=1 if cp > 1 or ep > 1 else 2,
+                        context_parallel=cp, expert_parallel=ep,
                         progress=(lambda m: print(m, flush=True)) if rank == 0 else None,
                         store_probe_dir=(str(Path(args.worker_probes) / f"rank{rank}")
                                          if args.worker_probes else None))
@@ -212,8 +239,8 @@ def worker(args: argparse.Namespace) -> int:
 def run_tp2(quick: bool, seed: int, build: str = "local",
             geometries: Sequence[str] | None = None,
             rows_per_model: int | None = None, probe_dir: str | None = None,
-            rungs: bool = False, max_tokens: int = 4096, context_parallel: int = 1
-            ) -> list[dict]:
+            rungs: bool = False, max_tokens: int = 4096, context_parallel: int = 1,
+            expert_parallel: int = 1) -> list[dict]:
     """The TP=2 cells (or with `context_parallel` 2 the TP=1 x CP=2 cells) on two torchrun
     ranks; each rank's probes are stored under `probe_dir`/rank<R> (for `--reprice`)."""
     from art.megatron.distributed import free_port
@@ -228,13 +255,15 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
                    ["--rows-per-model", str(rows_per_model)] if rows_per_model else []) + (
                    ["--worker-probes", probe_dir] if probe_dir else []) + (
                    ["--rungs", "--max-tokens", str(max_tokens)] if rungs else []) + (
-                   ["--cp", str(context_parallel)] if context_parallel > 1 else [])
+                   ["--cp", str(context_parallel)] if context_parallel > 1 else []) + (
+                   ["--ep", str(expert_parallel)] if expert_parallel > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
                               timeout=3600)
         if proc.returncode != 0:
-            what = "CP" if context_parallel > 1 else "TP"
+            what = ("CP" if context_parallel > 1 else
+                    "EP" if expert_parallel > 1 else "TP")
             raise SystemExit(f"{what}=2 calibration failed:\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
         return json.loads(out.read_text())
@@ -309,7 +338,9 @@ def summarize(rows: list[dict]) -> str:
 
 def _layout(row: dict) -> str:
     cp = int(row.get("context_parallel") or 1)
-    return f"TP{row['tensor_parallel']}" + (f" CP{cp}" if cp > 1 else "")
+    ep = int(row.get("expert_parallel") or 1)
+    return (f"TP{row['tensor_parallel']}" + (f" CP{cp}" if cp > 1 else "")
+            + (f" EP{ep}" if ep > 1 else ""))
 
 
 def _policy(row: dict) -> str:
@@ -380,6 +411,8 @@ def main() -> int:
     parser.add_argument("--tp", type=int, choices=(1, 2), nargs="*", default=[1, 2])
     parser.add_argument("--cp", type=int, choices=(1, 2), default=1,
                         help="2: the dense matrix at TP=1 x CP=2 on two torchrun ranks only")
+    parser.add_argument("--ep", type=int, choices=(1, 2), default=1,
+                        help="2: the MoE matrix at TP=1 x EP=2 on two torchrun ranks only")
     parser.add_argument("--build", choices=("local", "gpu-shaped"), default="local",
                         help="local: the CPU's local spec; gpu-shaped: CPU stand-ins keeping "
                              "what the GPU build's fused kernels keep")
@@ -432,10 +465,11 @@ def main() -> int:
 
     start = time.time()
     rows: list[dict] = []
-    if args.cp > 1:
+    if args.cp > 1 or args.ep > 1:
         rows = run_tp2(args.quick, args.seed, args.build, geometries=args.geometries,
                        rows_per_model=args.rows_per_model,
-                       probe_dir=str(Path(probe_dir).resolve()), context_parallel=args.cp)
+                       probe_dir=str(Path(probe_dir).resolve()), context_parallel=args.cp,
+                       expert_parallel=args.ep)
         write_outputs(rows, Path(args.out), time.time() - start, args.quick)
         return 0
     if 2 in args.tp and (args.rungs or tp2_wanted(args.geometries)):
@@ -462,11 +496,13 @@ def main() -> int:
 
 
 def _typed(row: dict) -> dict:
-    ints = ("lora_rank", "tensor_parallel", "context_parallel", "packed_tokens", "measured_bytes",
+    ints = ("lora_rank", "tensor_parallel", "context_parallel", "expert_parallel",
+            "packed_tokens", "measured_bytes",
             "measured_forward_bytes", "predicted_bytes", "predicted_default_bytes",
             "reserve_bytes")
     out = dict(row)
     out.setdefault("context_parallel", 1)  # rows measured before CP cells existed
+    out.setdefault("expert_parallel", 1)  # and before EP cells
     for key in ints:
         out[key] = int(out[key])
     for key in ("ratio", "default_ratio", "seconds"):

@@ -112,6 +112,9 @@ class Cell:
     built_with: str = ""
     # Context parallel ranks the row is split over (the segmented flash attention).
     context_parallel: int = 1
+    # Expert parallel ranks a MoE model's experts are spread over (every rank feeds the same
+    # row: each rank's experts take the tokens of every rank routed to them).
+    expert_parallel: int = 1
 
     @property
     def built_policy(self) -> str:

@@ -91,7 +91,8 @@ class CalibrationModel:
     def __init__(self, geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                  tensor_parallel: int, dtype: str = "float32",
                  implementation: Implementation | None = None, context_parallel: int = 1,
-                 cells: Sequence[Cell] = (), probe_tokens: tuple[int, ...] | None = None,
+                 expert_parallel: int = 1, cells: Sequence[Cell] = (),
+                 probe_tokens: tuple[int, ...] | None = None,
                  probe_dir: str | None = None,
                  warm_up: Callable[[CalibrationModel], None] | None = None
                  ) -> None:
@@ -103,7 +104,8 @@ class CalibrationModel:
         self.provider = calibration_provider(geometry, policy, lora_rank=lora_rank,
                                              tensor_parallel=tensor_parallel, dtype=dtype,
                                              implementation=self.implementation,
-                                             context_parallel=context_parallel)
+                                             context_parallel=context_parallel,
+                                             expert_parallel=expert_parallel)
         self.provider.initialize_distributed()
         self.model = self.provider.build_model(seed=0)
         self.device = next(self.model.parameters()).device
@@ -175,7 +177,7 @@ class CalibrationModel:
 
 def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
                          tensor_parallel: int, dtype: str, implementation: Implementation,
-                         context_parallel: int = 1) -> Any:
+                         context_parallel: int = 1, expert_parallel: int = 1) -> Any:
     """The provider a calibration model is built from (no weights yet). peft is imported
     only for a LoRA (its import alone takes seconds; the GPU check prices without one)."""
     from art.megatron.provider import Provider
@@ -184,6 +186,7 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
     settings = Settings(
         tensor_model_parallel_size=tensor_parallel,
         context_parallel_size=context_parallel,
+        expert_model_parallel_size=expert_parallel,
         sequence_parallel=calibration_sequence_parallel(geometry, tensor_parallel),
         recompute_granularity=policy.granularity,
         recompute_method=policy.method,
@@ -241,7 +244,8 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
                                     lora_rank=first.lora_rank,
                                     tensor_parallel=first.tensor_parallel, dtype=first.dtype,
                                     implementation=implementation,
-                                    context_parallel=first.context_parallel)
+                                    context_parallel=first.context_parallel,
+                                    expert_parallel=first.expert_parallel)
     recomputes = [provider.effective_recompute]
     if any(c.built_with for c in cells):
         from art.megatron.recompute_ladder import build_ladder
@@ -251,11 +255,16 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
                       else provider.effective_recompute for c in cells]
     modes, outputs = probe_request(geometry, recomputes, cells)
     return probe_key(geometry=geometry,
-                     layout=provider.settings.layout(first.tensor_parallel
-                                                     * first.context_parallel),
+                     layout=provider.settings.layout(_world_size(first)),
                      implementation=implementation, dtype=first.dtype,
                      lora_rank=first.lora_rank, modes=modes, outputs=outputs,
                      device=implementation.device, tokens=probe_tokens)
+
+
+def _world_size(cell: Cell) -> int:
+    """The ranks a cell runs on: its TP x CP group, or its EP group where that is larger
+    (expert parallel spans the data-parallel ranks)."""
+    return max(cell.tensor_parallel * cell.context_parallel, cell.expert_parallel)
 
 
 def cell_sequences(cell: Cell, vocab: int, device: torch.device | str = "cpu"
@@ -399,7 +408,7 @@ def _hidden_or_any(out: Any) -> torch.Tensor:
 
 
 def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1, context_parallel: int = 1,
-              progress: Callable[[str], None] | None = None,
+              expert_parallel: int = 1, progress: Callable[[str], None] | None = None,
               probe_tokens: tuple[int, ...] | None = None,
               probe_dir: str | None = None,
               on_result: Callable[[CellResult], None] | None = None,
@@ -422,7 +431,8 @@ def run_cells(cells: Iterable[Cell], *, tensor_parallel: int = 1, context_parall
                                  tensor_parallel=tensor_parallel, dtype=dtype, cells=group,
                                  probe_tokens=probe_tokens, probe_dir=probe_dir,
                                  implementation=implementation_for(build),
-                                 context_parallel=context_parallel)
+                                 context_parallel=context_parallel,
+                                 expert_parallel=expert_parallel)
         if store_probe_dir is not None:
             store_probe(model.coefficients, store_probe_dir)
         for cell in group:
@@ -491,6 +501,9 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
         recompute = rung_by_name(build_ladder(recompute, resolve), cell.policy)
     layout = ParallelLayout(tensor_parallel=cell.tensor_parallel,
                             context_parallel=cell.context_parallel,
+                            expert_parallel=cell.expert_parallel,
+                            data_parallel=_world_size(cell) // (cell.tensor_parallel
+                                                                * cell.context_parallel),
                             sequence_parallel=calibration_sequence_parallel(
                                 geometry, cell.tensor_parallel))
     return MemoryModel(geometry, layout=layout,
@@ -507,7 +520,8 @@ def cell_of(row: dict[str, Any]) -> Cell:
                 str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
                 row.get("loss") or "synthetic", row.get("build") or "local",
                 int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0),
-                row.get("built_with") or "", int(row.get("context_parallel") or 1))
+                row.get("built_with") or "", int(row.get("context_parallel") or 1),
+                int(row.get("expert_parallel") or 1))
 
 
 def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
@@ -527,17 +541,18 @@ def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: boo
     groups: dict[tuple[Any, ...], list[int]] = {}
     for i, c in enumerate(cells):
         groups.setdefault((c.geometry, c.built_policy, c.lora_rank, c.dtype, c.build,
-                           c.tensor_parallel, c.context_parallel), []).append(i)
+                           c.tensor_parallel, c.context_parallel, c.expert_parallel),
+                          []).append(i)
     out: list[dict[str, Any]] = [dict(r) for r in rows]
-    for (geo, policy, rank, dtype, build, tp, cp), indices in groups.items():
+    for (geo, policy, rank, dtype, build, tp, cp, ep), indices in groups.items():
         group = [cells[i] for i in indices]
         key = expected_probe_key(group, probe_tokens)
-        # TP and CP rows: one probe per rank, each in its rank's folder (see `run_cells`).
-        ranks = tp * cp
+        # TP, CP and EP rows: one probe per rank, each in its rank's folder (`run_cells`).
+        ranks = _world_size(group[0])
         paths = ([probe_file(probe_dir, key)] if ranks == 1 else
                  [probe_file(Path(probe_dir) / f"rank{r}", key) for r in range(ranks)])
-        name = (f"{geo} / {policy} / LoRA r{rank} / TP{tp}{f' CP{cp}' if cp > 1 else ''} / "
-                f"{build}")
+        name = (f"{geo} / {policy} / LoRA r{rank} / TP{tp}{f' CP{cp}' if cp > 1 else ''}"
+                f"{f' EP{ep}' if ep > 1 else ''} / {build}")
         if all(p.is_file() for p in paths):
             per_rank = [ProbeCoefficients.from_json(p.read_text()) for p in paths]
         elif reprobe and ranks == 1:

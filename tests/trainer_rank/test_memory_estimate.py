@@ -238,3 +238,16 @@ def test_terms_are_found_by_kind_not_by_display_name(monkeypatch):
                 [t.bytes for t in now.terms]) == (
             was.dynamic_bytes, was.score_buffer_bytes, was.retained_after_forward_bytes,
             [t.bytes for t in was.terms]), batch
+
+
+def test_an_ep_rank_s_experts_take_every_ep_rank_s_tokens():
+    """Under balanced routing each of the EP ranks sends 1/EP of its token-expert pairs to
+    this rank's experts, so (with every rank priced at this rank's tokens) a rank's experts
+    hold as many pairs at EP=2 as at EP=1: spreading the experts shrinks their weights, not
+    their activations. Measured at EP=2 on two ranks: bench/calibration/ep2."""
+    g = load_geometry("Qwen3-30B-A3B")
+    batch = _batch((8192,), "logprobs")
+    one = _model(g, granularity=None, ep=1).estimate(batch)
+    two = _model(g, granularity=None, ep=2).estimate(batch)
+    assert two.dynamic_bytes == pytest.approx(one.dynamic_bytes, rel=1e-3)
+    assert two.resident_bytes < one.resident_bytes

@@ -80,13 +80,15 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     ep = d.layout.expert_parallel
     local_experts = max(1, g.num_experts // ep)
-    routed = float(s) * g.moe_router_topk  # token-expert pairs over all experts
-    # Balanced routing spreads the pairs evenly; the worst case sends every token to this
-    # rank's experts (capped at top-k per token, i.e. all tokens hit min(topk, local) experts).
+    routed = float(s) * g.moe_router_topk  # this rank's token-expert pairs, all experts
+    # This rank's experts take the pairs every rank of its EP group routes to them, each rank
+    # priced with this rank's tokens. Balanced routing sends 1/EP of each rank's pairs here:
+    # EP x routed / EP. The worst case sends every token of every EP rank here (capped at
+    # top-k per token: each hits min(top-k, local) of this rank's experts).
     if worst_case:
-        local_pairs = float(s) * min(g.moe_router_topk, local_experts)
+        local_pairs = ep * float(s) * min(g.moe_router_topk, local_experts)
     else:
-        local_pairs = routed / ep
+        local_pairs = routed
     # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
     # probabilities (its output); the routing map [s, experts] (bool) and the permutation's
     # token indices (int64 per routed pair) the dispatcher keeps for the un-permute.
