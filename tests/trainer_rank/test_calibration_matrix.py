@@ -44,3 +44,21 @@ def test_moe_cells_at_tp2_use_sequence_parallel() -> None:
                                         tensor_parallel=tp, dtype="float32",
                                         implementation=Implementation.cpu_local())
         assert provider.settings.sequence_parallel is expected, (name, tp)
+
+
+def test_the_ep2_matrix_is_the_moe_model_at_tp1_x_ep2() -> None:
+    """calibrate.py --ep 2: its cells, their what-if layout and a CSV row's round trip (the
+    measured matrix is bench/calibration/ep2, two torchrun ranks)."""
+    from _calibration.harness import cell_of, default_memory_model
+
+    cells = calibrate.ep2_cells(False, 0)
+    assert cells and {c.geometry for c in cells} == set(calibrate.EP2_GEOMETRIES)
+    assert {(c.tensor_parallel, c.context_parallel, c.expert_parallel) for c in cells} == {
+        (1, 1, 2)}
+    assert {c.policy for c in cells} == set(calibrate.TP2_POLICIES)
+    assert any(c.shared_prefix for c in cells)
+    layout = default_memory_model(cells[0]).layout
+    assert (layout.expert_parallel, layout.data_parallel, layout.tensor_parallel) == (2, 2, 1)
+    row = {k: (v if k != "lengths" else "+".join(map(str, v)))
+           for k, v in cells[0].__dict__.items()}
+    assert cell_of(row) == cells[0]
