@@ -33,6 +33,9 @@ REDIRECTS: tuple[str, ...] = (
     "(keeps its input, as the fused kernel does; used by GPU-shaped CPU builds only)",
     "megatron.core.transformer.attention.apply_rotary_pos_emb -> cpu_fused.fused_rope for "
     "GPU-shaped CPU builds (keeps the frequencies only, as TE's fused RoPE does)",
+    "torch.distributed.all_to_all_single -> split sizes given as tensors passed as lists (gloo)",
+    "torch.distributed.all_gather / reduce_scatter -> uneven shards padded to the largest "
+    "(gloo needs equal sizes and has no list reduce_scatter; expert TP with uneven routing)",
 )
 
 _installed = False
@@ -170,6 +173,7 @@ def install() -> bool:
     _redirect_gated_delta_net()
     _redirect_fused_kernels()
     _redirect_all_to_all_split_sizes()
+    _redirect_uneven_gathers()
     try:
         from megatron.core.transformer.moe import moe_utils
 
@@ -179,6 +183,45 @@ def install() -> bool:
         pass
     _installed = True
     return True
+
+
+def _redirect_uneven_gathers() -> None:
+    """Megatron's alltoall dispatcher gathers and reduce-scatters the routed tokens over the
+    expert-TP group in uneven shards (`gather_from_sequence_parallel_region` with
+    `output_split_sizes`, and its backward), as lists of tensors; NCCL takes them, gloo wants
+    equal shapes and has no list reduce-scatter. Here uneven shards are padded to the largest
+    (zeros, which the sum leaves alone) and the reduce-scatter is an all-reduce of them."""
+    import torch.distributed as dist
+
+    all_gather, all_reduce = dist.all_gather, dist.all_reduce
+
+    def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
+        if t.shape[0] == rows:
+            return t.contiguous()
+        return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+    def uneven_all_gather(tensor_list: list[torch.Tensor], tensor: torch.Tensor,
+                          group: Any = None, async_op: bool = False) -> Any:
+        if async_op or len({t.shape for t in [*tensor_list, tensor]}) == 1:
+            return all_gather(tensor_list, tensor, group=group, async_op=async_op)
+        rows = max(t.shape[0] for t in tensor_list)
+        gathered = [tensor.new_empty(rows, *tensor.shape[1:]) for _ in tensor_list]
+        all_gather(gathered, _padded(tensor, rows), group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[:out.shape[0]])
+        return None
+
+    def list_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
+                            op: Any = dist.ReduceOp.SUM, group: Any = None,
+                            async_op: bool = False) -> Any:
+        rows = max(t.shape[0] for t in input_list)
+        stacked = torch.stack([_padded(t, rows) for t in input_list])
+        all_reduce(stacked, op=op, group=group)
+        output.copy_(stacked[dist.get_rank(group)][:output.shape[0]])
+        return None
+
+    dist.all_gather = uneven_all_gather
+    dist.reduce_scatter = list_reduce_scatter
 
 
 def _redirect_all_to_all_split_sizes() -> None:

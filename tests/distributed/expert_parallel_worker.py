@@ -1,6 +1,8 @@
-"""torchrun worker (2 ranks, gloo): a MoE model at EP=2 against EP=1 on the same weights.
+"""torchrun worker (gloo): a MoE model at EP=2 against EP=1 on the same weights, at TP=1 (2
+ranks) or TP=2 with sequence parallel (4 ranks: TP=2 x EP=2, experts TP-sharded as Megatron's
+expert TP defaults to TP).
 
-argv: out_dir. Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
+argv: out_dir [tp]. Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
 its weights; phase 2 rebuilds Megatron's parallel state at EP=2 and loads them, each rank
 taking its own experts (`local_experts.i` on EP rank r is global expert r x E/EP + i). Both
 ranks feed the same tokens, so at EP=2 every expert receives the tokens of both ranks: its
@@ -29,12 +31,13 @@ IMPLEMENTATION = Implementation.cpu_local()
 EXPERT = re.compile(r"^(?P<head>.*local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
 
 
-def _run(ep: int, state: dict | None) -> tuple[dict, torch.Tensor, dict]:
+def _run(ep: int, state: dict | None, tp: int) -> tuple[dict, torch.Tensor, dict]:
     from megatron.core import parallel_state
 
     geometry = tiny_moe(num_layers=2)
-    layout = ParallelLayout(tensor_parallel=1, expert_parallel=ep,
-                            data_parallel=dist.get_world_size())
+    layout = ParallelLayout(tensor_parallel=tp, expert_parallel=ep, sequence_parallel=tp > 1,
+                            expert_tensor_parallel=tp,
+                            data_parallel=dist.get_world_size() // tp)
     config = build_transformer_config(geometry, layout=layout,
                                       recompute=RecomputeConfig("selective"),
                                       dtype="float32", implementation=IMPLEMENTATION)
@@ -73,11 +76,12 @@ def main() -> None:
     from megatron.core import parallel_state
 
     out_dir = sys.argv[1]
-    initialize_distributed(tensor_parallel=1, expert_parallel=1)
-    state, whole_logits, whole_grads = _run(1, None)
+    tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+    initialize_distributed(tensor_parallel=tp, expert_parallel=1)
+    state, whole_logits, whole_grads = _run(1, None, tp)
     parallel_state.destroy_model_parallel()
-    initialize_distributed(tensor_parallel=1, expert_parallel=2)
-    _, split_logits, split_grads = _run(2, state)
+    initialize_distributed(tensor_parallel=tp, expert_parallel=2)
+    _, split_logits, split_grads = _run(2, state, tp)
     scale = max(g.abs().max().item() for g in whole_grads.values())
     expert_diff = other_diff = 0.0
     experts = others = 0
@@ -94,7 +98,8 @@ def main() -> None:
                    "logit_scale": whole_logits.abs().max().item(),
                    "expert_grad": expert_diff / scale, "other_grad": other_diff / scale,
                    "experts": experts, "others": others,
-                   "expert_parallel": parallel_state.get_expert_model_parallel_world_size()},
+                   "expert_parallel": parallel_state.get_expert_model_parallel_world_size(),
+                   "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size()},
                   f)
     shutdown_distributed()
 

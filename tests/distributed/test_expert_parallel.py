@@ -1,6 +1,6 @@
-"""Expert parallel on the CPU build under torchrun (2 ranks, gloo): a MoE model at EP=2 gives
-EP=1's logits and gradients on the same weights, every expert's gradient the sum of both ranks'
-tokens (see expert_parallel_worker.py). Megatron's alltoall dispatcher passes its split sizes
+"""Expert parallel on the CPU build under torchrun (gloo): a MoE model at EP=2 (2 ranks; and
+at TP=2 x EP=2, 4 ranks) gives EP=1's logits and gradients on the same weights, every expert's
+gradient the sum of both data-parallel ranks' tokens (see expert_parallel_worker.py). Megatron's alltoall dispatcher passes its split sizes
 as tensors, which gloo refuses; cpu_runtime passes them as lists."""
 
 from __future__ import annotations
@@ -16,10 +16,15 @@ WORKER = Path(__file__).with_name("expert_parallel_worker.py")
 
 
 @pytest.mark.torchrun
-def test_expert_parallel_equals_ep1(tmp_path):
-    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=200)
-    for rank in range(2):
+@pytest.mark.parametrize("tp", [1, 2], ids=["ep2", "tp2xep2"])
+def test_expert_parallel_equals_ep1(tmp_path, tp):
+    """At TP=2 x EP=2 (4 ranks, sequence parallel, experts TP-sharded) against TP=2 x EP=1,
+    which the TP tests hold equal to TP=1."""
+    ranks = 2 * tp
+    run_torchrun(WORKER, str(tmp_path), str(tp), nproc=ranks, timeout_s=300)
+    for rank in range(ranks):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert r["expert_parallel"] == 2 and r["experts"] > 0 and r["others"] > 10, r
+        assert r["expert_parallel"] == 2 and r["tensor_parallel"] == tp, r
+        assert r["experts"] > 0 and r["others"] > 10, r
         assert r["logits"] <= 1e-5 * r["logit_scale"], r
         assert r["expert_grad"] < 1e-5 and r["other_grad"] < 1e-5, r
