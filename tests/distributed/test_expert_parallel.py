@@ -1,7 +1,8 @@
 """Expert parallel on the CPU build under torchrun (gloo): a MoE model at EP=2 (2 ranks; and
 at TP=2 x EP=2, 4 ranks) gives EP=1's logits and gradients on the same weights, every expert's
-gradient the sum of both data-parallel ranks' tokens (see expert_parallel_worker.py). Megatron's alltoall dispatcher passes its split sizes
-as tensors, which gloo refuses; cpu_runtime passes them as lists."""
+gradient the sum of both data-parallel ranks' tokens (see expert_parallel_worker.py).
+Megatron's alltoall dispatcher passes its split sizes as tensors and, under expert TP, gathers
+uneven shards, both of which gloo refuses; cpu_runtime passes lists and pads the shards."""
 
 from __future__ import annotations
 
