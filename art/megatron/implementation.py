@@ -112,15 +112,27 @@ class Implementation:
         with it: on CUDA without Transformer Engine even where TE is installed, and on CPU
         instead of Megatron's unfused attention (which refuses CP)."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
-        from art.megatron.fla_support import fla_delta_rule_refusal
 
         if not cuda_available():
             return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
-        # Where fla would refuse its backward, the torch rule runs instead (slower, correct).
-        rule = "torch" if fla_delta_rule_refusal() is not None else "fla"
         if transformer_engine_available() and context_parallel == 1:
-            return cls.gpu_te(rule)
-        return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch", rule)
+            return cls.gpu_te(detected_delta_rule())
+        return cls.detected_cuda_local()
+
+    @classmethod
+    def detected_cuda_local(cls) -> Implementation:
+        """The CUDA build without Transformer Engine on this machine: torch's fused RMSNorm
+        where its kernel is registered, and fla's delta rule unless fla would refuse it."""
+        return cls.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch",
+                              detected_delta_rule())
+
+
+def detected_delta_rule() -> str:
+    """fla's delta rule, or where fla would refuse its backward the torch rule (slower,
+    correct; fla_support.py)."""
+    from art.megatron.fla_support import fla_delta_rule_refusal
+
+    return "torch" if fla_delta_rule_refusal() is not None else "fla"
 
 
 def torch_cuda_rms_norm_fused() -> bool:

@@ -24,8 +24,7 @@ from _calibration.harness import CalibrationModel
 
 from _gpu_check.budget import Budget, StepRow, run_steps
 from _gpu_check.plan import LORA_RANK, Plan, Step
-from art.megatron.fla_support import fla_delta_rule_refusal
-from art.megatron.implementation import Implementation, torch_cuda_rms_norm_fused
+from art.megatron.implementation import Implementation
 
 
 @dataclass(frozen=True)
@@ -61,11 +60,10 @@ def release_cached(device: torch.device) -> None:
 
 def worker_implementation(device: str) -> Implementation:
     """The build without Transformer Engine: on CUDA the local spec over torch's CUDA kernels
-    (`Implementation.cuda_local`, its norm and delta rule as `detect` reads them), on CPU its
+    (`Implementation.detected_cuda_local`, as `detect` builds it without TE), on CPU its
     counterpart."""
     if device == "cuda":
-        return Implementation.cuda_local("fused" if torch_cuda_rms_norm_fused() else "torch",
-                                         "torch" if fla_delta_rule_refusal() else "fla")
+        return Implementation.detected_cuda_local()
     return Implementation.cpu_local("flash")
 
 
