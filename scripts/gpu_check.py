@@ -211,13 +211,14 @@ def run_seed_call(out: Path, say: Callable[[str], None], hard_stop: float) -> di
     after the matrix; its lines go to the log, its report to seed_call.md / .json."""
     env = dict(os.environ, ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE="1",
                ART_MEGATRON_RECOMPUTE_GRANULARITY="selective")
-    say(f"gpu_check: the seed's call through TrainerRank, {hard_stop - time.time():.0f} s "
-        "until it is stopped")
+    allowance = hard_stop - time.time()
+    say(f"gpu_check: the seed's call through TrainerRank, {allowance:.0f} s until it is "
+        "stopped")
     exit_ = run_worker(seed_call_command(out), env, hard_stop, lambda line: say(
         f"seed_call: {line}"))
     return {"allocator": "seed call", "alloc_conf": "", "seconds": round(exit_.seconds, 1),
             "exit": "killed" if exit_.killed else exit_.returncode,
-            "deadline_seconds": round(exit_.seconds, 1), "report": "seed_call.md"}
+            "deadline_seconds": round(allowance, 1), "report": "seed_call.md"}
 
 
 def seed_call_summary(path: Path) -> str:
