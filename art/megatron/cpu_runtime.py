@@ -193,7 +193,7 @@ def _redirect_uneven_gathers() -> None:
     (zeros, which the sum leaves alone) and the reduce-scatter is an all-reduce of them."""
     import torch.distributed as dist
 
-    all_gather, all_reduce = dist.all_gather, dist.all_reduce
+    all_gather, all_reduce, reduce_scatter = dist.all_gather, dist.all_reduce, dist.reduce_scatter
 
     def _padded(t: torch.Tensor, rows: int) -> torch.Tensor:
         if t.shape[0] == rows:
@@ -214,6 +214,8 @@ def _redirect_uneven_gathers() -> None:
     def list_reduce_scatter(output: torch.Tensor, input_list: list[torch.Tensor],
                             op: Any = dist.ReduceOp.SUM, group: Any = None,
                             async_op: bool = False) -> Any:
+        if async_op:  # no handle to give back from the emulation: the backend's own answer
+            return reduce_scatter(output, input_list, op=op, group=group, async_op=True)
         rows = max(t.shape[0] for t in input_list)
         stacked = torch.stack([_padded(t, rows) for t in input_list])
         all_reduce(stacked, op=op, group=group)
