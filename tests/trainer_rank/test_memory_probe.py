@@ -173,10 +173,15 @@ def test_default_layer_formulas_match_the_probed_layer_on_short_rows(megatron_pr
             # formulas are at most the final norm's inverse rms per token above the probe.
             batch = MicroBatchShape((s,), outputs=hidden)
             tail = default_tail(built.memory_default, batch, s)
-            kept, forward, backward = built.coefficients.tail_cost(hidden, True, s)
-            where = (build, policy, s, (kept, forward, backward), tail)
+            measured = built.coefficients.tail_cost(hidden, True, s)
+            kept, forward, backward = (measured.kept_bytes, measured.forward_bytes,
+                                       measured.backward_bytes)
+            where = (build, policy, s, measured, tail)
             assert kept <= tail.kept and forward <= tail.forward <= forward + 4 * s, where
             assert backward <= tail.backward <= backward + 4 * s, where
+            # The head's moment alone (the caller's mean-square told apart) is no larger
+            # than the formulas' head moment, which stands for the whole backward.
+            assert measured.head_backward_bytes <= tail.head_backward_peak, where
 
 
 def test_profile_after_a_long_sequence_does_not_over_price_many_short_ones(megatron_process):

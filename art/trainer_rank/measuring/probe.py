@@ -43,6 +43,7 @@ from typing import Any
 
 from art.megatron.geometry import ModelGeometry
 from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.measuring.meter import release_score_buffer
 from art.trainer_rank.measuring.probe_runs import (
     inner_model,
@@ -66,7 +67,7 @@ from art.trainer_rank.pricing.chunked import (
     split_points,
     with_points_inside_chunks,
 )
-from art.trainer_rank.pricing.coefficients import LayerMode, RecomputeMode
+from art.trainer_rank.pricing.coefficients import LayerMode, MeasuredTail, RecomputeMode
 from art.trainer_rank.pricing.fit import Fit, Poly
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import layer_kind
@@ -120,15 +121,37 @@ class ProbedLayer:
 
 @dataclass(frozen=True)
 class ProbedTail:
+    """The tail's curves over the whole row's tokens; the backward as its two moments
+    (`measure_tail`): the caller's own ops, then the head's and the final norm's."""
+
     kept: Fit
     forward: Fit
-    backward: Fit
+    caller_backward: Fit
+    head_backward: Fit
 
 
 # What one probe file holds and how it was measured; a change makes every older file a
 # cache miss and an error to load (2: the no-recompute modes carry `backward_held`; 3: the
-# no-grad modes measure `kept`).
-PROBE_FORMAT_VERSION = 3
+# no-grad modes measure `kept`; 4: the tail's backward in two moments, its points past the
+# head chunk and run with the trainer's chunk).
+PROBE_FORMAT_VERSION = 4
+
+# Tail points past the probe's own, as multiples of the head chunk: past one chunk the tail
+# grows by what a token adds (its outputs, its gradient rows), not by the chunk's working set,
+# which a curve fitted below the chunk would carry on per token.
+CHUNK_MULTIPLES: tuple[float, ...] = (1, 1.5, 2, 3, 4, 6, 8)
+
+
+def tail_points(points: Iterable[int], head_chunk_tokens: int, max_tokens: int | None
+                ) -> tuple[int, ...]:
+    """The row token counts a tail is measured at: `points`, and the head chunk's multiples up
+    to `max_tokens` (None: none), so that sizes past the chunk are interpolated between
+    measured rows instead of extrapolated from below it."""
+    extra = set()
+    if max_tokens is not None:
+        extra = {int(m * head_chunk_tokens) for m in CHUNK_MULTIPLES
+                 if int(m * head_chunk_tokens) <= max_tokens}
+    return tuple(sorted(set(points) | extra))
 
 
 @dataclass(frozen=True)
@@ -146,12 +169,15 @@ class ProbeCoefficients:
                 return fit.cost(s, padded)
         return None
 
-    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
-                  ) -> tuple[int, int, int] | None:
+    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
         for key, g, fit in self.tails:
             if key == outputs.key and g == grad:
-                return (max(0, fit.kept.at(s)), max(0, fit.forward.at(s)),
-                        max(0, fit.backward.at(s)))
+                caller = max(0, fit.caller_backward.at(s))
+                head = max(0, fit.head_backward.at(s))
+                return MeasuredTail(kept_bytes=max(0, fit.kept.at(s)),
+                                    forward_bytes=max(0, fit.forward.at(s)),
+                                    backward_bytes=max(caller, head),
+                                    head_backward_bytes=head)
         return None
 
     def partial_for(self, geometry: ModelGeometry) -> bool:
@@ -194,7 +220,8 @@ class ProbeCoefficients:
             for k, m, f in raw["layers"]
         )
         tails = tuple((k, bool(g), ProbedTail(poly(f["kept"]), poly(f["forward"]),
-                                               poly(f["backward"])))
+                                               poly(f["caller_backward"]),
+                                               poly(f["head_backward"])))
                       for k, g, f in raw["tails"])
         return cls(raw["key"], tuple(raw["tokens"]), layers, tails, found)
 
@@ -205,13 +232,16 @@ _CACHE: dict[str, ProbeCoefficients] = {}
 def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
               lora_rank: int, modes: Iterable[tuple[str, str]], outputs: Iterable[str],
               tokens: tuple[int, ...], device: str,
-              grad_tokens: tuple[int, ...] | None = None) -> str:
+              grad_tokens: tuple[int, ...] | None = None,
+              head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+              tail_max_tokens: int | None = None) -> str:
     fields = {
         "format": PROBE_FORMAT_VERSION,
         "geometry": geometry.to_dict() | {"source": ""},
         "implementation": implementation.key, "dtype": dtype, "layout": layout.summary,
         "lora": lora_rank, "modes": sorted(set(modes)), "outputs": sorted(set(outputs)),
-        "tokens": list(tokens), "device": device,
+        "tokens": list(tokens), "device": device, "head_chunk_tokens": head_chunk_tokens,
+        "tail_max_tokens": tail_max_tokens,
     }
     if grad_tokens is not None and tuple(grad_tokens) != tuple(tokens):
         fields["grad_tokens"] = list(grad_tokens)
@@ -245,7 +275,9 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
               lora_rank: int, modes: Iterable[LayerMode],
               outputs: Iterable[tuple[OutputRequest, bool]], device: str,
               tokens: tuple[int, ...] | None = None,
-              grad_tokens: tuple[int, ...] | None = None) -> str:
+              grad_tokens: tuple[int, ...] | None = None,
+              head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+              tail_max_tokens: int | None = None) -> str:
     """The key `probe` stores its coefficients under for these arguments, without a model:
     a stored probe whose key differs was measured for other inputs or by another version of
     the probe."""
@@ -255,7 +287,8 @@ def probe_key(*, geometry: ModelGeometry, layout: Any, implementation: Any, dtyp
                      modes=[(m.kind, m.mode.key) for m in _probed_modes(modes)],
                      outputs=[f"{k}:{g}" for k, g in tails],
                      tokens=tokens or default_probe_tokens(device, implementation, geometry),
-                     device=device, grad_tokens=grad_tokens)
+                     device=device, grad_tokens=grad_tokens,
+                     head_chunk_tokens=head_chunk_tokens, tail_max_tokens=tail_max_tokens)
 
 
 def _without_conv_padding(rows: dict[tuple[int, int], dict[str, float]],
@@ -297,11 +330,15 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
           outputs: Iterable[tuple[OutputRequest, bool]] = (),
           tokens: tuple[int, ...] | None = None, cache_dir: str | Path | None = None,
           progress: Callable[[str], None] | None = None,
-          grad_tokens: tuple[int, ...] | None = None) -> ProbeCoefficients:
+          grad_tokens: tuple[int, ...] | None = None,
+          head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+          tail_max_tokens: int | None = None) -> ProbeCoefficients:
     """Probe (layer kind, recompute mode) pairs and (outputs, grad) tails.
 
     `grad_tokens` (a prefix of `tokens`): the points grad modes and grad tails are measured at
     when fewer than `tokens` fit a memory limit (a grad peak is higher than a no-grad one).
+    `head_chunk_tokens`: the head chunk the tails run with (the trainer's); `tail_max_tokens`:
+    the largest row the tails are also measured at, past the layers' points (`tail_points`).
 
     Modes whose modules include ones the probe cannot switch (MoE-level) are skipped: the
     memory model falls back to its formulas for them.
@@ -315,7 +352,8 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
     tails = sorted({(o.key, o, g) for o, g in outputs}, key=lambda t: (t[0], t[2]))
     key = probe_key(geometry=geometry, layout=layout, implementation=implementation,
                     dtype=dtype, lora_rank=lora_rank, modes=modes, outputs=outputs,
-                    tokens=tokens, device=device.type, grad_tokens=grad_tokens)
+                    tokens=tokens, device=device.type, grad_tokens=grad_tokens,
+                    head_chunk_tokens=head_chunk_tokens, tail_max_tokens=tail_max_tokens)
     points = {False: tuple(tokens), True: tuple(grad_tokens or tokens)}
     if not set(points[True]) <= set(points[False]):
         raise ValueError(f"grad_tokens {points[True]} must be a subset of tokens {tokens}")
@@ -389,17 +427,20 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         # The tail runs on the whole row: under CP, the rows of the layers' points (each
         # point's local tokens times CP).
         cp = layout.context_parallel
-        tail_rows = per_tokens if cp == 1 else {
-            t: tail_inputs(model, t * cp, layout, implementation, device) for t in tokens}
+        tail_rows = {t: per_tokens[t] for t in tokens} if cp == 1 else {}
         for okey, request, grad in tails:
-            at = points[grad]
-            rows = [measure_tail(model, tail_rows[t], request, torch_dtype, device, grad)
-                    for t in at]
-            row_tokens = [t * cp for t in at]
+            row_tokens = tail_points((t * cp for t in points[grad]), head_chunk_tokens,
+                                     tail_max_tokens)
+            for n in row_tokens:
+                if n not in tail_rows:
+                    tail_rows[n] = tail_inputs(model, n, layout, implementation, device)
+            rows = [measure_tail(model, tail_rows[n], request, torch_dtype, device, grad,
+                                 head_chunk_tokens) for n in row_tokens]
             fitted_tails.append((okey, grad, ProbedTail(
                 kept=Fit.fit(row_tokens, [r["kept"] for r in rows]),
                 forward=Fit.fit(row_tokens, [r["forward"] for r in rows]),
-                backward=Fit.fit(row_tokens, [r["backward"] for r in rows]))))
+                caller_backward=Fit.fit(row_tokens, [r["caller_backward"] for r in rows]),
+                head_backward=Fit.fit(row_tokens, [r["head_backward"] for r in rows]))))
     finally:
         release_score_buffer()
         inner.train(was_training)

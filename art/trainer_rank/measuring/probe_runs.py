@@ -225,11 +225,13 @@ def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> tor
 
 
 def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
-             targets: torch.Tensor | None) -> tuple[Any, torch.Tensor]:
-    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes."""
+             targets: torch.Tensor | None, head_chunk_tokens: int | None = None
+             ) -> tuple[Any, torch.Tensor]:
+    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes, with
+    the trainer's head chunk (`head_chunk_tokens`; None: the head's default)."""
     from megatron.core import tensor_parallel
 
-    from art.trainer_rank.compute.heads import compute_heads
+    from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS, compute_heads
 
     inner = inner_model(model)
     hidden = inner.decoder.final_layernorm(x)
@@ -239,7 +241,8 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
     hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
     if outputs.uses_head:
         heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs
-                              else None, top_k=outputs.top_k, logits=outputs.logits)
+                              else None, top_k=outputs.top_k, logits=outputs.logits,
+                              chunk_tokens=head_chunk_tokens or HEAD_CHUNK_TOKENS)
     else:
         from art.trainer_rank.compute.heads import HeadOutputs
 
@@ -247,8 +250,42 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
     return heads, hidden
 
 
+def _head_backward_node(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> Any:
+    """The autograd node whose start ends the caller's own backward (its mean-square on the
+    hidden states): the head output's node, or the hidden row's where no head runs. None when
+    the caller's loss has no mean-square: the whole backward is the head's."""
+    if not outputs.hidden_states:
+        return None
+    for t in (heads.target_logprobs, heads.top_k_logprobs, heads.logits):
+        if t is not None and t.grad_fn is not None:
+            return t.grad_fn
+    return hidden.grad_fn
+
+
+class _CallerGradientsDone:
+    """A pre-hook on the head's backward node: takes the peak of the caller's part of the
+    backward when the head's part starts, and restarts the meter's peak for it."""
+
+    def __init__(self, meter: MemoryMeter, device: torch.device) -> None:
+        self.meter = meter
+        self.device = device
+        self.caller_peak: float | None = None
+
+    def __call__(self, *_: Any) -> None:
+        if self.caller_peak is None:
+            _sync(self.device, self.meter)
+            self.caller_peak = float(self.meter.peak_bytes)
+            self.meter.reset_peak()
+
+
 def measure_tail(model: Any, inputs: ProbeInputs, outputs: OutputRequest, dtype: torch.dtype,
-                 device: torch.device, grad: bool) -> dict[str, float]:
+                 device: torch.device, grad: bool, head_chunk_tokens: int | None = None
+                 ) -> dict[str, float]:
+    """kept / forward, and the backward's two moments as peaks above the tail's start:
+    `caller_backward` (the caller's own loss ops, before the head's backward starts) and
+    `head_backward` (the head's and the final norm's). A row that lays shared prefixes out
+    once runs the caller's ops per sequence, on copies, so only the head's moment meets the
+    row there; apart they price it exactly."""
     inner = inner_model(model)
     # The items' own rule, so that a request with nothing to differentiate is refused with
     # its reason rather than failing inside the caller-loss backward below.
@@ -260,30 +297,38 @@ def measure_tail(model: Any, inputs: ProbeInputs, outputs: OutputRequest, dtype:
                      requires_grad=grad)
     targets = torch.randint(0, inner.vocab_size, (batch.padded_tokens,), device=device)
     meter = MemoryMeter(device=device)
+    caller_backward = head_backward = 0.0
     with meter, torch.set_grad_enabled(grad):
         x = x0 * 1.0
         _sync(device, meter)
         start = meter.live_bytes
         meter.reset_peak()
-        heads, hidden = run_tail(model, x, batch, outputs, targets)
+        heads, hidden = run_tail(model, x, batch, outputs, targets, head_chunk_tokens)
         del x
         held = sum(_storage_nbytes(t) for t in (heads.target_logprobs, heads.top_k_logprobs,
                                                  heads.top_k_tokens, heads.logits))
         # The caller's frame holds the hidden row until backward returns (the trainer's
         # path keeps it as a local, and returns it when hidden states were requested).
         held += _storage_nbytes(hidden)
-        backward = 0.0
         if grad:
             loss = caller_loss(outputs, heads, hidden)
             _sync(device, meter)
             forward = meter.peak_bytes - start
+            done = _CallerGradientsDone(meter, device)
+            node = _head_backward_node(outputs, heads, hidden)
+            handle = node.register_prehook(done) if node is not None else None
+            meter.reset_peak()
             loss.backward()
             _sync(device, meter)
-            backward = meter.peak_bytes - start
+            if handle is not None:
+                handle.remove()
+            head_backward = meter.peak_bytes - start
+            caller_backward = (head_backward if done.caller_peak is None
+                               else done.caller_peak - start)
             del loss
         else:
             _sync(device, meter)
             forward = meter.peak_bytes - start
         del heads, hidden
-    return {"kept": held, "forward": forward, "backward": backward}
-
+    return {"kept": held, "forward": forward, "caller_backward": caller_backward,
+            "head_backward": head_backward}

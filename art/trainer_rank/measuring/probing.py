@@ -27,13 +27,15 @@ from typing import Any
 
 import torch
 
-from art.trainer_rank._request import OutputRequest
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS
 from art.trainer_rank.measuring import probe as probe_module
 from art.trainer_rank.measuring.probe_runs import inner_model
 from art.trainer_rank.measuring.probe_store import store_probe, stored_probe_text
 from art.trainer_rank.pricing.chunked import fewest_chunked_points, has_chunked_layers
-from art.trainer_rank.pricing.coefficients import LayerMode
+from art.trainer_rank.pricing.coefficients import LayerMode, MeasuredTail
 from art.trainer_rank.pricing.layer_terms import LayerCost, PricedKind
+from art.trainer_rank.pricing.tail import default_tail
 from art.trainer_rank.ranks import agree as _agree
 
 
@@ -103,12 +105,16 @@ class TrainerProbe:
     def __init__(self, provider: Any, model: Any, *, policies: Iterable[Any],
                  cache_dir: str | Path | None = None,
                  tokens: tuple[int, ...] | None = None,
-                 default_model: Any = None, usable_bytes: int | None = None) -> None:
+                 default_model: Any = None, usable_bytes: int | None = None,
+                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
         """`default_model` and `usable_bytes` (both or neither): probe only at points whose
         micro-batch the default formulas fit in the limit (grad and no-grad separately, and
         per output mix for the tails); the trainer updates `usable_bytes` before each plan,
-        so a tail probed on first use stays under the limit read right before it."""
+        so a tail probed on first use stays under the limit read right before it. With them,
+        a tail is also measured at the multiples of the head chunk (`head_chunk_tokens`, the
+        one the trainer runs) whose tail the formulas fit in half the limit."""
         self.provider = provider
+        self.head_chunk_tokens = int(head_chunk_tokens)
         self.model = model
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.default_model = default_model
@@ -137,12 +143,12 @@ class TrainerProbe:
                    ) -> LayerCost | None:
         return self.layers.layer_cost(kind, mode, s, padded)
 
-    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
-                  ) -> tuple[int, int, int] | None:
+    def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
         tail = self.tails.get((outputs.key, grad))
         if tail is None:
             tail = self._agreed(modes=(), outputs=((outputs, grad),),
-                                tokens=self._points(outputs, grad))
+                                tokens=self._points(outputs, grad),
+                                tail_max_tokens=self._tail_max_tokens(outputs, grad))
             self.tails[(outputs.key, grad)] = tail
             self.probed_tails.append(f"{outputs.key}:{'grad' if grad else 'no-grad'}")
         return tail.tail_cost(outputs, grad, s)
@@ -163,11 +169,29 @@ class TrainerProbe:
                                       self.default_model, self.usable_bytes, grad=grad,
                                       outputs=outputs)
 
+    def _tail_max_tokens(self, outputs: OutputRequest, grad: bool) -> int | None:
+        """The largest multiple of the head chunk (`probe.CHUNK_MULTIPLES`) whose tail alone
+        the default formulas fit in half the limit: the tail probe allocates that much, and
+        a row whose tail takes more than half the limit is rarely admitted. None: no limit
+        known, or not one chunk fits."""
+        if self.default_model is None or self.usable_bytes is None:
+            return None
+        fitting = None
+        for multiple in probe_module.CHUNK_MULTIPLES:
+            tokens = int(multiple * self.head_chunk_tokens)
+            tail = default_tail(self.default_model, MicroBatchShape(
+                (tokens,), outputs=outputs, grad_enabled=grad), tokens)
+            if max(tail.forward + tail.gathered_logits, tail.backward) > self.usable_bytes / 2:
+                break
+            fitting = tokens
+        return fitting
+
     # -- probing, agreed over the replica ------------------------------------------------------
 
     def _key(self, modes: Iterable[LayerMode], outputs: Iterable[tuple[OutputRequest, bool]],
              tokens: tuple[int, ...] | None = None,
-             grad_tokens: tuple[int, ...] | None = None) -> str:
+             grad_tokens: tuple[int, ...] | None = None,
+             tail_max_tokens: int | None = None) -> str:
         # Mirrors how probe.probe() names its cache entry (same filtering of unprobeable modes).
         wanted = {m for m in modes if m.mode.modules <= probe_module.PROBED_MODULES}
         provider = self.provider
@@ -177,12 +201,14 @@ class TrainerProbe:
             modes=[(m.kind, m.mode.key) for m in wanted],
             outputs=[f"{o.key}:{g}" for o, g in outputs], tokens=tokens or self.tokens,
             device=self._device_type,
-            grad_tokens=grad_tokens,
+            grad_tokens=grad_tokens, head_chunk_tokens=self.head_chunk_tokens,
+            tail_max_tokens=tail_max_tokens,
         )
 
     def _agreed(self, *, modes: Iterable[LayerMode],
                 outputs: Iterable[tuple[OutputRequest, bool]], tokens: tuple[int, ...],
-                grad_tokens: tuple[int, ...] | None = None) -> Any:
+                grad_tokens: tuple[int, ...] | None = None,
+                tail_max_tokens: int | None = None) -> Any:
         modes, outputs = list(modes), list(outputs)
         provider = self.provider
 
@@ -192,14 +218,16 @@ class TrainerProbe:
                     self.model, geometry=provider.geometry, layout=provider.layout,
                     implementation=provider.implementation, dtype=provider.dtype,
                     lora_rank=self.lora_rank, modes=modes, outputs=outputs,
-                    tokens=tokens, grad_tokens=grad_tokens, cache_dir=cache_dir)
+                    tokens=tokens, grad_tokens=grad_tokens, cache_dir=cache_dir,
+                    head_chunk_tokens=self.head_chunk_tokens,
+                    tail_max_tokens=tail_max_tokens)
 
         if _agree.replica_size() == 1:
             agreed = run(self.cache_dir)
         else:
             # Several ranks run the probe's layers together (TP collectives): all of them probe
             # or none does. A cached copy counts only when every rank of the replica has one.
-            key = self._key(modes, outputs, tokens, grad_tokens)
+            key = self._key(modes, outputs, tokens, grad_tokens, tail_max_tokens)
             cached = key in probe_module._CACHE or self._stored(key)
             if _agree.min_over_replica(int(cached)):
                 mine = run(self.cache_dir)

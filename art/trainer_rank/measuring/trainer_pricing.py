@@ -55,7 +55,7 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
                 provider, model, policies=policies, cache_dir=cache_dir,
                 default_model=replace(MemoryModel.for_provider(provider),
                                       head_chunk_tokens=head_chunk_tokens),
-                usable_bytes=usable,
+                usable_bytes=usable, head_chunk_tokens=head_chunk_tokens,
             )
         memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
                                head_chunk_tokens=head_chunk_tokens)

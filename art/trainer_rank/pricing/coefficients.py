@@ -47,6 +47,18 @@ class LayerMode:
         return (self.kind, sorted(self.mode.modules), self.mode.grad, self.mode.full_layers)
 
 
+@dataclass(frozen=True)
+class MeasuredTail:
+    """A tail measured at one row size: what it keeps, its forward peak, and its backward
+    peak with, of that, the moment of the head's backward (without the caller's own ops,
+    which a row of shared prefixes runs per sequence instead)."""
+
+    kept_bytes: int
+    forward_bytes: int
+    backward_bytes: int
+    head_backward_bytes: int
+
+
 class Coefficients(Protocol):
     """Measured per-layer and tail costs the memory model prices with instead of its formulas;
     None from a lookup means "not measured": the formulas price that part."""
@@ -58,6 +70,6 @@ class Coefficients(Protocol):
                    ) -> LayerCost | None: ...
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int
-                  ) -> tuple[float, float, float] | None: ...
+                  ) -> MeasuredTail | None: ...
 
     def partial_for(self, geometry: ModelGeometry) -> bool: ...

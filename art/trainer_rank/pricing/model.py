@@ -421,20 +421,22 @@ class MemoryModel:
         if self.coefficients is not None:
             probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
             if probed is not None:
-                kept, forward, backward = probed
                 # The probe's kept is the outputs' storages; the caller's loss scalars too.
-                kept += CALLER_LOSS_SCALARS_BYTES if batch.grad_enabled else 0
-                # The probe measured its synthetic loss; a caller's per-token loss is more.
+                kept = probed.kept_bytes + (CALLER_LOSS_SCALARS_BYTES
+                                            if batch.grad_enabled else 0)
+                forward = probed.forward_bytes
+                # The probe measured its synthetic loss; a caller's per-token loss is more,
+                # and lives through the head's backward.
                 caller_loss = (caller_per_token_loss_bytes(batch.outputs, S)
                                if batch.grad_enabled else 0.0)
-                backward += caller_loss
                 # The probe measured the gather inside its forward: shown as its own term.
                 gathered = min(float(forward), gathered_logits_bytes(self, batch, S))
                 # What the head keeps for its own backward is not among the probe's curves:
                 # the formulas' (a few bytes per token).
                 saved = default_tail(self, batch, S).saved
-                return TailCost(kept, forward - gathered, backward, "probe", gathered,
-                                saved, caller_loss), True
+                return TailCost(kept, forward - gathered, probed.backward_bytes + caller_loss,
+                                "probe", gathered, saved, caller_loss,
+                                head_backward=probed.head_backward_bytes + caller_loss), True
         return default_tail(self, batch, S), False
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,

@@ -38,7 +38,9 @@ class TailCost:
     of `forward` (a term of its own); `saved`: what the head and final norm keep for their own
     backward beside `kept` (the log-normaliser, the norm's inverse rms), live from the
     forward's return until the head's backward; `caller_loss`: of `backward`, a caller's
-    per-token loss gradients at the row (`caller_per_token_loss_bytes`)."""
+    per-token loss gradients at the row (`caller_per_token_loss_bytes`); `head_backward`: of
+    the backward's moments, the head's and the final norm's without the caller's own ops on
+    the row (measured by the probe; None: not told apart, `backward` stands for it)."""
 
     kept: float
     forward: float
@@ -47,6 +49,12 @@ class TailCost:
     gathered_logits: float = 0.0
     saved: float = 0.0
     caller_loss: float = 0.0
+    head_backward: float | None = None
+
+    @property
+    def head_backward_peak(self) -> float:
+        """The head's backward moment: `head_backward`, else the whole `backward`."""
+        return self.backward if self.head_backward is None else self.head_backward
 
 
 def gathered_logits_bytes(model: PricedModel, batch: MicroBatchShape, s: int) -> float:
@@ -75,15 +83,17 @@ def caller_per_token_loss_bytes(outputs: OutputRequest, rows: float) -> float:
     return rows * per_token * FP32
 
 
-def caller_mean_square_per_row(model: PricedModel) -> tuple[float, float]:
+def caller_mean_square_per_row(model: PricedModel, *, on_decoder_row: bool = True
+                               ) -> tuple[float, float]:
     """Bytes per row of the caller's fp32 mean-square on hidden states: (forward, backward).
     Forward: the squares, and the fp32 copy in low precision, which the square keeps. Its
     backward holds four hidden-sized fp32 rows at once (the incoming gradient, x^1, 2 x^1,
     their product: pow's backward) before the hidden row's gradient exists: three beyond it,
-    four where torch's composite final norm runs the same pow backward beside that gradient."""
+    four where torch's composite final norm runs the same pow backward beside that gradient
+    (`on_decoder_row`; a sequence's copy of its rows has no norm behind it: three)."""
     g, b = model.geometry, model.dtype_bytes
     copy = g.hidden_size * FP32 if b < FP32 else 0.0
-    rows_held = 4 if model.implementation.norm == "torch" else 3
+    rows_held = 4 if on_decoder_row and model.implementation.norm == "torch" else 3
     return g.hidden_size * FP32 + copy, rows_held * g.hidden_size * FP32 + copy
 
 
@@ -199,7 +209,8 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         if out.hidden_states:
             # The caller's fp32 mean-square per sequence, over L rows; its backward's
             # transients, one sequence at a time, end before the gather's.
-            square_forward, square_backward = caller_mean_square_per_row(model)
+            square_forward, square_backward = caller_mean_square_per_row(
+                model, on_decoder_row=False)
             caller_forward = logical * square_forward
             caller_backward = float(max(batch.sequence_lengths_tokens)) * square_backward
         gather_backward = (kept + held_row + row.saved + logical * grad_row
@@ -209,12 +220,14 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         # for log-probs summed by the caller are a view of the loss's scalar gradient (no
         # storage) and for logits and hidden states are tensors the row's tail holds.
         # (The row's own caller-loss term is that same gradient at the row: not twice.)
-        backward = max(row.backward - row.caller_loss + kept + held_row
+        # Only the head's moment of the row's backward meets the copies: the caller's own ops
+        # run per sequence, on the copies, and the gather's branch prices them.
+        backward = max(row.head_backward_peak - row.caller_loss + kept + held_row
                        + rows * logprob_grad_row - row.kept + rescore.backward,
                        gather_backward)
     forward = max(row.forward + kept - row.kept + rescore.forward,
                   row.kept + row.saved + copies + caller_forward)
-    return replace(row, kept=kept, forward=forward, backward=backward,
+    return replace(row, kept=kept, forward=forward, backward=backward, head_backward=None,
                    note=f"{row.note}; per-sequence output copies of {int(logical)} rows")
 
 

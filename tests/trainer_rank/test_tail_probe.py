@@ -1,0 +1,68 @@
+"""The head tail's probe past the head chunk, on a real Megatron-Core model (CPU, fp32, TP=1).
+
+Past one head chunk the tail grows by what each token adds (its outputs, its gradient rows),
+not by the chunk's working set: a curve fitted at rows no longer than the chunk and carried
+past it over-prices every long row. (The backward's two moments told apart, which a row of
+shared prefixes needs, are guarded by the seed call's test, tests/distributed/
+test_seed_call.py, where the head's moment sets the peak.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from peft import LoraConfig
+
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.provider import Provider
+from art.megatron.settings import load_settings
+from art.trainer_rank._request import OutputRequest
+from art.trainer_rank.measuring.probe import CHUNK_MULTIPLES, probe, tail_points
+from art.trainer_rank.measuring.probe_runs import measure_tail, tail_inputs
+
+from _tiny import tiny_dense
+
+CHUNK = 64
+OUTPUTS = OutputRequest(target_logprobs=True, hidden_states=True)
+# Off the chunk's multiples and past the largest one measured (8 chunks).
+ROWS = (211, 397, 611)
+
+
+def test_tail_points_add_the_chunk_multiples_that_fit():
+    assert tail_points((16, 48), 64, None) == (16, 48)
+    assert tail_points((16, 48), 64, 200) == (16, 48, 64, 96, 128, 192)
+    assert tail_points((16, 64), 64, 10_000) == tuple(
+        sorted({16} | {int(m * 64) for m in CHUNK_MULTIPLES}))
+
+
+@pytest.fixture(scope="module")
+def runtime(megatron_process):
+    provider = Provider(tiny_dense(num_layers=2, vocab=256),
+                        settings=load_settings({"ART_MEGATRON_RECOMPUTE_GRANULARITY":
+                                                "selective"}),
+                        lora=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "o_proj"]),
+                        dtype="float32", implementation=Implementation.cpu_local())
+    return provider, provider.build_model(seed=0)
+
+
+def _measured_peak(row: dict[str, float]) -> float:
+    return max(row["forward"], row["caller_backward"], row["head_backward"])
+
+
+def test_tail_past_the_head_chunk_is_priced_from_rows_measured_past_it(runtime):
+    provider, model = runtime
+    layout, implementation = ParallelLayout(), provider.implementation
+    device = torch.device("cpu")
+    coefficients = probe(model, geometry=provider.geometry, layout=layout,
+                         implementation=implementation, dtype="float32", lora_rank=4,
+                         modes=(), outputs=[(OUTPUTS, True)], tokens=(16, 24, 32, 48),
+                         head_chunk_tokens=CHUNK, tail_max_tokens=8 * CHUNK)
+    for rows in ROWS:
+        inputs = tail_inputs(model, rows, layout, implementation, device)
+        seen = measure_tail(model, inputs, OUTPUTS, torch.float32, device, True, CHUNK)
+        priced = coefficients.tail_cost(OUTPUTS, True, rows)
+        assert priced is not None
+        ratio = max(priced.forward_bytes, priced.backward_bytes) / _measured_peak(seen)
+        assert 1.0 <= ratio <= 1.02, (rows, ratio, priced, seen)
+        # The head's moment is one of the two the backward is the larger of.
+        assert priced.head_backward_bytes <= priced.backward_bytes
