@@ -90,11 +90,14 @@ MEGATRON_ENV = EnvTable(
                default_text="unset = 1"),
         EnvVar("EXPERT_MODEL_PARALLEL_SIZE", int_at_least(1),
                "expert-parallel ranks for MoE layers",
-               field="expert_model_parallel_size", default=1, default_text="1"),
+               field="expert_model_parallel_size", default=1,
+               default_text="1; MoE models on several GPUs with no layout set: the GPUs "
+                            + _DEFAULT_LAYOUT),
         EnvVar("EXPERT_TENSOR_PARALLEL_SIZE", int_at_least(1),
                "tensor-parallel ranks inside each expert",
                field="expert_tensor_parallel_size", default=None, nullable=True,
-               default_text="unset = tensor parallel"),
+               default_text="unset = tensor parallel; 1 where the default layout spreads "
+                            "the experts " + _DEFAULT_LAYOUT),
         # Its default depends on TP: load_settings derives it (False is the TP = 1 value).
         EnvVar("SEQUENCE_PARALLEL", parse_bool,
                "shard norm/dropout activations over TP (bool)",

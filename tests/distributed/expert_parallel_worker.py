@@ -2,7 +2,12 @@
 ranks) or TP=2 with sequence parallel (4 ranks: TP=2 x EP=2, experts TP-sharded as Megatron's
 expert TP defaults to TP).
 
-argv: out_dir [tp]. Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
+argv: out_dir [tp [etp]]. With etp 1 at TP=2 (2 ranks: upstream's default for a MoE model,
+EP = TP = the GPUs, expert TP 1) the EP group is the TP group: the ranks hold different halves
+of the sequence (sequence parallel), so an expert's gradient at EP=2 is the sum of its two
+TP ranks' parts at EP=1 (expert TP 1, every expert whole on both).
+
+Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
 its weights; phase 2 rebuilds Megatron's parallel state at EP=2 and loads them, each rank
 taking its own experts (`local_experts.i` on EP rank r is global expert r x E/EP + i). Both
 ranks feed the same tokens, so at EP=2 every expert receives the tokens of both ranks: its
@@ -31,12 +36,12 @@ IMPLEMENTATION = Implementation.cpu_local()
 EXPERT = re.compile(r"^(?P<head>.*local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
 
 
-def _run(ep: int, state: dict | None, tp: int) -> tuple[dict, torch.Tensor, dict]:
+def _run(ep: int, state: dict | None, tp: int, etp: int) -> tuple[dict, torch.Tensor, dict]:
     from megatron.core import parallel_state
 
     geometry = tiny_moe(num_layers=2)
     layout = ParallelLayout(tensor_parallel=tp, expert_parallel=ep, sequence_parallel=tp > 1,
-                            expert_tensor_parallel=tp,
+                            expert_tensor_parallel=etp,
                             data_parallel=dist.get_world_size() // tp)
     config = build_transformer_config(geometry, layout=layout,
                                       recompute=RecomputeConfig("selective"),
@@ -77,18 +82,27 @@ def main() -> None:
 
     out_dir = sys.argv[1]
     tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    initialize_distributed(tensor_parallel=tp, expert_parallel=1)
-    state, whole_logits, whole_grads = _run(1, None, tp)
+    etp = int(sys.argv[3]) if len(sys.argv) > 3 else tp
+    initialize_distributed(tensor_parallel=tp, expert_parallel=1, expert_tensor_parallel=etp)
+    state, whole_logits, whole_grads = _run(1, None, tp, etp)
     parallel_state.destroy_model_parallel()
-    initialize_distributed(tensor_parallel=tp, expert_parallel=2)
-    _, split_logits, split_grads = _run(2, state, tp)
+    initialize_distributed(tensor_parallel=tp, expert_parallel=2, expert_tensor_parallel=etp)
+    _, split_logits, split_grads = _run(2, state, tp, etp)
+    # Who feeds an expert at EP=2: both data-parallel ranks the same tokens (twice EP=1's
+    # gradient), or, with the EP group inside the TP group, the TP ranks their own halves.
+    over_tp = etp == 1 and tp > 1
+    if over_tp:
+        for name, grad in whole_grads.items():
+            if EXPERT.match(name):
+                dist.all_reduce(grad)
+    factor = 1 if over_tp else 2
     scale = max(g.abs().max().item() for g in whole_grads.values())
     expert_diff = other_diff = 0.0
     experts = others = 0
     for name, grad in split_grads.items():
         if EXPERT.match(name):
             experts += 1
-            expert_diff = max(expert_diff, (grad - 2 * whole_grads[name]).abs().max().item())
+            expert_diff = max(expert_diff, (grad - factor * whole_grads[name]).abs().max().item())
         else:
             others += 1
             other_diff = max(other_diff, (grad - whole_grads[name]).abs().max().item())
@@ -99,7 +113,9 @@ def main() -> None:
                    "expert_grad": expert_diff / scale, "other_grad": other_diff / scale,
                    "experts": experts, "others": others,
                    "expert_parallel": parallel_state.get_expert_model_parallel_world_size(),
-                   "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size()},
+                   "tensor_parallel": parallel_state.get_tensor_model_parallel_world_size(),
+                   "expert_tensor_parallel":
+                       parallel_state.get_expert_tensor_parallel_world_size()},
                   f)
     shutdown_distributed()
 

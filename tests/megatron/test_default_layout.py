@@ -30,7 +30,10 @@ def test_hybrids_get_context_parallel_and_moe_models_tensor_parallel():
     assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 8)
     s = default_layout(load_settings({}), MOE, visible_gpus=2, world_size=2)
     assert (s.tensor_model_parallel_size, s.context_parallel_size) == (2, 1)
-    assert s.sequence_parallel and s.expert_model_parallel_size == 1
+    # As upstream: the experts spread over the same GPUs, each held whole (expert TP 1).
+    assert s.sequence_parallel
+    assert (s.expert_model_parallel_size, s.expert_tensor_parallel_size) == (2, 1)
+    assert "2 visible GPUs" in s.source_of("expert_model_parallel_size")
     # Qwen3.5-35B-A3B has 2 KV groups: TP 8 cannot shard them, so nothing changes.
     s = default_layout(load_settings({}), MOE, visible_gpus=8, world_size=8)
     assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 1)
@@ -38,7 +41,8 @@ def test_hybrids_get_context_parallel_and_moe_models_tensor_parallel():
 
 @pytest.mark.parametrize("env", [{"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"},
                                  {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "1"},
-                                 {"ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE": "1"}])
+                                 {"ART_MEGATRON_PIPELINE_MODEL_PARALLEL_SIZE": "1"},
+                                 {"ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE": "1"}])
 def test_a_layout_set_explicitly_is_kept(env):
     s = default_layout(load_settings(env), DENSE, visible_gpus=8, world_size=8)
     assert s == load_settings(env)
