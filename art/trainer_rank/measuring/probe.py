@@ -14,7 +14,9 @@ small token counts, and measures with the memory meter (CPU: live storages; GPU:
   returns, as Megatron's checkpoint (CheckpointFunction.backward) holds its unit's.
 Each quantity is fitted exactly by c0 + c1 s + c2 s^2 over the three token counts. The tail
 (final norm + chunked head + requested outputs + caller loss + backward) is probed the same
-way per output request. The selective modes are switched on the built layer through the
+way per output request, with the trainer's head chunk, at the layers' points and at multiples
+of the chunk (`tail_points`), its backward as two moments (the caller's ops, the head's).
+The selective modes are switched on the built layer through the
 attributes Megatron sets from the config at construction (`recompute_mlp`,
 `recompute_input_layernorm`, `recompute_pre_mlp_layernorm`, `checkpoint_core_attention`), and
 restored afterwards. MoE-level modules (moe, moe_act, shared_experts) are not probed: those
