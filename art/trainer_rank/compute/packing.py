@@ -152,11 +152,14 @@ def pack_sequences(
     layout: ParallelLayout,
     device: torch.device | str = "cpu",
     groups: Sequence[int] | None = None,
+    attention: bool = True,
 ) -> PackedBatch:
     """Pack 1-D token tensors into one row with per-sequence positions and isolation.
 
     `groups`: how many consecutive sequences form each indivisible group (its prefix tree is
     laid out once when the implementation takes trees); None = every sequence on its own.
+    `attention=False`: a row only the output heads see, without the attention's mask or packed
+    parameters (the unfused attention's dense mask is quadratic in the row).
     """
     if len(sequences) == 0:
         raise ValueError("pack_sequences needs at least one sequence, got none")
@@ -208,12 +211,12 @@ def pack_sequences(
     attention_layout = AttentionLayout(total, tuple(segments))
     attention_mask: Tensor | None = None
     packed_seq_params: Any | None = None
-    if implementation.spec == "te":
+    if attention and implementation.spec == "te":
         blocks = [segment.length for segment in segments]
         packed_seq_params = _thd_params(lengths, blocks, total, real_end, device)
-    elif implementation.attention == "flash":
+    elif attention and implementation.attention == "flash":
         packed_seq_params = attention_layout
-    else:
+    elif attention:
         attention_mask = attention_layout.dense_mask(device)
     merged = tuple(_merge_spans(p) for p in pieces)
     return PackedBatch(

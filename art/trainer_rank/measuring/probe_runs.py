@@ -103,7 +103,7 @@ def tail_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
     inner = inner_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (tokens,), device=device)]
     batch = pack_sequences(sequences, implementation=implementation, layout=layout,
-                           device=device)
+                           device=device, attention=False)
     rows = batch.padded_tokens
     if layout.sequence_parallel:
         rows //= layout.tensor_parallel
