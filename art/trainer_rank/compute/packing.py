@@ -211,13 +211,14 @@ def pack_sequences(
     attention_layout = AttentionLayout(total, tuple(segments))
     attention_mask: Tensor | None = None
     packed_seq_params: Any | None = None
-    if attention and implementation.spec == "te":
-        blocks = [segment.length for segment in segments]
-        packed_seq_params = _thd_params(lengths, blocks, total, real_end, device)
-    elif attention and implementation.attention == "flash":
-        packed_seq_params = attention_layout
-    elif attention:
-        attention_mask = attention_layout.dense_mask(device)
+    if attention:
+        if implementation.spec == "te":
+            blocks = [segment.length for segment in segments]
+            packed_seq_params = _thd_params(lengths, blocks, total, real_end, device)
+        elif implementation.attention == "flash":
+            packed_seq_params = attention_layout
+        else:
+            attention_mask = attention_layout.dense_mask(device)
     merged = tuple(_merge_spans(p) for p in pieces)
     return PackedBatch(
         tokens=torch.cat(tokens).view(1, total),
