@@ -155,3 +155,16 @@ def test_moe_layers_pack_like_dense_ones(megatron_process):
             (alone_outputs,), _ = _run(model, [sequence])
             torch.testing.assert_close(packed_outputs[0], alone_outputs[0], rtol=1e-5, atol=1e-5)
             torch.testing.assert_close(packed_outputs[1], alone_outputs[1], rtol=1e-5, atol=1e-5)
+
+
+def test_a_context_parallel_split_of_an_unfused_row_names_the_build_that_takes_it():
+    """A row packed for Megatron's unfused attention (a dense mask, no AttentionLayout) cannot
+    be split over CP ranks; the error names the implementations that can, and no setting
+    that does not exist."""
+    from art.megatron.context_parallel import ContextParallelSplit
+    from art.trainer_rank.compute.forward import _split_layout
+
+    batch = pack_sequences([torch.arange(8)], implementation=LOCAL, layout=ParallelLayout())
+    with pytest.raises(ValueError, match=r"cpu_local\('flash'\).*cuda_local\(\)") as raised:
+        _split_layout(batch, ContextParallelSplit(total_tokens=8, size=2, rank=0))
+    assert "ART_MEGATRON_ATTENTION_BACKEND" not in str(raised.value)

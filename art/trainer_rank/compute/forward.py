@@ -153,7 +153,8 @@ def _split_layout(batch: PackedBatch, split: ContextParallelSplit) -> SplitRowLa
         raise ValueError(
             f"context parallel {split.size} runs the segmented flash attention, which takes the "
             "row's AttentionLayout; this batch was packed for another attention "
-            f"({type(batch.packed_seq_params).__name__}); build the model with "
-            "ART_MEGATRON_ATTENTION_BACKEND=flash"
+            f"({type(batch.packed_seq_params).__name__}); build the model with the segmented "
+            "flash attention (the runtime's choice for CP > 1; Implementation.cpu_local('flash') "
+            "or Implementation.cuda_local())"
         )
     return SplitRowLayout(batch.packed_seq_params, split)
