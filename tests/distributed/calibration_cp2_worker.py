@@ -29,6 +29,9 @@ def main() -> None:
              shared_prefix=37, **cp),
         Cell("gqa-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
         Cell("gqa-128", "selective default", 8, 1, (270,), "logits", True, **cp),
+        # Hidden states with grad: the caller's mean-square backward meets the final norm's,
+        # which runs on this rank's rows before the row is gathered.
+        Cell("gqa-128", "selective default", 8, 1, (161, 202), "hidden_states", True, **cp),
         # The hybrid: its Gated DeltaNet layers run the whole row gathered on every CP rank.
         Cell("hybrid-128", "selective default", 8, 1, (150, 231), "logprobs", True, **cp),
         Cell("hybrid-128", "selective default", 8, 1, (300, 190, 41), "logprobs", True,

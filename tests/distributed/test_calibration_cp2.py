@@ -26,11 +26,16 @@ def cp2_run(tmp_path_factory) -> Path:
 def test_cp2_cells_within_target(cp2_run):
     ranks = rank_records(cp2_run)
     for rows in ranks:
-        assert len(rows) == 7
+        assert len(rows) == 8
         for row in rows:
             assert (row["tensor_parallel"], row["context_parallel"]) == (1, 2)
             assert 1.0 <= row["ratio"] <= 1.05, row
             assert 1.0 <= row["default_ratio"] <= 1.05, row
+            if row["outputs"] == "hidden_states":
+                # The probe's tail runs the final norm on this rank's rows, as the trainer's
+                # path does; run on the whole row, its backward holds the other rank's rows
+                # too and prices this cell about 2% over.
+                assert row["ratio"] <= 1.01, row
     for a, b in zip(*ranks):
         assert abs(a["measured_bytes"] - b["measured_bytes"]) <= 0.05 * a["measured_bytes"]
 

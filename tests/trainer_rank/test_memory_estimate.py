@@ -251,3 +251,22 @@ def test_an_ep_rank_s_experts_take_every_ep_rank_s_tokens():
     two = _model(g, granularity=None, ep=2).estimate(batch)
     assert two.dynamic_bytes == pytest.approx(one.dynamic_bytes, rel=1e-3)
     assert two.resident_bytes < one.resident_bytes
+
+
+def test_the_final_norm_s_rows_in_the_tail_are_this_cp_rank_s():
+    # The final norm runs inside the decoder on this CP rank's rows; only its output is
+    # gathered to the whole row. Every per-row term of the norm in the tail (its inverse rms,
+    # its fp32 upcast, the pow backward it adds beside a caller's mean-square on hidden
+    # states) counts those rows, so CP=2 takes half of each off the whole-row tail.
+    from art.trainer_rank.pricing.tail import default_tail
+
+    g = load_geometry("Qwen3-8B")
+    impl = Implementation.cpu_local("flash")
+    assert impl.norm == "torch"
+    tokens = 4096
+    batch = _batch((tokens,), "hidden_states")
+    one = default_tail(_model(g, impl=impl, granularity=None), batch, tokens)
+    two = default_tail(_model(g, impl=impl, granularity=None, cp=2), batch, tokens)
+    other_rank_rows = tokens // 2
+    per_row = 4 + g.hidden_size * 4 + g.hidden_size * 4  # rms, bf16 upcast, pow backward
+    assert one.backward - two.backward == other_rank_rows * per_row

@@ -247,6 +247,10 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
     }
     if grad_tokens is not None and tuple(grad_tokens) != tuple(tokens):
         fields["grad_tokens"] = list(grad_tokens)
+    if layout.context_parallel > 1:
+        # The tail's final norm runs on this CP rank's rows and its output is gathered over
+        # CP, as the trainer's path runs it: other tail curves than a norm on the whole row.
+        fields["tail_norm"] = "context-parallel-local"
     if has_chunked_layers(geometry):
         # Fitted by chunks, with sparse-chunk rows: other coefficients.
         fields["chunked_fit"] = [GDN_CHUNK_TOKENS, list(SPARSE_TOKENS_PER_CHUNK)]

@@ -96,15 +96,16 @@ def probe_inputs(model: Any, tokens: int | list[int], layout: Any, implementatio
 
 def tail_inputs(model: Any, tokens: int, layout: Any, implementation: Any,
                 device: torch.device) -> ProbeInputs:
-    """A packed row of `tokens` as the tail sees it: the heads run on the whole row on every
-    CP rank (the decoder output is gathered to it), so no CP split."""
+    """A packed row of `tokens` as the tail sees it: the final norm runs inside the decoder on
+    this rank's rows (its CP share, its sequence-parallel shard), and the heads on the whole
+    row on every CP rank (`run_tail` gathers it), so the rows fed in are the local ones."""
     from art.trainer_rank.compute.packing import pack_sequences
 
     inner = inner_model(model)
     sequences = [torch.randint(0, inner.vocab_size, (tokens,), device=device)]
     batch = pack_sequences(sequences, implementation=implementation, layout=layout,
                            device=device, attention=False)
-    rows = batch.padded_tokens
+    rows = batch.padded_tokens // layout.context_parallel
     if layout.sequence_parallel:
         rows //= layout.tensor_parallel
     return ProbeInputs(batch, None, rows)
@@ -227,10 +228,12 @@ def caller_loss(outputs: OutputRequest, heads: Any, hidden: torch.Tensor) -> tor
 def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
              targets: torch.Tensor | None, head_chunk_tokens: int | None = None
              ) -> tuple[Any, torch.Tensor]:
-    """Final norm (+ SP gather) + chunked head: the same calls the trainer's path makes, with
-    the trainer's head chunk (`head_chunk_tokens`; None: the head's default)."""
+    """Final norm (+ SP gather, + CP gather) + chunked head: the same calls the trainer's path
+    makes (`decoder_hidden_states`), with the trainer's head chunk (`head_chunk_tokens`; None:
+    the head's default)."""
     from megatron.core import tensor_parallel
 
+    from art.megatron.context_parallel import gather_row, split_for_this_rank
     from art.trainer_rank.compute.heads import HEAD_CHUNK_TOKENS, compute_heads
 
     inner = inner_model(model)
@@ -238,6 +241,9 @@ def run_tail(model: Any, x: torch.Tensor, batch: Any, outputs: OutputRequest,
     if inner.config.sequence_parallel:
         hidden = tensor_parallel.gather_from_sequence_parallel_region(
             hidden, tensor_parallel_output_grad=False)
+    if inner.config.context_parallel_size > 1:
+        hidden = gather_row(hidden, split_for_this_rank(batch.padded_tokens),
+                            replicated_grad=True)
     hidden = hidden.reshape(batch.padded_tokens, hidden.shape[-1])
     if outputs.uses_head:
         heads = compute_heads(model, hidden, target_tokens=targets if outputs.target_logprobs

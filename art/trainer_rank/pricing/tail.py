@@ -83,18 +83,25 @@ def caller_per_token_loss_bytes(outputs: OutputRequest, rows: float) -> float:
     return rows * per_token * FP32
 
 
-def caller_mean_square_per_row(model: PricedModel, *, on_decoder_row: bool = True
-                               ) -> tuple[float, float]:
+def caller_mean_square_per_row(model: PricedModel) -> tuple[float, float]:
     """Bytes per row of the caller's fp32 mean-square on hidden states: (forward, backward).
     Forward: the squares, and the fp32 copy in low precision, which the square keeps. Its
     backward holds four hidden-sized fp32 rows at once (the incoming gradient, x^1, 2 x^1,
-    their product: pow's backward) before the hidden row's gradient exists: three beyond it,
-    four where torch's composite final norm runs the same pow backward beside that gradient
-    (`on_decoder_row`; a sequence's copy of its rows has no norm behind it: three)."""
+    their product: pow's backward) before the hidden row's gradient exists: three beyond it.
+    Where the rows are the decoder's own, torch's composite final norm runs the same pow
+    backward beside that gradient on the rows it normed (`final_norm_pow_backward_bytes`)."""
     g, b = model.geometry, model.dtype_bytes
     copy = g.hidden_size * FP32 if b < FP32 else 0.0
-    rows_held = 4 if on_decoder_row and model.implementation.norm == "torch" else 3
-    return g.hidden_size * FP32 + copy, rows_held * g.hidden_size * FP32 + copy
+    return g.hidden_size * FP32 + copy, 3 * g.hidden_size * FP32 + copy
+
+
+def final_norm_pow_backward_bytes(model: PricedModel, norm_rows: float) -> float:
+    """The one fp32 hidden-sized row per normed row that torch's composite final norm adds to
+    the caller's mean-square backward on the decoder's rows; the norm runs inside the
+    decoder, on this CP rank's rows only."""
+    if model.implementation.norm != "torch":
+        return 0.0
+    return norm_rows * model.geometry.hidden_size * FP32
 
 
 def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost:
@@ -143,7 +150,7 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
             # The caller's fp32 mean-square (`caller_mean_square_per_row`); the hidden row's
             # gradient is in `grads`.
             square_forward, square_backward = caller_mean_square_per_row(model)
-            caller = rows * square_backward
+            caller = rows * square_backward + final_norm_pow_backward_bytes(model, norm_rows)
             forward += rows * square_forward
         if out.logits:
             caller += rows * g.vocab_size * FP32
@@ -209,8 +216,7 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         if out.hidden_states:
             # The caller's fp32 mean-square per sequence, over L rows; its backward's
             # transients, one sequence at a time, end before the gather's.
-            square_forward, square_backward = caller_mean_square_per_row(
-                model, on_decoder_row=False)
+            square_forward, square_backward = caller_mean_square_per_row(model)
             caller_forward = logical * square_forward
             caller_backward = float(max(batch.sequence_lengths_tokens)) * square_backward
         gather_backward = (kept + held_row + row.saved + logical * grad_row
