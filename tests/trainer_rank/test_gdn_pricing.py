@@ -137,3 +137,118 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
                 pairs.append(("backward", priced.backward_held, measured["backward"]))
             for name, price, got in pairs:
                 assert 0 <= price - got <= 0.001 * got, (lengths, grad, name, price, got)
+
+
+def test_no_grad_prefix_tree_row_is_priced_one_call_at_a_time(megatron_process):
+    """A row of prefix trees runs its Gated DeltaNet rule one varlen call per depth; without
+    grad nothing of a call outlives it but its output, so the rule's decay, WY inverse and
+    working set live for one call at a time, beside the earlier calls' outputs and its own
+    stacked initial states (its final states come after its peak). A group sharing a prompt,
+    two of its sequences a deeper part (three calls), run without grad through the trainer's
+    sub-forward, peaks at a Gated DeltaNet layer and is priced inside [1.00, 1.05] of the
+    measured peak by the formulas."""
+    import torch
+    from _calibration.cells import POLICY_BY_NAME, Cell, calibration_geometries
+    from _calibration.harness import (
+        calibration_provider,
+        cell_sequences,
+        implementation_for,
+        micro_batch_shape,
+        run_micro_batch,
+    )
+
+    from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.model import MemoryModel
+
+    cell = Cell("hybrid-128", "none", 8, 1, (317, 68, 2, 111, 21, 2, 2, 2), "logprobs", False,
+                build="gpu-shaped", shared_prefix=1, deeper=49)
+    geometry = calibration_geometries()[cell.geometry]
+    implementation = implementation_for(cell.build)
+    provider = calibration_provider(geometry, POLICY_BY_NAME[cell.policy],
+                                    lora_rank=cell.lora_rank, tensor_parallel=1,
+                                    dtype=cell.dtype, implementation=implementation)
+    model = provider.build_model(seed=0)
+    outputs = OutputRequest.parse(cell.outputs)
+    sequences = cell_sequences(cell, geometry.vocab_size)
+    measured, _ = run_micro_batch(model, cell.lengths, outputs, False, provider.layout,
+                                  implementation, torch.device("cpu"), sequences=sequences)
+    batch = micro_batch_shape(cell.lengths, outputs, False, provider.layout, implementation,
+                              sequences)
+    assert batch.recurrent is not None and len(batch.recurrent.calls) == 3
+    estimate = MemoryModel.for_provider(provider).estimate(batch)
+    layer = int(estimate.peak_at.removeprefix("forward: layer "))
+    assert PricedKind.of(geometry.layer_types[layer - 1], False).linear, estimate.peak_at
+    assert 1.0 <= estimate.forward_peak_bytes / measured <= 1.05, (
+        estimate.forward_peak_bytes, measured)
+
+
+@pytest.mark.parametrize("head_dim, rows", [
+    (16, ((5, 0, (40,) * 12),)),
+    (32, ((1, 49, (267, 18, 1, 110, 20, 1, 1, 1)),)),
+    (128, ((1, 49, (267, 18, 1, 110, 20, 1, 1, 1)), (452, 0, (12, 33, 1, 36, 1, 1, 1, 11)))),
+])
+def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
+        megatron_process, head_dim, rows):
+    """A Gated DeltaNet layer runs a row of groups sharing a prompt (`rows`: prompt, a deeper
+    part the first two sequences share, each sequence's own tokens) one rule call per depth.
+    Without grad it holds one call's working set, decay and inverse at a time, beside the
+    earlier calls' outputs, its stacked initial states and, from the chunk loop on, the final
+    states it hands on; which moment is highest depends on the head dims. The layer's no-grad
+    forward is priced at the measured peak or up to 0.2% above."""
+    from dataclasses import replace
+
+    import torch
+    from _calibration.cells import POLICY_BY_NAME, lora_targets_for
+    from _calibration.harness import calibration_provider, micro_batch_shape
+
+    from art.megatron.geometry import geometry_from_hf_dict
+    from art.megatron.implementation import Implementation
+    from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.compute.forward import _rotary, local_row
+    from art.trainer_rank.compute.packing import pack_sequences
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.layer_terms import Dims, PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+
+    geometry = geometry_from_hf_dict(dict(
+        model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
+        intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
+        vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
+        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
+        linear_conv_kernel_dim=4, partial_rotary_factor=0.25), name=f"hybrid-dk{head_dim}")
+    implementation = Implementation.cpu_local()
+    provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=8,
+                                    tensor_parallel=1, dtype="float32",
+                                    implementation=implementation)
+    model = provider.build_model(seed=0)
+    inner = probe_runs.inner_model(model)
+    dims = Dims(geometry, provider.layout, implementation, 4, 8,
+                frozenset(lora_targets_for(geometry)))
+    layer = inner.decoder.layers[0]  # Gated DeltaNet
+    generator = torch.Generator().manual_seed(0)
+    for prompt, deeper, own in rows:
+        shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
+        sequences = [torch.cat([shared[:prompt + (deeper if k < 2 else 0)],
+                                torch.full((n,), 1 + k)]) for k, n in enumerate(own)]
+        batch = pack_sequences(sequences, implementation=implementation,
+                               layout=provider.layout, device="cpu", groups=[len(sequences)])
+        row = local_row(inner, batch)
+        tokens = row.tokens.shape[1]
+        rotary = _rotary(inner, batch, torch.zeros(tokens, 1, geometry.hidden_size),
+                         row.positions[0])
+        inputs = probe_runs.ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
+                                        rotary, tokens)
+        calls = micro_batch_shape([len(s) for s in sequences], OutputRequest.parse("logprobs"),
+                                  False, provider.layout, implementation,
+                                  sequences).recurrent.calls
+        assert len(calls) == (3 if deeper else 2) and sum(map(sum, calls)) == tokens
+        release_score_buffer()
+        measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
+                                            torch.float32, torch.device("cpu"), False)
+        priced = price_layer(dims, PricedKind.LINEAR_ATTENTION, frozenset(), tokens,
+                             grad=False, rule_calls=calls)
+        assert 0 <= priced.forward - measured["forward"] <= 0.002 * measured["forward"], (
+            calls, priced.forward, measured["forward"])

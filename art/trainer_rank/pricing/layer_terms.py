@@ -87,6 +87,10 @@ class Block:
     # The residual-stream bytes live beside this block (None: the layer's input row); a
     # Gated DeltaNet mixer under CP runs beside its whole-row gathered input too.
     stream: float | None = None
+    # Without grad, what the block holds at its highest moment in place of `temp + internal`
+    # (None: those two): a Gated DeltaNet rule over a row of prefix trees runs one call at a
+    # time, and without grad nothing of a call outlives it but its output.
+    no_grad_work: float | None = None
 
 
 

@@ -174,7 +174,8 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                     # in in_proj, whose normed rows die with the linear); under CP its
                     # gathered whole-row input is held beside.
                     held = prev + (blk.stream - x if blk.stream is not None else 0.0)
-            peak = max(peak, held + blk.temp + blk.internal + extra)
+            work = blk.temp + blk.internal if blk.no_grad_work is None else blk.no_grad_work
+            peak = max(peak, held + work + extra)
             prev = blk.output
             if blk.role is BlockRole.QKV:
                 qkv, gate_live = blk.output, gate

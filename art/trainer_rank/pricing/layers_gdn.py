@@ -31,7 +31,8 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
     the row's tokens with each sequence padded to whole 64-token chunks (None: one sequence),
     what the delta rule's per-chunk working set grows with. `rule_calls`: a row of prefix
     trees, whose rule runs one call per depth (each call's segment lengths): its working sets
-    are the largest call's."""
+    are the largest call's, and without grad what it holds at once is one call's
+    (`tree_rule_no_grad_bytes`)."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
     if la is None:
@@ -58,7 +59,9 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
     delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
     dk = la.key_head_dim
     delta_work, delta_grad = rule_work(d, rows, chunked)
+    no_grad_work = None
     if rule_calls is not None:
+        no_grad_work = tree_rule_no_grad_bytes(d, rule_calls)
         per_call = [rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)))
                     for call in rule_calls]
         delta_work = max(w for w, _ in per_call)
@@ -96,7 +99,7 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
               temp=rows * vheads * (b + FP32),
               role=BlockRole.RULE_INPUT_COPIES),
         Block("gated delta rule", None, delta_kept, out, True, temp=delta_work,
-              grad_temp=delta_grad, role=BlockRole.DELTA_RULE),
+              grad_temp=delta_grad, role=BlockRole.DELTA_RULE, no_grad_work=no_grad_work),
         # Gated RMSNorm over each value head: the (compiled / fused) kernel keeps its inputs
         # (rule output, gate: kept above) and one fp32 rstd per value head; its output is
         # transposed into a copy for out_proj, which is frozen and keeps nothing.
@@ -107,9 +110,11 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
     ]
 
 
-def rule_work(d: Dims, tokens: float, padded: float) -> tuple[float, float]:
+def rule_work(d: Dims, tokens: float, padded: float, finals: float = 0.0
+              ) -> tuple[float, float]:
     """The gated delta rule's forward and backward working sets (beyond what it keeps) for
-    one call over `tokens` tokens in `padded` chunk tokens."""
+    one call over `tokens` tokens in `padded` chunk tokens; `finals`: the bytes of the final
+    states the call returns, which its forward holds from where it writes them."""
     la = d.geometry.linear_attention
     assert la is not None
     b = d.dtype_bytes
@@ -123,12 +128,14 @@ def rule_work(d: Dims, tokens: float, padded: float) -> tuple[float, float]:
         states = padded / GDN_CHUNK_TOKENS * vheads * dk * dv
         work = tokens * vheads * ((dk + 2 * dv) * b + GDN_CHUNK_TOKENS * FP32) + states * b
         grad = 2 * work + states * FP32 + tokens * vheads * (3 * dk + dv) * FP32
-        return work, grad
-    return (cpu_rule_forward_work(padded, vheads, dk, dv),
+        # fla allocates the final states with the per-chunk states, before the outputs.
+        return work + finals, grad
+    return (cpu_rule_forward_work(padded, vheads, dk, dv, finals),
             cpu_rule_backward_work(padded, tokens, vheads, dk, dv))
 
 
-def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> float:
+def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int,
+                          finals: float = 0.0) -> float:
     """The CPU rule's (`cpu_gated_delta`) forward working set at its highest moment, all fp32
     over the padded chunks (P tokens, per value head). Every moment holds the padded chunk
     copies of q, k, v, g, beta and A, w and u, and the identity; which one is highest depends
@@ -139,7 +146,11 @@ def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> floa
       adding a chunk's output (the state, the outputs so far, v_new, both products and the
       sum: P + 3C of v per head), or updating the state (the old one, its decayed copy, the
       k^T v_new product and the sum: four states, P + C of v);
-    - stacking the chunk outputs (the outputs and their stacked copy, v_new, the state)."""
+    - stacking the chunk outputs (the outputs and their stacked copy, v_new, the state).
+    `finals` (the final states returned): each sequence's is the loop's state at its last
+    chunk, held in a list (the last sequence's is the loop's own state until the loop ends),
+    and the list's concatenation is made before the outputs are stacked; the decay is masked
+    before any of them exists."""
     c, p, f = GDN_CHUNK_TOKENS, float(padded), FP32
     chunks = p * heads * (2 * dk + dv + 2 + c)  # q, k, v, g, beta, A
     identity = c * c * f
@@ -147,9 +158,10 @@ def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int) -> floa
     decay = rule + p * heads * 4 * c * f + c * c  # the mask: one byte a position
     loop = rule + p * heads * (2 * dk + c) * f  # decayed q, k to the chunk's end, intra
     state, per_chunk_v = heads * dk * dv * f, c * heads * dv * f
-    add = loop + state + (p / c + 3) * per_chunk_v
-    update = loop + 4 * state + (p / c + 1) * per_chunk_v
-    stack = loop + state + (2 * p / c + 1) * per_chunk_v
+    earlier = max(finals - state, 0.0)
+    add = loop + state + (p / c + 3) * per_chunk_v + earlier
+    update = loop + 4 * state + (p / c + 1) * per_chunk_v + earlier
+    stack = loop + state + (2 * p / c + 1) * per_chunk_v + earlier + finals
     return max(decay, add, update, stack)
 
 
@@ -216,15 +228,55 @@ def padded_chunk_tokens(lengths: tuple[int, ...]) -> int:
     return sum(-(-int(n) // GDN_CHUNK_TOKENS) * GDN_CHUNK_TOKENS for n in lengths)
 
 
+def tree_rule_no_grad_bytes(d: Dims, calls: tuple[tuple[int, ...], ...]) -> float:
+    """Without grad, what the gated delta rule over a row of prefix trees holds at its highest
+    moment beside the row's rule inputs (`gated_delta_rows.delta_rule_over_row`; its calls'
+    inputs are views of the row's). The row runs one call per depth and nothing of a call
+    outlives it but its output: the chunk-local decay and the WY inverse it makes (what the
+    rule keeps with grad) and its working set die as it returns. So a call's moment is its own
+    working set and inverse beside the outputs of the calls before it, its stacked initial
+    states (held by the layer's frame while it runs) and the final states it returns for the
+    depth below (from where the rule writes them). After the last call the calls' outputs and
+    their concatenation are held: the row's output twice. Every moment also holds the
+    contiguous alpha the layer's frame keeps beside the rule, which the no-grad rule inputs
+    leave out (they count beta and the fp32 decay): over a plain row the row's decay copy,
+    priced with the inverse though the CPU rule makes it after its peak, stands in for it,
+    where a call's copy covers only the call's tokens. On CUDA the no-grad composition holds
+    the rule's output at the whole row already (fla allocates each call's inside it), which
+    covers the calls before it and its own."""
+    la = d.geometry.linear_attention
+    assert la is not None
+    b = d.dtype_bytes
+    vheads = la.num_value_heads / d.tp
+    per_token = vheads * la.value_head_dim * b
+    state = prefix_tree_state_bytes(d, 1)
+    cuda = d.implementation.device == "cuda"
+    tokens = float(sum(sum(call) for call in calls))
+    peak = tokens * per_token * (1 if cuda else 2)
+    before = 0.0
+    for index, call in enumerate(calls):
+        call_tokens = float(sum(call))
+        stacked = len(call) * state if index else 0.0
+        finals = len(call) * state if index < len(calls) - 1 else 0.0
+        work, _ = rule_work(d, call_tokens, float(padded_chunk_tokens(call)), finals)
+        decay_and_inverse = call_tokens * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
+        outputs_before = 0.0 if cuda else before * per_token
+        peak = max(peak, work + decay_and_inverse + outputs_before + stacked)
+        before += call_tokens
+    alpha = tokens * vheads * b
+    return peak + alpha
+
+
 def prefix_tree_extra_forward_bytes(d: Dims, kind: PricedKind, s: int,
-                                    calls: tuple[tuple[int, ...], ...], grad: bool) -> float:
-    """What a Gated DeltaNet layer's forward over a row of prefix trees holds beyond its
-    formulas with the rule at its largest call (`gated_delta_rows.delta_rule_over_row`):
-    during a call, the outputs of the calls before it, its stacked initial states (with grad
-    the rule keeps them: `prefix_tree_state_bytes`, a term of the whole pass) and, at its
-    end, the final states it returns for the depth below. The concatenation of the calls'
-    outputs comes after every call's working set is freed: it holds the row's output once
-    more, which counts where that exceeds the largest call's working set."""
+                                    calls: tuple[tuple[int, ...], ...]) -> float:
+    """With grad, what a Gated DeltaNet layer's forward over a row of prefix trees holds
+    beyond its formulas with the rule at its largest call (`gated_delta_rows.
+    delta_rule_over_row`): during a call, the outputs of the calls before it and, at its end,
+    the final states it returns for the depth below (its stacked initial states the rule
+    keeps: `prefix_tree_state_bytes`, a term of the whole pass). The concatenation of the
+    calls' outputs comes after every call's working set is freed: it holds the row's output
+    once more, which counts where that exceeds the largest call's working set. (Without grad
+    the rule's block prices the calls one at a time: `tree_rule_no_grad_bytes`.)"""
     la = d.geometry.linear_attention
     if la is None or len(calls) < 2 or not kind.linear:
         return 0.0
@@ -233,9 +285,8 @@ def prefix_tree_extra_forward_bytes(d: Dims, kind: PricedKind, s: int,
     during = 0.0
     before = 0
     for index, call in enumerate(calls):
-        stacked = len(call) * state if index and not grad else 0.0
         finals = len(call) * state if index < len(calls) - 1 else 0.0
-        during = max(during, before * per_token + stacked + finals)
+        during = max(during, before * per_token + finals)
         before += sum(call)
     work = max(rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)))[0]
                for call in calls)

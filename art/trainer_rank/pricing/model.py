@@ -214,17 +214,17 @@ class MemoryModel:
                      ) -> tuple[float, float, float | None]:
         """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
         prefix trees from its price over the same row as plain sequences: the formulas'
-        layer with the rule at its largest call's working sets (one call per depth) against
-        the formulas' layer over the row, plus what the calls' outputs and states hold
-        (`prefix_tree_extra_forward_bytes`). Applied to the probe's layer as to the
-        formulas'."""
+        layer with the rule at its largest call's working sets (one call per depth; without
+        grad, the calls one at a time) against the formulas' layer over the row, plus, with
+        grad, what the calls' outputs and states hold (`prefix_tree_extra_forward_bytes`).
+        Applied to the probe's layer as to the formulas'."""
         plain = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
                             worst_case_routing=self.worst_case_routing)
         tree = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
                            worst_case_routing=self.worst_case_routing,
                            rule_calls=recurrent.calls)
-        extra = prefix_tree_extra_forward_bytes(self.dims, kind, self._probe_tokens(kind, s),
-                                                recurrent.calls, grad)
+        extra = (prefix_tree_extra_forward_bytes(self.dims, kind, self._probe_tokens(kind, s),
+                                                 recurrent.calls) if grad else 0.0)
         held = (None if plain.backward_held is None or tree.backward_held is None
                 else float(tree.backward_held - plain.backward_held))
         return (float(tree.forward - plain.forward) + extra,
