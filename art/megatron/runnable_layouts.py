@@ -12,15 +12,15 @@ Every rule lives here, in the order its refusal is reported, with the askers it 
   prices for that spec.
 - context parallel on Megatron's unfused DotProductAttention: it asserts CP == 1 at build.
   Every asker refuses it.
-- context parallel on a model with MoE layers: the MoE dispatcher is not built for it. Only an
-  asker that knows the model's geometry can see it.
 
 Context parallel runs in the segmented flash attention (the local spec), which the runtime
-builds whenever CP > 1 (`Implementation.detect`). Sequence parallel runs on both specs
-(model_builder swaps the local spec's torch norms for ones that run on sequence shards), so no
-rule refuses it. Checks of Megatron's sharding (sizes that
-divide the heads, widths, experts and layers, expert parallel on a model with no experts) stay
-with the provider, which reports them first.
+builds whenever CP > 1 (`Implementation.detect`), on every model kind: a Gated DeltaNet layer
+runs the gathered whole row, and an MoE layer is token-wise, so Megatron's dispatcher routes
+each CP rank's own rows (over the EP group, which may be the CP ranks themselves). Sequence
+parallel runs on both specs (model_builder swaps the local spec's torch norms for ones that run
+on sequence shards), so no rule refuses it. Checks of Megatron's sharding (sizes that divide the
+heads, widths, experts and layers, expert parallel on a model with no experts) stay with the
+provider, which reports them first.
 """
 
 from __future__ import annotations
@@ -47,14 +47,12 @@ class LayoutRule(Enum):
     PIPELINE_PARALLEL = "pipeline_parallel"
     CONTEXT_PARALLEL_THD = "context_parallel_thd"
     CONTEXT_PARALLEL_UNFUSED = "context_parallel_unfused"
-    CONTEXT_PARALLEL_MOE = "context_parallel_moe"
 
 
 _BINDS: dict[LayoutRule, frozenset[Asker]] = {
     LayoutRule.PIPELINE_PARALLEL: frozenset({Asker.TRAINER_RANK}),
     LayoutRule.CONTEXT_PARALLEL_THD: frozenset({Asker.PROVIDER, Asker.TRAINER_RANK}),
     LayoutRule.CONTEXT_PARALLEL_UNFUSED: frozenset(Asker),
-    LayoutRule.CONTEXT_PARALLEL_MOE: frozenset({Asker.PROVIDER, Asker.TRAINER_RANK}),
 }
 
 
@@ -74,13 +72,6 @@ class LayoutRefusal:
         return f"{named or self.subject}{self.reason}"
 
 
-def runs_under_context_parallel(geometry: ModelGeometry) -> bool:
-    """Whether the model runs under CP here: softmax attention splits the row (the segmented
-    flash attention) and a Gated DeltaNet layer runs the gathered whole row; the MoE
-    dispatcher is not built for it."""
-    return not geometry.is_moe
-
-
 _CP_REMEDY = "ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"
 
 
@@ -90,8 +81,7 @@ def _cp_refusal(rule: LayoutRule, context_parallel: int, reason: str) -> LayoutR
                          _CP_REMEDY)
 
 
-def _refusals(layout: ParallelLayout, implementation: Implementation,
-              geometry: ModelGeometry | None) -> list[LayoutRefusal]:
+def _refusals(layout: ParallelLayout, implementation: Implementation) -> list[LayoutRefusal]:
     """Every refusal of this layout, in LayoutRule order, whoever it binds."""
     found: list[LayoutRefusal] = []
     pp, cp = layout.pipeline_parallel, layout.context_parallel
@@ -119,20 +109,15 @@ def _refusals(layout: ParallelLayout, implementation: Implementation,
             "parallel size 1 (it refuses CP at build). Leave the implementation to the "
             "runtime (it builds the segmented flash attention when CP > 1; on CPU "
             f"Implementation.cpu_local('flash')) or set {_CP_REMEDY}"))
-    if geometry is not None and not runs_under_context_parallel(geometry):
-        found.append(_cp_refusal(
-            LayoutRule.CONTEXT_PARALLEL_MOE, cp,
-            f": {geometry.name} has MoE layers, which do not run under context parallel here "
-            f"yet (dense and hybrid models do); set {_CP_REMEDY} and use tensor parallel"))
     return found
 
 
 def refusal(layout: ParallelLayout, implementation: Implementation,
             geometry: ModelGeometry | None = None, *, asker: Asker) -> LayoutRefusal | None:
-    """Why `layout` with `implementation` (on `geometry`, where the model matters: MoE under
-    CP) does not run for `asker`, or None when it runs. The first rule that binds `asker`
-    wins; a rule that needs the geometry is skipped without it."""
-    for found in _refusals(layout, implementation, geometry):
+    """Why `layout` with `implementation` does not run for `asker`, or None when it runs; the
+    first rule that binds `asker` wins. `geometry` is the model where the asker knows it: every
+    model kind runs every layout these rules let through, so no rule reads it."""
+    for found in _refusals(layout, implementation):
         if asker in _BINDS[found.rule]:
             return found
     return None

@@ -72,15 +72,13 @@ MEGATRON_ENV = EnvTable(
     variables=(
         EnvVar("TENSOR_MODEL_PARALLEL_SIZE", int_at_least(1),
                "tensor-parallel ranks per model replica",
-               field="tensor_model_parallel_size", default=1,
-               default_text="1; MoE models on several GPUs with no layout set: the GPUs "
-                            + _DEFAULT_LAYOUT),
+               field="tensor_model_parallel_size", default=1, default_text="1"),
         EnvVar("CONTEXT_PARALLEL_SIZE", int_at_least(1),
-               "context-parallel ranks: dense and hybrid models, in the segmented flash "
+               "context-parallel ranks: dense, hybrid and MoE models, in the segmented flash "
                "attention ([Context parallel](#context-parallel))",
                field="context_parallel_size", default=1,
-               default_text="1; dense and hybrid models on several GPUs with no layout set: the "
-                            "GPUs " + _DEFAULT_LAYOUT),
+               default_text="1; on several GPUs with no layout set: the GPUs "
+                            + _DEFAULT_LAYOUT),
         EnvVar("PIPELINE_MODEL_PARALLEL_SIZE", int_at_least(1),
                "pipeline stages (priced; `TrainerRank` runs only 1)",
                field="pipeline_model_parallel_size", default=1, default_text="1"),

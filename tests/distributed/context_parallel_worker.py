@@ -1,36 +1,43 @@
 """torchrun worker: context parallel equals CP=1 on the same weights.
 
-argv: out_dir, tp (CP = WORLD_SIZE / tp), model ("dense": a 2-layer Qwen3-shaped model;
-"hybrid": the shipped tiny-qwen3_5, three Gated DeltaNet layers and an attention layer, whose
-recurrence crosses the CP ranks' chunks). Phase 1 builds the model at TP=tp x CP and runs
-every case through the trainer's own sub-forward (packed rows of independent sequences, prefix
-trees of shared prompts, under selective and full recompute, with and without sequence
-parallel at TP=2); the LoRA-free model's parameter gradients are summed over the CP ranks (what
-the optimizer's data-parallel x CP reduction does for the LoRA factors, all inside the
-decoder). Phase 2 rebuilds Megatron's parallel state at
-CP=1 (the extra ranks become data parallel), loads the same TP shard, and runs the same cases.
-Writes out_dir/rank<R>.json: the largest output and gradient differences per case.
+argv: out_dir, tp (CP = WORLD_SIZE / tp), model, [ep]. Models: "dense" (a 2-layer
+Qwen3-shaped model), "hybrid" (the shipped tiny-qwen3_5, three Gated DeltaNet layers and an
+attention layer, whose recurrence crosses the CP ranks' chunks), "moe" (a 2-layer Qwen3-MoE
+shape, 4 experts top-2) and "hybrid-moe" (the shipped tiny-qwen3_5-moe, 8 experts top-2 and a
+shared expert). Phase 1 builds the model at TP=tp x CP=1 (the extra ranks data parallel, EP=1)
+and runs every case through the trainer's own sub-forward (packed rows of independent
+sequences, prefix trees of shared prompts, under selective and full recompute, with and
+without sequence parallel at TP=2; MoE layers always with it at TP=2, which Megatron
+requires). Phase 2 rebuilds Megatron's parallel state at TP=tp x CP (x EP=ep, whose group is
+then the CP ranks), loads the same weights (under EP each rank its own experts) and runs the
+same cases. The LoRA-free model's parameter gradients are summed over the CP ranks (what the
+optimizer's data-parallel x CP reduction does for the LoRA factors, all inside the decoder;
+an expert's over Megatron's expert data-parallel group, which folds CP in). Writes
+out_dir/rank<R>.json: the largest output and gradient differences per case, and whether the
+one place (runnable_layouts) refuses the layout.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
 import torch.distributed as dist
 
 from art.megatron.distributed import initialize_distributed, shutdown_distributed
-from art.megatron.geometry import load_geometry
+from art.megatron.geometry import ModelGeometry, load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
+from art.megatron.runnable_layouts import Asker, refusal
 from art.trainer_rank._types import ForwardInput
 from art.trainer_rank.compute.execute import run_sub_forward
 
 from _shared_prefix import CASES, group
-from _tiny import tiny_dense
+from _tiny import tiny_dense, tiny_moe
 
 IMPLEMENTATION = Implementation.cpu_local("flash")
 RECOMPUTE = {"selective": RecomputeConfig("selective"),
@@ -81,33 +88,69 @@ def _run(model, leaves, groups, layout: ParallelLayout, cp_group) -> tuple[list,
         if name not in grads:
             continue
         # Every CP rank runs the output heads on the whole row, so the output layer's gradient
-        # is already whole on each; the decoder's parameters saw only this rank's rows.
+        # is already whole on each; the decoder's parameters saw only this rank's rows. An
+        # expert saw the rows its EP group routed to it: those of the CP ranks outside its EP
+        # group are summed over Megatron's expert data-parallel group (CP folded in).
         if cp_group is not None and not name.startswith("output_layer."):
-            dist.all_reduce(grads[name], group=cp_group)
+            group = (cp_group if getattr(param, "allreduce", True)
+                     else parallel_state.get_expert_data_parallel_group())
+            dist.all_reduce(grads[name], group=group)
         if layout.sequence_parallel and getattr(param, "sequence_parallel", False):
             dist.all_reduce(grads[name], group=parallel_state.get_tensor_model_parallel_group())
     return [o for o in outputs], grads
 
 
-def _phase(tp: int, cp: int, sequence_parallel: bool, recompute: str, state: dict | None,
-           vocab_cases, model_kind: str) -> tuple[dict, list]:
+EXPERT = re.compile(r"^(?P<head>.*local_experts\.)(?P<index>\d+)(?P<tail>\..*)$")
+
+
+def _geometry(model_kind: str) -> ModelGeometry:
+    if model_kind == "dense":
+        return tiny_dense(num_layers=2)
+    if model_kind == "moe":
+        return tiny_moe(num_layers=2)
+    return load_geometry({"hybrid": "tiny-qwen3_5", "hybrid-moe": "tiny-qwen3_5-moe"}[model_kind])
+
+
+def _global_name(name: str, ep: int, num_experts: int) -> str:
+    """A parameter's name at EP=1: local expert i on EP rank r is global expert r x E/EP + i."""
     from megatron.core import parallel_state
 
-    geometry = tiny_dense(num_layers=2) if model_kind == "dense" else load_geometry(
-        "tiny-qwen3_5")
-    layout = ParallelLayout(tensor_parallel=tp, context_parallel=cp,
-                            sequence_parallel=sequence_parallel)
+    match = EXPERT.match(name)
+    if match is None or ep == 1:
+        return name
+    index = parallel_state.get_expert_model_parallel_rank() * num_experts // ep + int(
+        match["index"])
+    return f"{match['head']}{index}{match['tail']}"
+
+
+def _phase(tp: int, cp: int, ep: int, sequence_parallel: bool, recompute: str,
+           state: dict | None, vocab_cases, model_kind: str) -> tuple[dict, list]:
+    from megatron.core import parallel_state
+
+    geometry = _geometry(model_kind)
+    layout = ParallelLayout(tensor_parallel=tp, context_parallel=cp, expert_parallel=ep,
+                            expert_tensor_parallel=tp, sequence_parallel=sequence_parallel)
     config = build_transformer_config(geometry, layout=layout, recompute=RECOMPUTE[recompute],
                                       dtype="float32", implementation=IMPLEMENTATION)
     model = build_gpt_model(geometry, config, implementation=IMPLEMENTATION, seed=0)
+    experts = geometry.num_experts
     if state is not None:
-        model.load_state_dict(state)
-    state = {k: v.clone() for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
+        mine = {name: state[_global_name(name, ep, experts)]
+                for name, value in model.state_dict().items() if isinstance(value, torch.Tensor)}
+        missing, unexpected = model.load_state_dict(mine, strict=False)
+        assert not unexpected and all(k.endswith("_extra_state") for k in missing), missing
+    state = {_global_name(k, ep, experts): v.clone() for k, v in model.state_dict().items()
+             if isinstance(v, torch.Tensor)}
     assert parallel_state.get_context_parallel_world_size() == cp
+    assert parallel_state.get_expert_model_parallel_world_size() == ep
     assert model.config.context_parallel_size == cp
+    refused = refusal(layout, IMPLEMENTATION, geometry, asker=Asker.PROVIDER)
     cp_group = parallel_state.get_context_parallel_group() if cp > 1 else None
-    runs = [(name, *_run(model, leaves, groups, layout, cp_group))
-            for name, leaves, groups in vocab_cases(geometry.vocab_size)]
+    runs = []
+    for name, leaves, groups in vocab_cases(geometry.vocab_size):
+        outputs, grads = _run(model, leaves, groups, layout, cp_group)
+        runs.append((name, outputs, {_global_name(n, ep, experts): g for n, g in grads.items()},
+                     None if refused is None else refused.message()))
     return state, runs
 
 
@@ -122,22 +165,26 @@ def main() -> None:
 
     out_dir, tp = sys.argv[1], int(sys.argv[2])
     model_kind = sys.argv[3] if len(sys.argv) > 3 else "dense"
+    ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
     world = int(os.environ["WORLD_SIZE"])
     cp = world // tp
-    variants = [("selective", tp > 1), ("full", False)]
+    # Megatron refuses MoE layers under TP without sequence parallel.
+    variants = [("selective", tp > 1), ("full", tp > 1 and model_kind in ("moe", "hybrid-moe"))]
     results = []
     for recompute, sequence_parallel in variants:
-        initialize_distributed(tensor_parallel=tp, context_parallel=cp)
-        state, split_runs = _phase(tp, cp, sequence_parallel, recompute, None, _cases,
+        initialize_distributed(tensor_parallel=tp, context_parallel=1)
+        state, whole_runs = _phase(tp, 1, 1, sequence_parallel, recompute, None, _cases,
                                    model_kind)
         parallel_state.destroy_model_parallel()
-        initialize_distributed(tensor_parallel=tp, context_parallel=1)
-        _, whole_runs = _phase(tp, 1, sequence_parallel, recompute, state, _cases, model_kind)
+        initialize_distributed(tensor_parallel=tp, context_parallel=cp, expert_parallel=ep)
+        _, split_runs = _phase(tp, cp, ep, sequence_parallel, recompute, state, _cases,
+                               model_kind)
         parallel_state.destroy_model_parallel()
-        for (name, split_out, split_grads), (_, whole_out, whole_grads) in zip(split_runs,
-                                                                             whole_runs):
-            diffs = {"case": name, "recompute": recompute, "tp": tp, "cp": cp,
-                     "sequence_parallel": sequence_parallel, "outputs": len(split_out)}
+        for (name, split_out, split_grads, refused), (_, whole_out, whole_grads, _) in zip(
+                split_runs, whole_runs):
+            diffs = {"case": name, "recompute": recompute, "tp": tp, "cp": cp, "ep": ep,
+                     "sequence_parallel": sequence_parallel, "outputs": len(split_out),
+                     "refused": refused}
             for key in ("target_logprobs", "logits", "hidden_states"):
                 diffs[key] = max(_diff(getattr(a, key), getattr(b, key))
                                  for a, b in zip(split_out, whole_out))
@@ -145,7 +192,11 @@ def main() -> None:
                                        None if b.top_k is None else b.top_k.logprobs)
                                  for a, b in zip(split_out, whole_out))
             scale = max(g.abs().max().item() for g in whole_grads.values())
-            diffs["grad_names_equal"] = split_grads.keys() == whole_grads.keys()
+            # Under EP a rank holds its own experts' gradients only.
+            diffs["grad_names_equal"] = split_grads.keys() == {
+                n for n in whole_grads if ep == 1 or n in split_grads or not EXPERT.match(n)}
+            diffs["expert_grads"] = sum(1 for n in split_grads if EXPERT.match(n))
+            diffs["whole_expert_grads"] = sum(1 for n in whole_grads if EXPERT.match(n))
             diffs["grad"] = max((split_grads[n] - whole_grads[n]).abs().max().item() / scale
                                 for n in whole_grads if n in split_grads)
             diffs["grads"] = len(whole_grads)

@@ -2,10 +2,10 @@
 ranks) or TP=2 with sequence parallel (4 ranks: TP=2 x EP=2, experts TP-sharded as Megatron's
 expert TP defaults to TP).
 
-argv: out_dir [tp [etp]]. With etp 1 at TP=2 (2 ranks: upstream's default for a MoE model,
-EP = TP = the GPUs, expert TP 1) the EP group is the TP group: the ranks hold different halves
-of the sequence (sequence parallel), so an expert's gradient at EP=2 is the sum of its two
-TP ranks' parts at EP=1 (expert TP 1, every expert whole on both).
+argv: out_dir [tp [etp]]. With etp 1 at TP=2 (2 ranks: upstream's default for a MoE family
+without CP, EP = TP = the GPUs, expert TP 1) the EP group is the TP group: the ranks hold
+different halves of the sequence (sequence parallel), so an expert's gradient at EP=2 is the
+sum of its two TP ranks' parts at EP=1 (expert TP 1, every expert whole on both).
 
 Phase 1 builds the model at EP=1 on every rank (every expert local) and keeps
 its weights; phase 2 rebuilds Megatron's parallel state at EP=2 and loads them, each rank

@@ -1,8 +1,10 @@
 """Context parallel under torchrun with real ranks: CP=2 (2 ranks) and TP=2 x CP=2 (4 ranks,
 sequence parallel on) give the outputs and the CP-summed gradients of CP=1 on the same weights,
 for packed rows of independent sequences and for prefix trees of shared prompts, under
-selective and full recompute, on a dense model and on a Gated DeltaNet hybrid (see
-context_parallel_worker.py)."""
+selective and full recompute, on a dense model, a Gated DeltaNet hybrid, a MoE model and a
+hybrid MoE; and the MoE models at CP=2 x EP=2 on 2 ranks (upstream's default layout for a MoE
+model: the experts spread over the CP ranks, whose rows the dispatcher exchanges) against
+CP=1 x EP=1 (see context_parallel_worker.py)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,11 @@ import pytest
 from _torchrun import run_torchrun
 
 WORKER = Path(__file__).with_name("context_parallel_worker.py")
+MOE_MODELS = ("moe", "hybrid-moe")
 
 
-@pytest.mark.parametrize("model", ["dense", "hybrid"])
-@pytest.mark.parametrize("tp,ranks", [(1, 2), (2, 4)], ids=["cp2", "tp2xcp2"])
-def test_context_parallel_equals_cp1(tmp_path, tp, ranks, model):
-    run_torchrun(WORKER, str(tmp_path), str(tp), model, nproc=ranks, timeout_s=300)
+def _check(tmp_path: Path, tp: int, ranks: int, model: str, ep: int) -> None:
+    run_torchrun(WORKER, str(tmp_path), str(tp), model, str(ep), nproc=ranks, timeout_s=300)
     for rank in range(ranks):
         results = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert len(results) == 8
@@ -27,8 +28,25 @@ def test_context_parallel_equals_cp1(tmp_path, tp, ranks, model):
         assert any(r["sequence_parallel"] for r in results) == (tp > 1)
         for r in results:
             label = f"rank {rank} {r}"
-            assert r["cp"] == 2 and r["tp"] == tp, label
+            assert r["cp"] == 2 and r["tp"] == tp and r["ep"] == ep, label
+            assert r["refused"] is None, label
             for key in ("target_logprobs", "logits", "hidden_states", "top_k"):
                 assert r[key] < 1e-5, label
             assert r["grad_names_equal"] and r["grads"] > 10, label
+            # Every expert's gradient is compared: under EP each rank holds 1/EP of them.
+            assert r["expert_grads"] * ep == r["whole_expert_grads"], label
+            assert (r["expert_grads"] > 0) == (model in MOE_MODELS), label
             assert r["grad"] < 1e-5, label
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid", *MOE_MODELS])
+@pytest.mark.parametrize("tp,ranks", [(1, 2), (2, 4)], ids=["cp2", "tp2xcp2"])
+def test_context_parallel_equals_cp1(tmp_path, tp, ranks, model):
+    _check(tmp_path, tp, ranks, model, ep=1)
+
+
+@pytest.mark.parametrize("model", MOE_MODELS)
+def test_context_parallel_with_experts_over_the_cp_ranks_equals_cp1(tmp_path, model):
+    """CP=2 x EP=2 on 2 ranks: the EP group is the CP group, so each rank's experts take the
+    routed pairs of both halves of the row and their gradients are whole on their rank."""
+    _check(tmp_path, 1, 2, model, ep=2)

@@ -1,7 +1,8 @@
 """Expert parallel on the CPU build under torchrun (gloo): a MoE model at EP=2 (2 ranks; at
 TP=2 x EP=2, 4 ranks; and at TP=2 x EP=2 with expert TP 1 on 2 ranks, upstream's default
-layout for a MoE model) gives EP=1's logits and gradients on the same weights, every expert's
-gradient the sum of the tokens its EP group's ranks hold (see expert_parallel_worker.py).
+layout for a MoE family without CP) gives EP=1's logits and gradients on the same weights,
+every expert's gradient the sum of the tokens its EP group's ranks hold (see
+expert_parallel_worker.py).
 Megatron's alltoall dispatcher passes its split sizes as tensors and, under expert TP, gathers
 uneven shards, both of which gloo refuses; cpu_runtime passes lists and pads the shards."""
 

@@ -25,18 +25,21 @@ def test_dense_models_get_context_parallel_over_every_gpu():
     assert s.context_parallel_size == 2
 
 
-def test_hybrids_get_context_parallel_and_moe_models_tensor_parallel():
+def test_hybrids_and_moe_models_get_context_parallel_and_moe_models_expert_parallel():
     s = default_layout(load_settings({}), HYBRID, visible_gpus=8, world_size=8)
     assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 8)
-    s = default_layout(load_settings({}), MOE, visible_gpus=2, world_size=2)
-    assert (s.tensor_model_parallel_size, s.context_parallel_size) == (2, 1)
-    # As upstream: the experts spread over the same GPUs, each held whole (expert TP 1).
-    assert s.sequence_parallel
-    assert (s.expert_model_parallel_size, s.expert_tensor_parallel_size) == (2, 1)
-    assert "2 visible GPUs" in s.source_of("expert_model_parallel_size")
-    # Qwen3.5-35B-A3B has 2 KV groups: TP 8 cannot shard them, so nothing changes.
-    s = default_layout(load_settings({}), MOE, visible_gpus=8, world_size=8)
-    assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, 1)
+    assert s.expert_model_parallel_size == 1
+    # As upstream for its MoE families (their handlers support CP): CP over the GPUs, TP 1,
+    # and the experts spread over the same GPUs, each held whole (expert TP 1).
+    for gpus in (2, 8):
+        s = default_layout(load_settings({}), MOE, visible_gpus=gpus, world_size=gpus)
+        assert (s.tensor_model_parallel_size, s.context_parallel_size) == (1, gpus)
+        assert (s.expert_model_parallel_size, s.expert_tensor_parallel_size) == (gpus, 1)
+        assert not s.sequence_parallel
+        assert f"{gpus} visible GPUs" in s.source_of("expert_model_parallel_size")
+    # Experts that do not divide over the GPUs stay whole on every rank (EP 1); CP still applies.
+    s = default_layout(load_settings({}), MOE, visible_gpus=3, world_size=3)
+    assert (s.context_parallel_size, s.expert_model_parallel_size) == (3, 1)
 
 
 @pytest.mark.parametrize("env", [{"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"},
@@ -62,5 +65,8 @@ def test_get_provider_applies_it(monkeypatch):
     p = provider_module.get_provider("Qwen3-8B",
                                      env={"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "8"})
     assert (p.settings.tensor_model_parallel_size, p.settings.context_parallel_size) == (8, 1)
+    p = provider_module.get_provider("Qwen3.5-35B-A3B", env={})
+    assert (p.settings.tensor_model_parallel_size, p.settings.context_parallel_size,
+            p.settings.expert_model_parallel_size) == (1, 8, 8)
     monkeypatch.delenv("WORLD_SIZE")
     assert provider_module.get_provider("Qwen3-8B", env={}).settings.context_parallel_size == 1

@@ -182,12 +182,16 @@ def test_context_parallel_builds_the_segmented_flash_attention_and_refuses_what_
     monkeypatch.setattr(cpu_runtime, "transformer_engine_available", lambda: True)
     assert Implementation.detect(2).spec == "local" and Implementation.detect(1).spec == "te"
     monkeypatch.undo()
-    # Hybrids run under CP (their Gated DeltaNet layers over the gathered whole row); MoE
-    # models do not.
+    # Hybrids run under CP (their Gated DeltaNet layers over the gathered whole row), and so do
+    # MoE models and hybrid MoE models, their experts spread over the CP ranks or not.
     hybrid = Provider("tiny-qwen3_5", settings=load_settings(env))
     assert hybrid.implementation.attention == "flash" and hybrid.layout.context_parallel == 2
-    with pytest.raises(ValueError, match="CONTEXT_PARALLEL_SIZE=2: .*MoE layers"):
-        Provider("tiny-qwen3-moe", settings=load_settings(env))
+    for moe in ("tiny-qwen3-moe", "tiny-qwen3_5-moe"):
+        for ep in ("1", "2"):
+            built = Provider(moe, settings=load_settings(
+                {**env, "ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": ep}))
+            assert built.implementation.attention == "flash", moe
+            assert (built.layout.context_parallel, built.layout.expert_parallel) == (2, int(ep))
     # Expert parallel builds on CPU too (gloo's all-to-all takes the split sizes as lists).
     ep = Provider("tiny-qwen3-moe",
                   settings=load_settings({"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": "2"}))

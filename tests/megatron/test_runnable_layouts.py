@@ -68,8 +68,7 @@ def _expected(asker: Asker, layout: ParallelLayout, impl: Implementation,
         return LayoutRule.CONTEXT_PARALLEL_THD
     if cp and impl.spec == "local" and impl.attention == "unfused":
         return LayoutRule.CONTEXT_PARALLEL_UNFUSED
-    if cp and geometry is not None and geometry.is_moe and asker is not Asker.PACKER:
-        return LayoutRule.CONTEXT_PARALLEL_MOE
+    # Every model kind runs under CP (MoE and hybrid MoE included): no rule reads the model.
     return None
 
 
