@@ -28,6 +28,10 @@ def main() -> None:
         Cell("gqa-128", "selective default", 8, 1, (300, 190, 41), "logprobs", True,
              shared_prefix=37, **cp),
         Cell("gqa-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
+        # Top-k of a group sharing its prompt, peaking at the head's backward: the head keeps
+        # the row's top-k ids for it beside the rollouts' copies.
+        Cell("gqa-128", "selective default", 8, 1, (6, 305, 384, 6), "top_k=20", True,
+             shared_prefix=5, **cp),
         Cell("gqa-128", "selective default", 8, 1, (270,), "logits", True, **cp),
         # Hidden states with grad: the caller's mean-square backward meets the final norm's,
         # which runs on this rank's rows before the row is gathered.

@@ -202,7 +202,10 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
     # backward reads it.
     decoder_row = rows * g.hidden_size * b
     uses_head = out.uses_head
-    held_row = decoder_row if uses_head else 0.0
+    # The head keeps the row's top-k ids for its backward (the row's other outputs die as
+    # the forward returns): live beside the copies until the head's backward ends.
+    saved_top_k_ids = rows * out.top_k * INT64
+    held_row = decoder_row + saved_top_k_ids if uses_head else 0.0
     rescore = rescored_branch_rows(model, batch)
     kept = (row.kept - decoder_row + (logical - rows) * head_row
             + logical * (hidden_row + gathers * INT64) + rescore.kept)
