@@ -41,6 +41,10 @@ def main() -> None:
         Cell("hybrid-128", "selective default", 8, 1, (300, 190, 41), "logprobs", True,
              shared_prefix=37, **cp),
         Cell("hybrid-128", "selective default", 8, 1, (503,), "top_k=20", False, **cp),
+        # Peaking at the head's backward beside every layer's kept activations: a Gated
+        # DeltaNet layer keeps the gathered whole row (its input norm runs after the gather),
+        # not its own rows.
+        Cell("hybrid-128", "selective default", 8, 1, (588,), "logits", True, **cp),
     ]
     measure_on_this_rank(out_dir, cells, context_parallel=2, probe_tokens=PROBE_TOKENS)
 

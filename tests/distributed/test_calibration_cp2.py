@@ -26,7 +26,7 @@ def cp2_run(tmp_path_factory) -> Path:
 def test_cp2_cells_within_target(cp2_run):
     ranks = rank_records(cp2_run)
     for rows in ranks:
-        assert len(rows) == 9
+        assert len(rows) == 10
         for row in rows:
             assert (row["tensor_parallel"], row["context_parallel"]) == (1, 2)
             assert 1.0 <= row["ratio"] <= 1.05, row

@@ -55,10 +55,11 @@ def layer_kind(geometry: ModelGeometry, index: int) -> PricedKind:
 
 def keeps_layer_input(d: Dims, kind: PricedKind) -> bool:
     """Whether a layer keeps its input for backward (its input norm does; a Gated DeltaNet
-    layer's may not, see `linear_attention_keeps_input`)."""
+    layer's may not, see `linear_attention_keeps_input`; under CP its norm runs on the
+    gathered whole row, which it keeps instead: `linear_attention_over_context_parallel`)."""
     if not kind.linear:
         return True
-    return linear_attention_keeps_input(d)
+    return d.layout.context_parallel == 1 and linear_attention_keeps_input(d)
 
 
 def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = False,
@@ -102,8 +103,10 @@ def linear_attention_over_context_parallel(d: Dims, s: int, padded: int | None,
     row = float(row_tokens) * g.hidden_size * b
     local = d.hidden_tokens(s) * g.hidden_size * b
     gathered = d.hidden_tokens(row_tokens) * g.hidden_size * b
-    gather = Block("CP gather (whole row)", None, 0.0, gathered, False, temp=row,
-                   grad_temp=2 * row)
+    # The input norm sits in in_proj, after the gather: what it keeps of its input is the
+    # gathered row, not the layer's own rows (which nothing keeps under CP).
+    gather = Block("CP gather (whole row)", None, 0.0, gathered,
+                   linear_attention_keeps_input(d), temp=row, grad_temp=2 * row)
     rows_out = Block("CP local rows", None, 0.0, local, False, grad_temp=row)
     mixer = [replace(blk, stream=local + gathered)
              for blk in linear_attention_blocks(d, row_tokens, padded, rule_calls)]
