@@ -91,10 +91,12 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
         local_pairs = routed
     # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
     # probabilities (its output); the routing map [s, experts] (bool) and the permutation's
-    # token indices (int64 per routed pair) the dispatcher keeps for the un-permute.
+    # token indices (int64 per routed pair) the dispatcher keeps for the un-permute, and its
+    # tokens per expert (int64). The permute selects the probabilities with a transposed
+    # copy of the map (`moe_utils.permute`, bool), which that selection keeps for its backward.
     router = Block("router", None,
-                   float(s) * g.num_experts * (FP32 * 2 + 1) + float(s) * g.moe_router_topk
-                   * INT64 + routed * INT64,
+                   float(s) * g.num_experts * (FP32 * 2 + 2) + float(s) * g.moe_router_topk
+                   * INT64 + routed * INT64 + g.num_experts * INT64,
                    float(s) * g.moe_router_topk * FP32, True)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
                      temp=local_pairs * g.hidden_size * b)
@@ -104,15 +106,38 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
                for blk in mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ",
                                      lora_tokens=local_pairs, adapters=local_experts)]
     # The routing probabilities multiply the activation before fc2 (one fp32 per pair): the
-    # multiply keeps the activation and the probabilities, fc2 keeps the product.
-    act_out = local_pairs * g.moe_ffn_hidden_size * b
+    # multiply keeps the activation and the probabilities, fc2 keeps the product. The fused
+    # kernel (Megatron's `weighted_bias_swiglu_impl`) multiplies inside: it keeps its input
+    # (fc1's output, kept above) and the probabilities.
+    act_out = 0.0 if d.implementation.swiglu_fused else local_pairs * g.moe_ffn_hidden_size * b
     experts[1] = replace(experts[1], internal=experts[1].internal + act_out
                          + local_pairs * FP32)
-    blocks = [replace(router, module="moe"), dispatch, *experts]
+    # Megatron's MoE layer runs its shared experts first, then routes (`MoELayer.forward`):
+    # what they keep is live while the routed experts run, and their backward comes last.
+    blocks = [replace(blk, module="shared_experts")
+              for blk in mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s), "shared ")
+              ] if g.shared_expert_ffn_hidden_size else []
+    blocks += [replace(router, module="moe"), dispatch, *experts]
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
-                        temp=local_pairs * g.hidden_size * b))
-    if g.shared_expert_ffn_hidden_size:
-        blocks += [replace(blk, module="shared_experts")
-                   for blk in mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s),
-                                         "shared ")]
+                        temp=combine_working_set(d, s, local_pairs, local_experts)))
     return blocks
+
+
+def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int) -> float:
+    """What Megatron's all-to-all dispatcher (`MoEAlltoAllTokenDispatcher.combine_preprocess`)
+    holds beside the layer's output while it hands the experts' output back: the layer's frame
+    holds this rank's permuted tokens (the dispatch's input, a pair per routed token of this
+    rank's rows) and the experts' output (a row per local pair); with several local experts
+    the output is sorted back by rank (a copy). Under tensor parallel the experts ran on the
+    pairs of every TP rank, and the sorted output is reduce-scattered over TP: the collective
+    flattens its split input into one buffer (NCCL's list reduce-scatter; the CPU stand-in's
+    stack) and writes this rank's share of the pairs into a new output."""
+    g, b = d.geometry, d.dtype_bytes
+    pair = g.hidden_size * b
+    own_pairs = d.hidden_tokens(s) * g.moe_router_topk
+    held = own_pairs * pair + local_pairs * pair
+    if local_experts > 1:
+        held += local_pairs * pair
+    if d.tp > 1:
+        held += local_pairs * pair + local_pairs / d.tp * pair
+    return held

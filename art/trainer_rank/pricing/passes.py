@@ -38,7 +38,7 @@ class Unit:
 
     full: bool
     start: int  # index of its first layer
-    kept: float  # what it keeps for backward (a full unit: its input)
+    kept: float  # what it keeps for backward (a full unit: its input and `stale_state`)
     input: float  # its input's bytes (a full unit: also the incoming gradient's)
     costs: tuple[LayerCost, ...]
     # What stays referenced after its backward returns, until the next micro-batch reaches
@@ -46,6 +46,9 @@ class Unit:
     # which also keeps its input and that input's gradient: `retains_input_gradient`).
     retained: float = 0.0
     retains_input_gradient: bool = False
+    # A full unit: the routing state each of its layers' dispatchers keeps from the no-grad
+    # run (part of `kept`), until the rebuild of that layer calls the dispatcher again.
+    stale_state: tuple[float, ...] = ()
 
 
 @dataclass
@@ -183,12 +186,14 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
             fp.probe_used |= any(u for _, u in nograd + full)
             fp.reach(fp.kept_total + x_in + max(c.forward for c, _ in nograd),
                      f"layer {index + 1} (no-grad run)")
-            # Without grad a layer keeps only its dispatcher's routing state.
-            retained = retained_by_moe_checkpoint(member_indices, moe_layers, x,
-                                                  sum(c.kept for c, _ in nograd))
-            fp.units.append(Unit(True, index, x_in, x, tuple(c for c, _ in full), retained,
-                                 bool(retained)))
-            fp.kept_total += x_in
+            # Without grad a layer keeps only its dispatcher's routing state: the no-grad run
+            # leaves it referenced beside the unit input until the rebuild calls the
+            # dispatcher again.
+            states = tuple(float(c.kept) for c, _ in nograd)
+            retained = retained_by_moe_checkpoint(member_indices, moe_layers, x, sum(states))
+            fp.units.append(Unit(True, index, x_in + sum(states), x,
+                                 tuple(c for c, _ in full), retained, bool(retained), states))
+            fp.kept_total += x_in + sum(states)
             i += n
             continue
         if not grad and lr.full_checkpoint_unit is not None and lr.full_unit_layers > 1:
@@ -334,8 +339,12 @@ def _held_backward(cost: LayerCost, incoming: float) -> float:
 def full_unit_peak(unit: Unit) -> float:
     """A full-recompute unit's backward: its layers rebuilt with grad, then their backward
     while Megatron's checkpoint holds the rebuilt unit output and the unit's incoming gradient
-    (CheckpointFunction.backward keeps both referenced until the unit's backward returns)."""
+    (CheckpointFunction.backward keeps both referenced until the unit's backward returns).
+    A layer's routing state from the no-grad run (`Unit.stale_state`, priced here, not in
+    the unit's `kept`) is live until that layer's rebuild replaces it: counted through the
+    rebuilt layer's own forward, whose dispatch is where it is replaced."""
     costs = unit.costs
+    stale = list(unit.stale_state) + [0.0] * (len(costs) - len(unit.stale_state))
     dy = unit.input  # incoming gradient, the size of a hidden tensor
     rebuilt = 0.0
     peak = 0.0
@@ -344,7 +353,7 @@ def full_unit_peak(unit: Unit) -> float:
         # A rebuilt layer's input is the one before it's output (the unit's first layer's is
         # the unit input, a term of its own): live while it runs, not part of its `forward`.
         layer_input = costs[k - 1].output if k else 0.0
-        peak = max(peak, rebuilt + layer_input + cost.forward + dy)
+        peak = max(peak, rebuilt + layer_input + cost.forward + dy + sum(stale[k:]))
         rebuilt += kept_k
     held = costs[-1].output
     for k in reversed(range(len(costs))):
@@ -400,7 +409,8 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
                 ]
             continue
         unit_peak = full_unit_peak(unit)
-        peak = below + above + unit.kept + unit_peak + outputs_held
+        unit_input = unit.kept - sum(unit.stale_state)  # the stale state is in `unit_peak`
+        peak = below + above + unit_input + unit_peak + outputs_held
         if peak > best:
             first, last = unit.start + 1, unit.start + len(unit.costs)
             span = f"layer {first}" if first == last else f"layers {first}-{last}"
@@ -409,7 +419,7 @@ def backward_terms(pre: list[Term], fp: ForwardPass, tail: TailCost, layer_kept_
                 (TermKind.KEPT_BELOW, "activations kept by layers below", below,
                  "checkpoint inputs"),
                 *held_above,
-                (TermKind.UNIT_INPUT, "checkpoint unit input", unit.kept, ""),
+                (TermKind.UNIT_INPUT, "checkpoint unit input", unit_input, ""),
                 (TermKind.UNIT_BACKWARD, "full unit recompute + backward", unit_peak,
                  f"{len(unit.costs)} layer(s) rebuilt with grad + incoming grad"),
                 (TermKind.OUTPUTS_HELD, "outputs held by the caller", outputs_held, ""),

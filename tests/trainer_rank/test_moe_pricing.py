@@ -1,0 +1,88 @@
+"""The MoE layer's formulas: block order, the router's and the combine's working sets, and
+what a full-recompute MoE unit keeps from its no-grad run (no model is built here)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from art.megatron.geometry import ModelGeometry, load_geometry
+from art.megatron.implementation import Implementation
+from art.megatron.layout import ParallelLayout
+from art.megatron.recompute import resolve_recompute
+from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest
+from art.trainer_rank.pricing.estimate import TermKind
+from art.trainer_rank.pricing.layer_terms import FP32, INT64, Dims
+from art.trainer_rank.pricing.layers_mlp import moe_blocks, moe_dispatcher_state
+from art.trainer_rank.pricing.model import MemoryModel
+
+
+def _model(geometry: ModelGeometry, *, tp: int = 1, full_layers: int | None = None,
+           impl: Implementation | None = None) -> MemoryModel:
+    impl = impl or Implementation.gpu_te()
+    recompute = resolve_recompute(
+        granularity="full" if full_layers else None,
+        method="uniform" if full_layers else None, num_layers=full_layers, modules=None,
+        moe_layers=geometry.moe_layers, layer_types=geometry.layer_types,
+        norm_fused_into_linear=impl.norm_fused_into_linear)
+    layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1)
+    return MemoryModel(geometry, layout=layout, recompute=recompute, implementation=impl,
+                       lora=LoraShape(8), dtype="bfloat16")
+
+
+def _dims(tp: int = 1) -> Dims:
+    return _model(load_geometry("Qwen3-30B-A3B"), tp=tp).dims
+
+
+def test_shared_experts_run_before_the_router() -> None:
+    """Megatron's MoE layer runs its shared experts, then routes: what they keep is live
+    while the routed experts run."""
+    g = replace(load_geometry("Qwen3-30B-A3B"), shared_expert_ffn_hidden_size=512)
+    d = replace(_model(g).dims, geometry=g)
+    names = [blk.name for blk in moe_blocks(d, 1024, worst_case=False)]
+    assert names.index("router") > max(i for i, n in enumerate(names) if n.startswith("shared"))
+    assert names[-1] == "combine"
+
+
+def test_router_keeps_the_permute_s_transposed_map_and_tokens_per_expert() -> None:
+    """The unfused permute selects the probabilities with a transposed copy of the routing
+    map ([experts, s] bool), which the selection keeps for its backward; the dispatcher keeps
+    its tokens per expert (int64)."""
+    d = _dims()
+    g, s = d.geometry, 1024
+    router = next(b for b in moe_blocks(d, s, worst_case=False) if b.name == "router")
+    maps = s * g.num_experts * (2 * FP32 + 2)  # logits, scores; map and its transposed copy
+    indices = s * g.moe_router_topk * INT64 * 2  # top-k indices, permutation's token indices
+    assert router.internal == maps + indices + g.num_experts * INT64
+
+
+def test_combine_holds_the_reduce_scatter_s_input_and_output_under_tp() -> None:
+    """At TP=2 with sequence parallel the experts ran on every TP rank's pairs: the combine
+    holds this rank's permuted tokens, the experts' output and its sorted copy, and the
+    reduce-scatter's flattened input and its output (this rank's share of the pairs)."""
+    for tp in (1, 2):
+        d = _dims(tp)
+        g, s, b = d.geometry, 1024, d.dtype_bytes
+        pairs = s * g.moe_router_topk  # balanced routing: this rank's experts take as many
+        combine = next(blk for blk in moe_blocks(d, s, worst_case=False)
+                       if blk.name == "combine")
+        pair = g.hidden_size * b
+        held = (s / tp * g.moe_router_topk + 2 * pairs) * pair
+        if tp > 1:
+            held += (pairs + pairs / tp) * pair
+        assert combine.temp == held
+
+
+def test_a_full_recompute_moe_unit_keeps_its_no_grad_run_s_routing_state() -> None:
+    """A full-recompute unit's layers run without grad in the forward; each MoE layer's
+    dispatcher keeps the routing state that run computed until the rebuild calls it again,
+    so it is kept beside the unit input through the forward and the backward below."""
+    g = load_geometry("Qwen3-30B-A3B")
+    assert all(g.moe_layers)
+    s = 2048
+    model = _model(g, full_layers=1)
+    est = model.estimate(MicroBatchShape((s,), outputs=OutputRequest.parse("logprobs"),
+                                         grad_enabled=True))
+    kept = next(t.bytes for t in est.terms if t.kind is TermKind.LAYERS_KEPT)
+    unit_input = s * g.hidden_size * model.dtype_bytes  # the first is the embedding output
+    state = moe_dispatcher_state(model.dims, s)
+    assert kept == (g.num_layers - 1) * unit_input + int(g.num_layers * state)
