@@ -84,27 +84,17 @@ def test_chunked_models_get_probe_points_inside_a_chunk_on_every_device():
     assert default_probe_tokens("cpu", Implementation.cpu_local(), hybrid) == PROBE_TOKENS
 
 
-@pytest.mark.parametrize("head_dim, rows",
-                         [(16, ((700,),)), (32, ((20,),)), (128, ((20,), (300,)))])
-def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
-        megatron_process, head_dim, rows):
-    """The CPU rule's forward peaks masking the decay, adding a chunk's output, updating the
-    state or stacking the outputs, and its backward at one of the moments of its two
-    gradients, depending on the head dims and the chunk count; in grad mode the forward also
-    runs beside what the layer's frame holds and backward does not keep. A Gated DeltaNet
-    layer's forward, with and without grad, and its backward with the incoming gradient held
-    (as a full-recompute unit calls it) are priced at the measured peak or a few hundred bytes
-    above (one sequence: the conv's per-sequence padding is priced apart)."""
-    import torch
+def _hybrid_layer_0(head_dim: int):
+    """A 4-layer hybrid (Gated DeltaNet head dims `head_dim`) built with rank-8 LoRA on the
+    CPU local spec, no recompute: (geometry, implementation, provider, model, inner model,
+    pricing dims, its first, Gated DeltaNet, layer)."""
     from _calibration.cells import POLICY_BY_NAME, lora_targets_for
     from _calibration.harness import calibration_provider
 
     from art.megatron.geometry import geometry_from_hf_dict
     from art.megatron.implementation import Implementation
     from art.trainer_rank.measuring import probe_runs
-    from art.trainer_rank.measuring.meter import release_score_buffer
-    from art.trainer_rank.pricing.layer_terms import Dims, PricedKind
-    from art.trainer_rank.pricing.layers import price_layer
+    from art.trainer_rank.pricing.layer_terms import Dims
 
     geometry = geometry_from_hf_dict(dict(
         model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
@@ -122,6 +112,28 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
     dims = Dims(geometry, provider.layout, implementation, 4, 8,
                 frozenset(lora_targets_for(geometry)))
     layer = inner.decoder.layers[0]  # Gated DeltaNet
+    return geometry, implementation, provider, model, inner, dims, layer
+
+
+@pytest.mark.parametrize("head_dim, rows",
+                         [(16, ((700,),)), (32, ((20,),)), (128, ((20,), (300,)))])
+def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
+        megatron_process, head_dim, rows):
+    """The CPU rule's forward peaks masking the decay, adding a chunk's output, updating the
+    state or stacking the outputs, and its backward at one of the moments of its two
+    gradients, depending on the head dims and the chunk count; in grad mode the forward also
+    runs beside what the layer's frame holds and backward does not keep. A Gated DeltaNet
+    layer's forward, with and without grad, and its backward with the incoming gradient held
+    (as a full-recompute unit calls it) are priced at the measured peak or a few hundred bytes
+    above (one sequence: the conv's per-sequence padding is priced apart)."""
+    import torch
+
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+
+    geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(head_dim)
     for lengths in rows:
         inputs = probe_runs.probe_inputs(model, list(lengths), provider.layout,
                                          implementation, torch.device("cpu"))
@@ -199,35 +211,17 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
     from dataclasses import replace
 
     import torch
-    from _calibration.cells import POLICY_BY_NAME, lora_targets_for
-    from _calibration.harness import calibration_provider, micro_batch_shape
+    from _calibration.harness import micro_batch_shape
 
-    from art.megatron.geometry import geometry_from_hf_dict
-    from art.megatron.implementation import Implementation
     from art.trainer_rank._request import OutputRequest
     from art.trainer_rank.compute.forward import _rotary, local_row
     from art.trainer_rank.compute.packing import pack_sequences
     from art.trainer_rank.measuring import probe_runs
     from art.trainer_rank.measuring.meter import release_score_buffer
-    from art.trainer_rank.pricing.layer_terms import Dims, PricedKind
+    from art.trainer_rank.pricing.layer_terms import PricedKind
     from art.trainer_rank.pricing.layers import price_layer
 
-    geometry = geometry_from_hf_dict(dict(
-        model_type="qwen3_5_text", num_hidden_layers=4, hidden_size=128,
-        intermediate_size=384, num_attention_heads=8, num_key_value_heads=4, head_dim=16,
-        vocab_size=1024, max_position_embeddings=4096, tie_word_embeddings=False,
-        full_attention_interval=4, linear_num_key_heads=2, linear_num_value_heads=4,
-        linear_key_head_dim=head_dim, linear_value_head_dim=head_dim,
-        linear_conv_kernel_dim=4, partial_rotary_factor=0.25), name=f"hybrid-dk{head_dim}")
-    implementation = Implementation.cpu_local()
-    provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=8,
-                                    tensor_parallel=1, dtype="float32",
-                                    implementation=implementation)
-    model = provider.build_model(seed=0)
-    inner = probe_runs.inner_model(model)
-    dims = Dims(geometry, provider.layout, implementation, 4, 8,
-                frozenset(lora_targets_for(geometry)))
-    layer = inner.decoder.layers[0]  # Gated DeltaNet
+    geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(head_dim)
     generator = torch.Generator().manual_seed(0)
     for prompt, deeper, own in rows:
         shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
