@@ -101,26 +101,17 @@ def test_moe_ep2_steps_equal_ep1_steps(reports):
         [s["grad_norm"] for s in ep1["steps"]], rel=1e-4)
 
 
-@pytest.mark.parametrize("phase,ep", [("cp2", 1), ("cp2ep2", 2)])
-def test_moe_cp2_steps_equal_ep1_steps(reports, phase, ep):
-    """The MoE checkpoint at CP=2 (each rank holds half of every row; at EP=2 its experts take
+def test_moe_cp2_ep2_steps_equal_ep1_steps(reports):
+    """The MoE checkpoint at CP=2 x EP=2 (each rank holds half of every row, its experts take
     both halves' routed tokens) trains exactly as at TP=1 x DP=2: the step scales DDP's
     average (an expert's over Megatron's expert data-parallel group, CP folded in) back to
     the sum of the CP ranks' parts."""
-    cp2, ep1 = reports[0]["moe"][phase], reports[0]["moe"]["ep1"]
-    assert (cp2["context_parallel"], cp2["expert_parallel"], cp2["data_parallel"]) == (2, ep, 1)
+    cp2, ep1 = reports[0]["moe"]["cp2ep2"], reports[0]["moe"]["ep1"]
+    assert (cp2["context_parallel"], cp2["expert_parallel"], cp2["data_parallel"]) == (2, 2, 1)
     assert cp2["adapter_changed"] and cp2["base_untouched"]
     assert cp2["losses"] == pytest.approx(ep1["losses"], rel=1e-5, abs=1e-6)
     assert [s["grad_norm"] for s in cp2["steps"]] == pytest.approx(
         [s["grad_norm"] for s in ep1["steps"]], rel=1e-4)
-    if ep == 1:
-        # Every LoRA factor (the experts' included) is whole on both ranks; under EP each
-        # rank's adapter holds its own experts only.
-        assert cp2["adapter"].keys() == ep1["adapter"].keys()
-        for key in cp2["adapter"]:
-            a, b = cp2["adapter"][key], ep1["adapter"][key]
-            assert max(abs(x - y) for x, y in zip(a, b)) < 1e-3, key
-        assert reports[1]["moe"][phase]["adapter"] == cp2["adapter"]
 
 
 def test_driver_reads_the_data_parallel_size_through_train_ps(reports):

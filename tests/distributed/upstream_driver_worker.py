@@ -2,8 +2,8 @@
 `train` at TP=2, then again at TP=1 x DP=2 in the same processes (Megatron's parallel state
 rebuilt in between), then upstream's data-parallel waves with uneven items and a collective
 inside the caller's loop, then `train` at CP=2 with the layer probe on, a hybrid model at
-CP=2 and at TP=1 x DP=2, and a MoE checkpoint at EP=2 and EP=1 and at CP=2 with EP=1 and
-EP=2. Each phase's report and the gathered adapter go to OUT_DIR/rank<r>.json."""
+CP=2 and at TP=1 x DP=2, and a MoE checkpoint at EP=2 and EP=1 and at CP=2 x EP=2. Each
+phase's report and the gathered adapter go to OUT_DIR/rank<r>.json."""
 
 from __future__ import annotations
 
@@ -125,9 +125,9 @@ def main() -> None:
     moe = {name: _train(driver, moe_args, CONTEXT_PARALLEL_SIZE="1",
                         EXPERT_MODEL_PARALLEL_SIZE=size)[0]
            for name, size in (("ep2", "2"), ("ep1", "1"))}
-    # The same checkpoint under CP=2, its experts whole on each rank (EP=1) and spread over
-    # the CP ranks (EP=2, upstream's default layout for a MoE model on 2 GPUs).
-    for name, size in (("cp2", "1"), ("cp2ep2", "2")):
+    # The same checkpoint under CP=2 with its experts spread over the CP ranks (EP=2,
+    # upstream's default layout for a MoE model on 2 GPUs).
+    for name, size in (("cp2ep2", "2"),):
         moe[name], _ = _train(driver, moe_args, CONTEXT_PARALLEL_SIZE="2",
                               EXPERT_MODEL_PARALLEL_SIZE=size)
         moe[name]["context_parallel"] = parallel_state.get_context_parallel_world_size()
