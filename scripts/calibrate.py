@@ -274,8 +274,10 @@ def summarize(rows: list[dict]) -> str:
     builds = sorted({r.get("build") or "local" for r in rows})
     lines = ["# Memory model calibration (CPU, real Megatron-Core runs)", ""]
     if builds != ["local"]:
-        lines += [f"Build: {', '.join(builds)} (gpu-shaped: the local spec with CPU stand-ins "
-                  "that keep for backward what the GPU build's fused kernels keep, "
+        lines += [f"Build: {', '.join(builds)} (local: the local spec with the segmented "
+                  "flash attention, the CPU default; local-unfused: the local spec with "
+                  "Megatron's unfused attention; gpu-shaped: the local spec with CPU "
+                  "stand-ins that keep for backward what the GPU build's fused kernels keep, "
                   "art/megatron/cpu_fused.py, and the segmented flash attention).", ""]
     inside = sum(lo <= r["ratio"] <= hi for r in rows)
     d_inside = sum(lo <= r["default_ratio"] <= hi for r in rows)
@@ -413,9 +415,12 @@ def main() -> int:
                         help="2: the dense matrix at TP=1 x CP=2 on two torchrun ranks only")
     parser.add_argument("--ep", type=int, choices=(1, 2), default=1,
                         help="2: the MoE matrix at TP=1 x EP=2 on two torchrun ranks only")
-    parser.add_argument("--build", choices=("local", "gpu-shaped"), default="local",
-                        help="local: the CPU's local spec; gpu-shaped: CPU stand-ins keeping "
-                             "what the GPU build's fused kernels keep")
+    parser.add_argument("--build", choices=("local", "local-unfused", "gpu-shaped"),
+                        default="local",
+                        help="local: the CPU's local spec (segmented flash attention); "
+                             "local-unfused: the same with Megatron's unfused attention; "
+                             "gpu-shaped: CPU stand-ins keeping what the GPU build's fused "
+                             "kernels keep")
     parser.add_argument("--reprice", metavar="CSV",
                         help="re-price a measured CSV with the current memory model (both "
                              "columns; the probe's from <out>/probes) and rewrite the "

@@ -62,9 +62,11 @@ class Implementation:
         return f"{self.spec}/{self.attention}/{self.norm}-norm/{fused}/{self.device}{rule}"
 
     @classmethod
-    def cpu_local(cls, attention: str = "unfused") -> Implementation:
-        """Megatron's local spec on CPU (no TE, no apex); attention "unfused" (Megatron's
-        DotProductAttention) or "flash" (segmented flash attention, see packed_attention)."""
+    def cpu_local(cls, attention: str = "flash") -> Implementation:
+        """Megatron's local spec on CPU (no TE, no apex); attention "flash" (the segmented
+        flash attention over torch's CPU flash kernel, see packed_attention: the default, as
+        on a CUDA build without TE) or "unfused" (Megatron's DotProductAttention, which keeps
+        s^2 scores and probabilities)."""
         return cls(spec="local", attention=attention, norm="torch", swiglu_fused=False,
                    device="cpu")
 
@@ -109,12 +111,12 @@ class Implementation:
     def detect(cls, context_parallel: int = 1) -> Implementation:
         """What `model_builder` will build on this machine. Context parallel runs in the
         segmented flash attention (see context_parallel.py), so CP > 1 builds the local spec
-        with it: on CUDA without Transformer Engine even where TE is installed, and on CPU
-        instead of Megatron's unfused attention (which refuses CP)."""
+        with it on CUDA without Transformer Engine even where TE is installed. On CPU the
+        local spec with the segmented flash attention is built at every layout."""
         from art.megatron.cpu_runtime import cuda_available, transformer_engine_available
 
         if not cuda_available():
-            return cls.cpu_local("flash" if context_parallel > 1 else "unfused")
+            return cls.cpu_local()
         if transformer_engine_available() and context_parallel == 1:
             return cls.gpu_te(detected_delta_rule())
         return cls.detected_cuda_local()

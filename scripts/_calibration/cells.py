@@ -98,8 +98,9 @@ class Cell:
     grad: bool
     dtype: str = "float32"
     loss: str = "synthetic"  # the caller loss: "synthetic" or "rl" (see losses.py)
-    # "local": Megatron's local spec as the CPU runs it (torch norms and SwiGLU, unfused
-    # attention); "gpu-shaped": the CPU stand-ins that keep what a GPU build's fused kernels
+    # "local": Megatron's local spec as the CPU runs it by default (torch norms and SwiGLU,
+    # the segmented flash attention); "local-unfused": the same with Megatron's unfused
+    # attention; "gpu-shaped": the CPU stand-ins that keep what a GPU build's fused kernels
     # keep (art/megatron/cpu_fused.py) with the segmented flash attention.
     build: str = "local"
     # One group sharing a prompt of this many tokens (its first `shared_prefix` tokens;

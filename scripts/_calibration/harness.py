@@ -466,13 +466,17 @@ def merge_rank_rows(per_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[s
 
 
 def implementation_for(build: str) -> Implementation | None:
-    """A cell's build: None (what this machine builds) for "local", the CPU stand-ins of the
-    fused kernels for "gpu-shaped"."""
+    """A cell's build: None (what this machine builds: on CPU the local spec with the segmented
+    flash attention) for "local", Megatron's unfused attention on the local spec for
+    "local-unfused", the CPU stand-ins of the fused kernels for "gpu-shaped"."""
     if build == "local":
         return None
+    if build == "local-unfused":
+        return Implementation.cpu_local("unfused")
     if build == "gpu-shaped":
         return Implementation.cpu_gpu_shaped()
-    raise ValueError(f"calibration build must be 'local' or 'gpu-shaped', got {build!r}")
+    raise ValueError("calibration build must be 'local', 'local-unfused' or 'gpu-shaped', "
+                     f"got {build!r}")
 
 
 def default_memory_model(cell: Cell, implementation: Implementation | None = None
@@ -483,9 +487,7 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     from art.trainer_rank._request import LoraShape
 
     geometry = calibration_geometries()[cell.geometry]
-    impl = implementation or implementation_for(cell.build) or (
-        Implementation.cpu_local("flash") if cell.context_parallel > 1
-        else Implementation.cpu_local())
+    impl = implementation or implementation_for(cell.build) or Implementation.cpu_local()
     policy = POLICY_BY_NAME[cell.built_policy]
 
     def resolve(granularity: Any, method: Any, num_layers: Any, modules: Any) -> Any:

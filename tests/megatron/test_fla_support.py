@@ -82,9 +82,13 @@ def test_detect_picks_the_torch_rule_where_fla_refuses(monkeypatch: pytest.Monke
 
 
 def test_cpu_builds_always_run_the_torch_rule() -> None:
+    # Both CPU attentions (the default segmented flash attention and Megatron's unfused
+    # DotProductAttention) run the torch rule, and the key does not name it on CPU.
     assert Implementation.cpu_local().delta_rule == "torch"
+    assert Implementation.cpu_local("unfused").delta_rule == "torch"
     assert Implementation(spec="local", device="cpu", delta_rule="fla").delta_rule == "torch"
-    assert Implementation.cpu_local().key == "local/unfused/torch-norm/swiglu-unfused/cpu"
+    assert Implementation.cpu_local().key == "local/flash/torch-norm/swiglu-unfused/cpu"
+    assert Implementation.cpu_local("unfused").key == "local/unfused/torch-norm/swiglu-unfused/cpu"
     with pytest.raises(ValueError, match="delta_rule"):
         Implementation(delta_rule="triton")
 

@@ -23,6 +23,8 @@ SEED_ENV = {
 }
 GPU = Implementation.gpu_te()
 CPU = Implementation.cpu_local()
+# Megatron's unfused DotProductAttention on CPU: the build that refuses context parallel.
+CPU_UNFUSED = Implementation.cpu_local("unfused")
 
 REQUIRED = {
     "Qwen3-0.6B", "Qwen3-1.7B", "Qwen3-4B", "Qwen3-8B", "Qwen3-14B", "Qwen3-32B",
@@ -158,7 +160,7 @@ def test_layernorm_recompute_with_transformer_engine_spec():
         ("Qwen3-8B", {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
                       "ART_MEGATRON_RECOMPUTE_MODULES": "mla_up_proj"}, GPU,
          "needs multi-latent attention"),
-        ("tiny-qwen3", {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"}, CPU,
+        ("tiny-qwen3", {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"}, CPU_UNFUSED,
          "CONTEXT_PARALLEL_SIZE=2 runs in the segmented flash attention .* unfused "
          "DotProductAttention"),
         ("tiny-qwen3", {"ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": "2"}, CPU,
@@ -175,7 +177,11 @@ def test_context_parallel_builds_the_segmented_flash_attention_and_refuses_what_
     env = {"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"}
     dense = Provider("tiny-qwen3", settings=load_settings(env))
     assert (dense.implementation.spec, dense.implementation.attention) == ("local", "flash")
-    assert Provider("tiny-qwen3", settings=load_settings({})).implementation.attention == "unfused"
+    # On CPU the runtime builds the segmented flash attention at every layout, CP 1 included.
+    assert Provider("tiny-qwen3", settings=load_settings({})).implementation == dense.implementation
+    # Megatron's unfused attention, asked for by name, still refuses CP.
+    with pytest.raises(ValueError, match="unfused DotProductAttention"):
+        Provider("tiny-qwen3", settings=load_settings(env), implementation=CPU_UNFUSED)
     # CUDA with Transformer Engine installed still builds the local spec for CP (TE's THD CP
     # would need a per-sequence split).
     monkeypatch.setattr(cpu_runtime, "cuda_available", lambda: True)

@@ -131,7 +131,8 @@ def test_a_flag_named_setting_is_named_in_the_providers_refusal() -> None:
     settings = load_settings({"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "2"},
                              labels={"ART_MEGATRON_CONTEXT_PARALLEL_SIZE": "--cp"})
     with pytest.raises(ValueError, match=r"^--cp=2 runs in the segmented flash attention"):
-        Provider("tiny-qwen3", settings=settings, implementation=Implementation.cpu_local())
+        Provider("tiny-qwen3", settings=settings,
+                 implementation=Implementation.cpu_local("unfused"))
 
 
 SENTINEL = LayoutRefusal(LayoutRule.CONTEXT_PARALLEL_UNFUSED, "context_parallel_size",

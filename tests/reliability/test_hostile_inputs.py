@@ -196,10 +196,14 @@ def options(**env: str) -> Callable[[World], object]:
     return run
 
 
-def megatron(**env: str) -> Callable[[World], object]:
+def megatron(implementation: Implementation | None = None,
+             **env: str) -> Callable[[World], object]:
+    """A provider from ART_MEGATRON_<name>=value, built with `implementation` (by default
+    the CPU local spec with its default attention)."""
     def run(world: World) -> object:
         return Provider.from_env(tiny_dense(), env={MEG + k: v for k, v in env.items()},
-                                 dtype="float32", implementation=Implementation.cpu_local())
+                                 dtype="float32",
+                                 implementation=implementation or Implementation.cpu_local())
     return run
 
 
@@ -266,13 +270,16 @@ def _env_cases() -> list[Case]:
         ("unknown recompute module", {"RECOMPUTE_GRANULARITY": "selective",
                                       "RECOMPUTE_MODULES": "core_atn"}, ("'core_atn'",)),
         ("random state abc", {"RANDOM_STATE": "abc"}, (MEG + "RANDOM_STATE", "'abc'")),
-        ("context parallel on the local spec", {"CONTEXT_PARALLEL_SIZE": "2"},
-         (MEG + "CONTEXT_PARALLEL_SIZE=2",)),
         ("expert parallel on a dense model", {"EXPERT_MODEL_PARALLEL_SIZE": "2"},
          (MEG + "EXPERT_MODEL_PARALLEL_SIZE=2",)),
     ]:
         cases.append(Case("env", f"ART_MEGATRON_* {name}", megatron(**env), ValueError,
                           mentions))
+    # The CPU default (the segmented flash attention) runs context parallel; Megatron's
+    # unfused DotProductAttention refuses it, so this row asks for that build by name.
+    cases.append(Case("env", "ART_MEGATRON_* context parallel on the unfused attention",
+                      megatron(Implementation.cpu_local("unfused"), CONTEXT_PARALLEL_SIZE="2"),
+                      ValueError, (MEG + "CONTEXT_PARALLEL_SIZE=2", "unfused")))
     return cases
 
 

@@ -19,6 +19,7 @@ from art.trainer_rank.compute.packing import next_token_targets, pack_sequences,
 from _tiny import tiny_dense, tiny_moe
 
 LOCAL = Implementation.cpu_local()
+UNFUSED = Implementation.cpu_local("unfused")  # Megatron's DotProductAttention: a dense mask
 TOP_K = 5
 
 
@@ -131,10 +132,16 @@ def test_wrapped_models_are_unwrapped_and_other_objects_refused(megatron_process
         unwrap_model(torch.nn.Linear(2, 2))
 
 
-def test_a_batch_without_isolation_is_refused(megatron_process):
+@pytest.mark.parametrize("implementation", [LOCAL, UNFUSED], ids=["flash", "unfused"])
+def test_a_batch_without_isolation_is_refused(megatron_process, implementation):
+    """A row's sequences are kept apart by its dense mask (Megatron's unfused attention) or
+    its AttentionLayout (the segmented flash attention); a row with neither is refused."""
     _, model = _model(RecomputeConfig("selective"), num_layers=1)
-    batch = pack_sequences([torch.arange(4)], implementation=LOCAL, layout=ParallelLayout())
-    unsafe = type(batch)(**{**batch.__dict__, "attention_mask": None})
+    batch = pack_sequences([torch.arange(4)], implementation=implementation,
+                           layout=ParallelLayout())
+    assert batch.attention_mask is not None or batch.packed_seq_params is not None
+    unsafe = type(batch)(**{**batch.__dict__, "attention_mask": None,
+                            "packed_seq_params": None})
     with pytest.raises(ValueError, match="pack_sequences"):
         decoder_hidden_states(model, unsafe)
 
@@ -164,7 +171,7 @@ def test_a_context_parallel_split_of_an_unfused_row_names_the_build_that_takes_i
     from art.megatron.context_parallel import ContextParallelSplit
     from art.trainer_rank.compute.forward import _split_layout
 
-    batch = pack_sequences([torch.arange(8)], implementation=LOCAL, layout=ParallelLayout())
+    batch = pack_sequences([torch.arange(8)], implementation=UNFUSED, layout=ParallelLayout())
     with pytest.raises(ValueError, match=r"cpu_local\('flash'\).*cuda_local\(\)") as raised:
         _split_layout(batch, ContextParallelSplit(total_tokens=8, size=2, rank=0))
     assert "ART_MEGATRON_ATTENTION_BACKEND" not in str(raised.value)

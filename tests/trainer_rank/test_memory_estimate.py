@@ -213,14 +213,15 @@ def test_full_logits_at_tp_price_the_gathered_chunk_and_the_no_grad_head(seed_ge
 def test_terms_are_found_by_kind_not_by_display_name(monkeypatch):
     """The composition sums, drops and halves pre-decoder terms by what they are (the score
     buffer, the mask-type tensors, the embedding output, the rotary table): renaming every
-    one of them changes no price."""
+    one of them changes no price. Megatron's unfused attention, which has a score buffer and
+    a dense mask to find."""
     from dataclasses import replace
 
     from art.trainer_rank.pricing import model as model_module
 
     def memory():
         return _model(load_geometry("Qwen3-8B"), granularity="selective", modules=("core_attn",),
-                      impl=Implementation.cpu_local())
+                      impl=Implementation.cpu_local("unfused"))
 
     batches = [_batch((300, 200), outputs, grad)
                for outputs in ("logprobs", "logits") for grad in (True, False)]

@@ -16,16 +16,16 @@ SLICE_PROBE_TOKENS = (48, 64, 96, 128, 192, 256, 384)
 
 
 
-def _slice_model(cells: list) -> Any:
+def _slice_model(cells: list, implementation: Any = None) -> Any:
     """The calibration model of `cells` (one geometry, policy, LoRA rank and TP size),
-    probed at the slice's points."""
+    probed at the slice's points; `implementation`: None for what this machine builds."""
     from _calibration.harness import POLICY_BY_NAME, CalibrationModel, calibration_geometries
 
     first = cells[0]
     return CalibrationModel(calibration_geometries()[first.geometry],
                             POLICY_BY_NAME[first.policy], lora_rank=first.lora_rank,
                             tensor_parallel=first.tensor_parallel, cells=cells,
-                            probe_tokens=SLICE_PROBE_TOKENS)
+                            probe_tokens=SLICE_PROBE_TOKENS, implementation=implementation)
 
 def test_meter_counts_storages_not_views_and_not_preexisting_tensors():
     outside = torch.ones(1000)
@@ -215,13 +215,16 @@ def test_probe_is_cached_and_round_trips(megatron_process, tmp_path):
         calibration_geometries,
     )
 
+    from art.megatron.implementation import Implementation
     from art.trainer_rank._request import MicroBatchShape, OutputRequest
     from art.trainer_rank.measuring import probe as probe_module
 
     geometry = calibration_geometries()["gqa-128"]
     cell = Cell("gqa-128", "selective mlp", 1, 1, (128,), "logprobs", True)
+    # Megatron's unfused attention, whose s^2 scores give the probe quadratic terms to check.
     model = CalibrationModel(geometry, POLICY_BY_NAME["selective mlp"], lora_rank=1,
-                             tensor_parallel=1, cells=[cell], probe_tokens=SMALL_PROBE_TOKENS)
+                             tensor_parallel=1, cells=[cell], probe_tokens=SMALL_PROBE_TOKENS,
+                             implementation=Implementation.cpu_local("unfused"))
     coefficients = model.coefficients
     assert {m for _, m, _ in coefficients.layers} == {"nograd", "sel:mlp"}
     again = probe_module.ProbeCoefficients.from_json(coefficients.to_json())
@@ -353,11 +356,15 @@ def test_full_unit_mixing_layer_kinds_prices_the_held_incoming_gradient(megatron
     attention) form one checkpoint priced from the two layers' probes. Megatron's checkpoint
     keeps the unit's incoming gradient referenced until the unit's backward returns, so the
     top layer's backward is probed with it held (`backward_held`); the micro-batch's peak is
-    in that unit's backward and priced within [1.00, 1.05]."""
+    in that unit's backward and priced within [1.00, 1.05]. On Megatron's unfused attention,
+    whose s^2 scores put the peak in that unit (on the segmented flash attention it is in the
+    Gated DeltaNet unit below, where the held gradient does not decide the price)."""
     from _calibration.harness import Cell
 
+    from art.megatron.implementation import Implementation
+
     cell = Cell("hybrid-128", "full uniform 2", 8, 1, (222,), "logprobs", True)
-    model = _slice_model([cell])
+    model = _slice_model([cell], Implementation.cpu_local("unfused"))
     modes = {(k, m): fit for k, m, fit in model.coefficients.layers}
     assert modes[("attention", "none")].backward_held is not None
     result = model.measure(cell)
@@ -401,15 +408,19 @@ def test_hybrid_row_of_many_sequences_prices_each_sequence_conv_padding(megatron
     """A packed row of many short sequences: each Gated DeltaNet layer's causal conv pads
     every sequence on its own (`SegmentedCausalConv1d`) and keeps that padded input for
     backward, which the probe (one sequence per point) does not see; the estimate adds it per
-    extra sequence, so the row lands within [1.00, 1.05]."""
+    extra sequence, so the row lands within [1.00, 1.05]. On Megatron's unfused attention,
+    whose score buffer puts the peak in the attention layer's backward, with every Gated
+    DeltaNet layer's padded input still kept."""
     import random
 
     from _calibration.harness import Cell
 
+    from art.megatron.implementation import Implementation
+
     rng = random.Random("many sequences")
     lengths = tuple(rng.randint(10, 40) for _ in range(13))
     cell = Cell("hybrid-128", "selective default", 8, 1, lengths, "logprobs", True)
-    model = _slice_model([cell])
+    model = _slice_model([cell], Implementation.cpu_local("unfused"))
     result = model.measure(cell)
     assert result.peak_at == "backward: layer 4 backward", result.peak_at
     assert 1.0 <= result.ratio <= 1.05, (lengths, result.measured_bytes, result.predicted_bytes)
@@ -424,13 +435,16 @@ def test_no_grad_peak_before_the_first_attention_layer_holds_no_score_buffer(
     attention layer's first call allocates Megatron's score buffer, so that peak is priced
     without it (probe within [1.00, 1.05]; the buffer term absent). The default formulas
     price that layer's working set: the padded chunk copies and the decay mask the CPU rule
-    builds at once, on the views of in_proj's and the conv's outputs it runs on."""
+    builds at once, on the views of in_proj's and the conv's outputs it runs on. On Megatron's
+    unfused attention, the build that has a score buffer (the segmented flash attention has
+    none to leave out)."""
     from _calibration.harness import Cell, micro_batch_shape
 
+    from art.megatron.implementation import Implementation
     from art.trainer_rank._request import OutputRequest
 
     cell = Cell("hybrid-128", "none", 8, 1, (9, 23, 30, 46), "top_k=20", False)
-    model = _slice_model([cell])
+    model = _slice_model([cell], Implementation.cpu_local("unfused"))
     result = model.measure(cell)
     estimate = model.memory.estimate(micro_batch_shape(
         cell.lengths, OutputRequest.parse(cell.outputs), False, model.layout,

@@ -22,6 +22,8 @@ from art.trainer_rank.compute.packing import (
 )
 
 LOCAL = Implementation.cpu_local()
+# Megatron's unfused DotProductAttention: a dense mask, the caller's order, no context parallel.
+UNFUSED = Implementation.cpu_local("unfused")
 TE = Implementation.gpu_te()
 
 
@@ -30,7 +32,7 @@ def _seqs(*lengths: int) -> list[torch.Tensor]:
 
 
 def test_positions_offsets_and_block_diagonal_causal_mask():
-    batch = pack_sequences(_seqs(3, 1, 4), implementation=LOCAL, layout=ParallelLayout())
+    batch = pack_sequences(_seqs(3, 1, 4), implementation=UNFUSED, layout=ParallelLayout())
     assert batch.padded_tokens == batch.logical_tokens == 8
     assert batch.offsets == (0, 3, 4)
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 0, 1, 2, 3]]
@@ -47,7 +49,7 @@ def test_positions_offsets_and_block_diagonal_causal_mask():
 
 def test_sequence_parallel_pads_the_row_to_a_multiple_of_tp_with_its_own_block():
     layout = ParallelLayout(tensor_parallel=4, sequence_parallel=True)
-    batch = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=layout)
+    batch = pack_sequences(_seqs(3, 2), implementation=UNFUSED, layout=layout)
     assert batch.logical_tokens == 5 and batch.padded_tokens == 8
     assert batch.position_ids.tolist() == [[0, 1, 2, 0, 1, 0, 1, 2]]
     mask = batch.attention_mask[0, 0]
@@ -56,7 +58,7 @@ def test_sequence_parallel_pads_the_row_to_a_multiple_of_tp_with_its_own_block()
     assert torch.equal(mask[5:, 5:], causal_masked)
     assert mask[:5, 5:].all() and mask[5:, :5].all()
     # Without sequence parallel TP needs no padding.
-    plain = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=ParallelLayout(2))
+    plain = pack_sequences(_seqs(3, 2), implementation=UNFUSED, layout=ParallelLayout(2))
     assert plain.padded_tokens == 5
 
 
@@ -84,9 +86,10 @@ def test_context_parallel_pads_every_sequence_to_twice_cp():
     assert batch.position_ids.tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]]
 
 
-def test_context_parallel_with_the_local_spec_is_refused_with_the_remedy():
+def test_context_parallel_with_the_unfused_attention_is_refused_with_the_remedy():
     with pytest.raises(ValueError, match="ART_MEGATRON_CONTEXT_PARALLEL_SIZE=1"):
-        pack_sequences(_seqs(4), implementation=LOCAL, layout=ParallelLayout(context_parallel=2))
+        pack_sequences(_seqs(4), implementation=UNFUSED,
+                       layout=ParallelLayout(context_parallel=2))
 
 
 @settings(max_examples=40, deadline=None)
@@ -114,9 +117,15 @@ def test_padded_length_matches_pack_and_unpack_round_trips(lengths, tp, cp, sp):
 
 def test_next_token_targets_never_cross_sequences():
     layout = ParallelLayout(tensor_parallel=2, sequence_parallel=True)
-    batch = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=layout)
+    batch = pack_sequences(_seqs(3, 2), implementation=UNFUSED, layout=layout)
     assert next_token_targets(batch).tolist() == [
         2, 3, IGNORE_INDEX, 102, IGNORE_INDEX, IGNORE_INDEX
+    ]
+    # The segmented flash attention lays the roots out by length: the shorter one first.
+    flash = pack_sequences(_seqs(3, 2), implementation=LOCAL, layout=layout)
+    assert flash.tokens.tolist() == [[101, 102, 1, 2, 3, 0]]
+    assert next_token_targets(flash).tolist() == [
+        102, IGNORE_INDEX, 2, 3, IGNORE_INDEX, IGNORE_INDEX
     ]
 
 
@@ -149,7 +158,7 @@ def _group(prompt: list[int], *completions: list[int]) -> list[torch.Tensor]:
 
 def test_a_group_shares_its_prompt_positions_continue_and_siblings_never_meet():
     sequences = _group([5, 6, 7], [1, 2], [3], [8, 9, 4])
-    batch = pack_sequences(sequences, implementation=LOCAL, layout=ParallelLayout(),
+    batch = pack_sequences(sequences, implementation=UNFUSED, layout=ParallelLayout(),
                            groups=[3])
     assert batch.logical_tokens == 15 and batch.padded_tokens == 9 and batch.shared_tokens == 6
     assert batch.tokens.tolist() == [[5, 6, 7, 1, 2, 3, 8, 9, 4]]
