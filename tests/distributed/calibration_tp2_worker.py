@@ -1,4 +1,4 @@
-"""torchrun worker: four calibration cells at TP=2; each rank writes its measured vs predicted
+"""torchrun worker: five calibration cells at TP=2; each rank writes its measured vs predicted
 and stores its probe in <out>/probes/rank<R>."""
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ def main() -> None:
         # Full logits: the TP all-gather of each chunk is live at the head's forward peak.
         Cell("gqa-128", "selective default", 8, 2, (136,), "logits", True),
         Cell("gqa-128", "selective default", 8, 2, (342,), "logits", False),
+        # Full logits on a row sharing a prompt: the gather is live at the head's moment, the
+        # per-sequence copies after it, never both.
+        Cell("gqa-128", "selective default", 8, 2, (2, 329), "logits", True, shared_prefix=1),
     ]
     measure_on_this_rank(out_dir, cells, tensor_parallel=2, probe_tokens=PROBE_TOKENS)
 

@@ -28,12 +28,15 @@ def tp2_run(tmp_path_factory) -> Path:
 def test_tp2_cells_within_target(tp2_run):
     ranks = rank_records(tp2_run)
     for rows in ranks:
-        assert len(rows) == 4
+        assert len(rows) == 5
         for row in rows:
             assert row["tensor_parallel"] == 2
             assert 1.0 <= row["ratio"] <= 1.05, row
             if row["outputs"] == "logits":  # the gather and the no-grad head, by formula too
                 assert 1.0 <= row["default_ratio"] <= 1.05, row
+            if row.get("shared_prefix"):
+                # Priced with the gather beside the per-sequence copies it is 4% higher.
+                assert row["ratio"] <= 1.03 and row["default_ratio"] <= 1.03, row
     # The two ranks of one cell hold the same shapes: their measured peaks agree closely.
     for a, b in zip(*ranks):
         assert abs(a["measured_bytes"] - b["measured_bytes"]) <= 0.05 * a["measured_bytes"]

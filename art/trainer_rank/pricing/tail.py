@@ -234,9 +234,18 @@ def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
         backward = max(row.head_backward_peak - row.caller_loss + kept + held_row
                        + rows * logprob_grad_row - row.kept + rescore.backward,
                        gather_backward)
-    forward = max(row.forward + kept - row.kept + rescore.forward,
-                  row.kept + row.saved + copies + caller_forward)
+    # The head's moment (its TP gather of a logits chunk included) is the row's own: the
+    # copies do not exist yet and the decoder row is the head's input. The gather is gone by
+    # the copies' moment: the larger of the two is the forward, with the gather a term of
+    # its own only where the head's moment is it.
+    head_moment = row.forward + row.gathered_logits + rescore.forward
+    copies_moment = row.kept + row.saved + copies + caller_forward
+    if copies_moment > head_moment:
+        forward, gathered = copies_moment, 0.0
+    else:
+        forward, gathered = head_moment - row.gathered_logits, row.gathered_logits
     return replace(row, kept=kept, forward=forward, backward=backward, head_backward=None,
+                   gathered_logits=gathered,
                    note=f"{row.note}; per-sequence output copies of {int(logical)} rows")
 
 
