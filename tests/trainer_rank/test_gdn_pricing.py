@@ -151,6 +151,39 @@ def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
                 assert 0 <= price - got <= 0.001 * got, (lengths, grad, name, price, got)
 
 
+def test_rule_backward_over_several_sequences_holds_the_first_gradient_at_the_row(
+        megatron_process):
+    """The rule's second gradient (through the chunk matrix) holds what the first returned.
+    Over one sequence those are views of the padded chunk gradients; over several, each
+    sequence's rows are copied into tensors of the row's tokens and the padded ones die. With
+    head dims 16 the second gradient is the rule's highest moment, so a row of short
+    sequences (much of each chunk padding) holds less than one sequence over as many chunks:
+    its layer's backward with the incoming gradient held is priced at the measured peak or a
+    few hundred bytes above, at several fills (at one token a chunk the first gradient's
+    moment is the highest)."""
+    import torch
+
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.chunked import padded_chunk_tokens
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+
+    geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(16)
+    for lengths in ((147, 70, 96, 79), (43,) * 9, (100, 28), (1,) * 3):
+        inputs = probe_runs.probe_inputs(model, list(lengths), provider.layout,
+                                         implementation, torch.device("cpu"))
+        release_score_buffer()
+        measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size, torch.float32,
+                                            torch.device("cpu"), True, hold_incoming=True)
+        priced = price_layer(dims, PricedKind.LINEAR_ATTENTION, frozenset(), sum(lengths),
+                             grad=True, padded=padded_chunk_tokens(lengths),
+                             segments=len(lengths))
+        got = measured["backward"]
+        assert 0 <= priced.backward_held - got <= 0.001 * got, (
+            lengths, priced.backward_held, got)
+
+
 def test_no_grad_prefix_tree_row_is_priced_one_call_at_a_time(megatron_process):
     """A row of prefix trees runs its Gated DeltaNet rule one varlen call per depth; without
     grad nothing of a call outlives it but its output, so the rule's decay, WY inverse and

@@ -24,6 +24,7 @@ from _tiny import tiny_dense
 
 CHUNK = 64
 OUTPUTS = OutputRequest(target_logprobs=True, hidden_states=True)
+LOGITS = OutputRequest(logits=True)
 # Off the chunk's multiples and past the largest one measured (8 chunks).
 ROWS = (211, 397, 611)
 
@@ -66,3 +67,35 @@ def test_tail_past_the_head_chunk_is_priced_from_rows_measured_past_it(runtime):
         assert 1.0 <= ratio <= 1.02, (rows, ratio, priced, seen)
         # The head's moment is one of the two the backward is the larger of.
         assert priced.head_backward_bytes <= priced.backward_bytes
+
+
+def test_a_tail_measured_up_to_the_chunk_grows_past_it_as_the_formulas_do(runtime):
+    """A probe whose tail rows stop at the chunk (a limit that fits no larger multiple, or a
+    calibration's probe) prices a longer row from its largest row plus the formulas' growth:
+    the curve's own extrapolation carries the chunk's working set on with every token. Full
+    logits, whose chunk working set is the tail's largest part."""
+    from dataclasses import replace
+
+    from art.trainer_rank.pricing.model import MemoryModel
+
+    provider, model = runtime
+    layout, implementation = ParallelLayout(), provider.implementation
+    device = torch.device("cpu")
+    coefficients = probe(model, geometry=provider.geometry, layout=layout,
+                         implementation=implementation, dtype="float32", lora_rank=4,
+                         modes=(), outputs=[(LOGITS, True)], tokens=(16, 24, 32, 48),
+                         head_chunk_tokens=CHUNK, tail_max_tokens=CHUNK)
+    memory = replace(MemoryModel.for_provider(provider), head_chunk_tokens=CHUNK
+                     ).with_coefficients(coefficients)
+    for rows in (150, 211):
+        inputs = tail_inputs(model, rows, layout, implementation, device)
+        seen = _measured_peak(measure_tail(model, inputs, LOGITS, torch.float32, device, True,
+                                           CHUNK))
+        priced = memory.probed_tail(LOGITS, True, rows)
+        curve = coefficients.tail_cost(LOGITS, True, rows)
+        assert priced is not None and curve is not None
+        ratio = max(priced.forward_bytes, priced.backward_bytes) / seen
+        carried = max(curve.forward_bytes, curve.backward_bytes) / seen
+        print(f"{rows} rows: priced {ratio:.4f}, the curve carried on {carried:.4f}")
+        assert 1.0 <= ratio <= 1.02, (rows, ratio, priced, seen)
+        assert carried > 1.1  # what the guard is for

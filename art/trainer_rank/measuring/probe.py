@@ -38,7 +38,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -100,16 +100,19 @@ class ProbedLayer:
     # Chunked kernels: rows of one short sequence per chunk (pricing/chunked.py).
     sparse_chunks: SparseChunks | None = None
 
-    def cost(self, s: int, padded: int | None = None) -> LayerCost:
+    def cost(self, s: int, padded: int | None = None,
+             segments_change: Mapping[str, float] | None = None) -> LayerCost:
         """At `s` tokens; `padded`: the row's tokens padded to whole kernel chunks (None: one
-        sequence of `s`)."""
+        sequence of `s`); `segments_change`: per quantity, what the row's segments change on
+        the full-chunk line (pricing/chunked.py)."""
         chunk = self.within_chunk
+        change = segments_change or {}
 
         def at(name: str) -> int:
             fit: Fit = getattr(self, name)
             if chunk is None:
                 return max(0, fit.at(s))
-            value = chunk.value(fit.at, name, s, padded)
+            value = chunk.value(fit.at, name, s, padded, change.get(name, 0.0))
             sparse = (self.sparse_chunks.value(name, s, padded)
                       if self.sparse_chunks is not None else None)
             return max(0, value if sparse is None else max(value, sparse))
@@ -164,11 +167,11 @@ class ProbeCoefficients:
     tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
     format: int = PROBE_FORMAT_VERSION
 
-    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
-                   ) -> LayerCost | None:
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
+                   segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
         for k, m, fit in self.layers:
             if k == kind and m == mode:
-                return fit.cost(s, padded)
+                return fit.cost(s, padded, segments_change)
         return None
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
@@ -179,7 +182,8 @@ class ProbeCoefficients:
                 return MeasuredTail(kept_bytes=max(0, fit.kept.at(s)),
                                     forward_bytes=max(0, fit.forward.at(s)),
                                     backward_bytes=max(caller, head),
-                                    head_backward_bytes=head)
+                                    head_backward_bytes=head,
+                                    measured_up_to_tokens=int(fit.forward.tokens[-1]))
         return None
 
     def partial_for(self, geometry: ModelGeometry) -> bool:

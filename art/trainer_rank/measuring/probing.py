@@ -20,7 +20,7 @@ ever price the same micro-batch differently.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -139,9 +139,9 @@ class TrainerProbe:
     def key(self) -> str:
         return self.layers.key
 
-    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
-                   ) -> LayerCost | None:
-        return self.layers.layer_cost(kind, mode, s, padded)
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
+                   segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
+        return self.layers.layer_cost(kind, mode, s, padded, segments_change)
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
         tail = self.tails.get((outputs.key, grad))

@@ -14,6 +14,12 @@ does (its padding is under one chunk). There the kernel's per-chunk working set 
 the rest of the layer, which follows the tokens, and a quantity becomes the larger of two
 lines in the tokens at a fixed padded length: the full-chunk line above and a sparse-chunk
 line, measured on rows of one short sequence per chunk (`SparseChunks`).
+
+The full-chunk line is measured on single sequences, and a row of several segments holds
+less on it: the CPU rule's backward makes its first gradient's results at the row's tokens,
+where one sequence's are views of the padded chunk gradients (`cpu_rule_backward_work`). The
+memory model adds the formulas' difference between the row's segments and one sequence to
+the line (`segments_change`), before the larger of the two lines is taken.
 """
 
 from __future__ import annotations
@@ -51,20 +57,28 @@ def _row_padded(tokens: int, padded: int | None, chunk_tokens: int) -> int:
     return padded if padded is not None else padded_chunk_tokens([tokens], chunk_tokens)
 
 
-def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
-                            chunk_tokens: int = GDN_CHUNK_TOKENS, row_tokens: int | None = None,
-                            implementation: Implementation | None = None) -> int:
-    """`padded_chunk_tokens` of the segments as `pack_sequences` lays them out in one row:
-    each padded to the layout's per-sequence multiple, and the row's padded tail a segment of
-    its own. `row_tokens`: the row's length when the segments are a prefix tree's nodes (the
-    packer's rows, which `packed_length_tokens` of the segments would not know);
-    `implementation`: the attention built, which says whether sequences are padded."""
+def row_segments(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
+                 row_tokens: int | None = None,
+                 implementation: Implementation | None = None) -> list[int]:
+    """The segments' lengths as `pack_sequences` lays them out in one row: each padded to the
+    layout's per-sequence multiple, and the row's padded tail a segment of its own.
+    `row_tokens`: the row's length when the segments are a prefix tree's nodes (the packer's
+    rows, which `packed_length_tokens` of the segments would not know); `implementation`: the
+    attention built, which says whether sequences are padded."""
     per_sequence = sequence_multiple_tokens(layout, implementation)
     segments = [-(-int(n) // per_sequence) * per_sequence for n in sequence_lengths_tokens]
     row = (row_tokens if row_tokens is not None
            else packed_length_tokens(sequence_lengths_tokens, layout))
     tail = row - sum(segments)
-    return padded_chunk_tokens(segments + ([tail] if tail > 0 else []), chunk_tokens)
+    return segments + ([tail] if tail > 0 else [])
+
+
+def row_padded_chunk_tokens(sequence_lengths_tokens: Sequence[int], layout: ParallelLayout,
+                            chunk_tokens: int = GDN_CHUNK_TOKENS, row_tokens: int | None = None,
+                            implementation: Implementation | None = None) -> int:
+    """`padded_chunk_tokens` of the row's segments (`row_segments`)."""
+    return padded_chunk_tokens(
+        row_segments(sequence_lengths_tokens, layout, row_tokens, implementation), chunk_tokens)
 
 
 def has_chunked_layers(geometry: ModelGeometry) -> bool:
@@ -109,11 +123,13 @@ class WithinChunk:
     backward_held: float = 0.0
 
     def value(self, curve: Callable[[int], float], name: str, tokens: int,
-              padded: int | None) -> int:
+              padded: int | None, segments_change: float = 0.0) -> int:
         """Quantity `name` at `tokens` from its whole-chunk `curve` at the `padded` row
-        (None: one sequence of `tokens`)."""
+        (None: one sequence of `tokens`); `segments_change`: what the row's segments change
+        from one sequence's line (see the module docstring)."""
         whole = _row_padded(tokens, padded, self.chunk_tokens)
-        return int(round(curve(whole) - getattr(self, name) * (whole - tokens)))
+        return int(round(curve(whole) - getattr(self, name) * (whole - tokens)
+                         + segments_change))
 
 
 def split_points(points: Sequence[int], rows: Sequence[dict[str, float]], chunk_tokens: int,

@@ -4,6 +4,7 @@ coefficients (the layer probe) meets for the memory model."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -57,6 +58,9 @@ class MeasuredTail:
     forward_bytes: int
     backward_bytes: int
     head_backward_bytes: int
+    # The largest row the tail was measured at (0: not told): past it the memory model
+    # prices the growth from there by its formulas rather than the curve's extrapolation.
+    measured_up_to_tokens: int = 0
 
 
 class Coefficients(Protocol):
@@ -66,7 +70,8 @@ class Coefficients(Protocol):
     @property
     def key(self) -> str: ...
 
-    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None
+    def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
+                   segments_change: Mapping[str, float] | None = None
                    ) -> LayerCost | None: ...
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int

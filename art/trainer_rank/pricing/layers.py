@@ -64,14 +64,15 @@ def keeps_layer_input(d: Dims, kind: PricedKind) -> bool:
 
 def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = False,
                  padded: int | None = None,
-                 rule_calls: tuple[tuple[int, ...], ...] | None = None) -> list[Block]:
+                 rule_calls: tuple[tuple[int, ...], ...] | None = None,
+                 segments: int = 1) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
     cp = d.layout.context_parallel
     if kind.linear and cp > 1:
-        mixer = linear_attention_over_context_parallel(d, s, padded, rule_calls)
+        mixer = linear_attention_over_context_parallel(d, s, padded, rule_calls, segments)
     elif kind.linear:
-        mixer = linear_attention_blocks(d, s, padded, rule_calls)
+        mixer = linear_attention_blocks(d, s, padded, rule_calls, segments)
     else:
         mixer = attention_blocks(d, s)
     # The residual add after the mixer makes a new hidden tensor, which the pre-MLP norm keeps
@@ -91,8 +92,8 @@ def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = F
 
 
 def linear_attention_over_context_parallel(d: Dims, s: int, padded: int | None,
-                                           rule_calls: tuple[tuple[int, ...], ...] | None
-                                           ) -> list[Block]:
+                                           rule_calls: tuple[tuple[int, ...], ...] | None,
+                                           segments: int = 1) -> list[Block]:
     """A Gated DeltaNet mixer under context parallel (specs/gated_delta_net.py): its input is
     gathered to the whole row (the per-rank parts beside the gathered row while it is
     assembled), the mixer runs over the whole row, and this rank's rows of its output are
@@ -109,7 +110,7 @@ def linear_attention_over_context_parallel(d: Dims, s: int, padded: int | None,
                    linear_attention_keeps_input(d), temp=row, grad_temp=2 * row)
     rows_out = Block("CP local rows", None, 0.0, local, False, grad_temp=row)
     mixer = [replace(blk, stream=local + gathered)
-             for blk in linear_attention_blocks(d, row_tokens, padded, rule_calls)]
+             for blk in linear_attention_blocks(d, row_tokens, padded, rule_calls, segments)]
     return [gather, *mixer, rows_out]
 
 
@@ -142,11 +143,12 @@ def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
 
 def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, grad: bool,
                 worst_case_routing: bool = False, padded: int | None = None,
-                rule_calls: tuple[tuple[int, ...], ...] | None = None) -> LayerCost:
+                rule_calls: tuple[tuple[int, ...], ...] | None = None,
+                segments: int = 1) -> LayerCost:
     """Default LayerCost of one layer running with the selective `modules` (empty: none);
-    `padded` and `rule_calls` as in `linear_attention_blocks`."""
+    `padded`, `rule_calls` and `segments` as in `linear_attention_blocks`."""
     g, b = d.geometry, d.dtype_bytes
-    blocks = layer_blocks(d, kind, s, worst_case_routing, padded, rule_calls)
+    blocks = layer_blocks(d, kind, s, worst_case_routing, padded, rule_calls, segments)
     x = d.hidden_tokens(s) * g.hidden_size * b
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous

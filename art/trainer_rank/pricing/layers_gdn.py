@@ -22,16 +22,18 @@ GDN_CHUNK_TOKENS = 64
 
 
 def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
-                            rule_calls: tuple[tuple[int, ...], ...] | None = None
-                            ) -> list[Block]:
+                            rule_calls: tuple[tuple[int, ...], ...] | None = None,
+                            segments: int = 1) -> list[Block]:
     """Gated DeltaNet as Megatron-Core 0.16.1 runs it (ssm/gated_delta_net.py) with the local
     spec (`art/megatron/specs`), its linears frozen (LoRA never targets them), and fla's
     kernels or their CPU counterparts (`cpu_gated_delta`), which keep fla-core 0.6's set.
     Block names are the ones `scripts/gdn_blocks.py` measures under. No s^2 term. `padded`:
     the row's tokens with each sequence padded to whole 64-token chunks (None: one sequence),
-    what the delta rule's per-chunk working set grows with. `rule_calls`: a row of prefix
-    trees, whose rule runs one call per depth (each call's segment lengths): its working sets
-    are the largest call's, and without grad what it holds at once is one call's
+    what the delta rule's per-chunk working set grows with; `segments`: how many segments
+    (sequences, the row's padded tail) the rule's one call over the row runs, which decides
+    what its backward holds at the row's tokens (`cpu_rule_backward_work`). `rule_calls`: a
+    row of prefix trees, whose rule runs one call per depth (each call's segment lengths): its
+    working sets are the largest call's, and without grad what it holds at once is one call's
     (`tree_rule_no_grad_bytes`)."""
     g, b, tp = d.geometry, d.dtype_bytes, d.tp
     la = g.linear_attention
@@ -58,11 +60,12 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
     # ([tokens, heads, 64] in k's dtype); q, k, v and beta are the blocks' outputs above.
     delta_kept = rows * vheads * (FP32 + GDN_CHUNK_TOKENS * b)
     dk = la.key_head_dim
-    delta_work, delta_grad = rule_work(d, rows, chunked)
+    delta_work, delta_grad = rule_work(d, rows, chunked, segments=segments)
     no_grad_work = None
     if rule_calls is not None:
         no_grad_work = tree_rule_no_grad_bytes(d, rule_calls)
-        per_call = [rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)))
+        per_call = [rule_work(d, float(sum(call)), float(padded_chunk_tokens(call)),
+                              segments=len(call))
                     for call in rule_calls]
         delta_work = max(w for w, _ in per_call)
         # Backward runs the calls last first; each call's input gradients stay until the
@@ -110,11 +113,12 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
     ]
 
 
-def rule_work(d: Dims, tokens: float, padded: float, finals: float = 0.0
-              ) -> tuple[float, float]:
+def rule_work(d: Dims, tokens: float, padded: float, finals: float = 0.0,
+              segments: int = 1) -> tuple[float, float]:
     """The gated delta rule's forward and backward working sets (beyond what it keeps) for
     one call over `tokens` tokens in `padded` chunk tokens; `finals`: the bytes of the final
-    states the call returns, which its forward holds from where it writes them."""
+    states the call returns, which its forward holds from where it writes them; `segments`:
+    how many segments (cu_seqlens) the call runs."""
     la = d.geometry.linear_attention
     assert la is not None
     b = d.dtype_bytes
@@ -131,7 +135,7 @@ def rule_work(d: Dims, tokens: float, padded: float, finals: float = 0.0
         # fla allocates the final states with the per-chunk states, before the outputs.
         return work + finals, grad
     return (cpu_rule_forward_work(padded, vheads, dk, dv, finals),
-            cpu_rule_backward_work(padded, tokens, vheads, dk, dv))
+            cpu_rule_backward_work(padded, tokens, vheads, dk, dv, segments))
 
 
 def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int,
@@ -165,8 +169,8 @@ def cpu_rule_forward_work(padded: float, heads: float, dk: int, dv: int,
     return max(decay, add, update, stack)
 
 
-def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, dv: int
-                           ) -> float:
+def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, dv: int,
+                           segments: int = 1) -> float:
     """What the CPU rule's backward allocates at its highest moment. It rebuilds the forward
     under autograd from the saved set (fp32 padded chunks) and takes two gradients: through
     the chunk loop (which keeps every chunk's state), then through the chunk matrix. The
@@ -176,12 +180,19 @@ def cpu_rule_backward_work(padded: float, tokens: float, heads: float, dk: int, 
     Counted in fp32 tensors of the padded chunks per value head: C-wide (scores, decay,
     the inverse and their gradients), dk-wide and dv-wide (q, k, w, v, u and gradients), one
     per chunk and head (g, beta); then the chunk states (dk x dv) and chunk-sized v slices;
-    the second gradient also holds a [tokens, heads] fp32 gradient the first one returned
-    (g's or beta's)."""
+    the second gradient also holds what the first one returned: the gradients of q, k, v,
+    beta and A (dk, dk, dv, 1 and C wide) and of g (one [tokens, heads], made fresh by the
+    edge padding's backward). Over one segment those five are views of the padded chunk
+    gradients, padded tokens long: `_chunked`'s one slice spans the row, an alias whose
+    backward passes the padding cat's narrowed gradient on uncopied. Over several segments
+    (`segments`) each slice's backward writes its rows into a fresh tensor of the row's
+    tokens, and the padded chunk gradients die."""
     c, p, h = GDN_CHUNK_TOKENS, float(padded), float(heads)
     chunks = p / c
     ph, state, v_chunk, k_chunk = p * h, h * dk * dv, c * h * dv, c * h * dk
-    second = ph * (10 * c + 3 * (dk + dv) + 2) + tokens * h  # through the chunk matrix
+    first_results = (p if segments <= 1 else float(tokens)) * h * (c + 2 * dk + dv + 1)
+    # Through the chunk matrix: its own working set, then the first gradient's results.
+    second = ph * (9 * c + dk + 2 * dv + 1) + first_results + tokens * h
     if chunks >= 3:
         first = ph * 6 + max(
             ph * (7 * c + 9 * dk + 5 * dv) + chunks * state + (chunks - 1) * v_chunk,

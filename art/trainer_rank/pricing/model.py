@@ -34,8 +34,8 @@ from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank.pricing.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.pricing.budget import AllocatorReserve
-from art.trainer_rank.pricing.chunked import has_chunked_layers, row_padded_chunk_tokens
-from art.trainer_rank.pricing.coefficients import Coefficients, RecomputeMode
+from art.trainer_rank.pricing.chunked import has_chunked_layers, padded_chunk_tokens, row_segments
+from art.trainer_rank.pricing.coefficients import Coefficients, MeasuredTail, RecomputeMode
 from art.trainer_rank.pricing.estimate import Estimate, Lifetime, Term, TermKind
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import layer_kind, price_layer
@@ -167,12 +167,14 @@ class MemoryModel:
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
                     padded: int | None = None, sequences: int = 1,
-                    recurrent: RecurrentRow | None = None) -> tuple[LayerCost, bool]:
+                    recurrent: RecurrentRow | None = None, segments: int = 1
+                    ) -> tuple[LayerCost, bool]:
         """`padded`: the row's tokens padded to whole kernel chunks (pricing/chunked.py);
         `sequences`: how many segments (sequences, or prefix-tree nodes) a recurrent layer
-        runs the row as; `recurrent`: the row's calls when it holds prefix trees."""
+        runs the row as; `recurrent`: the row's calls when it holds prefix trees;
+        `segments`: the row's segments as its delta rule runs them (its padded tail too)."""
         kind = self._kinds[index]
-        memo_key = (kind, modules, s, grad, padded, sequences, recurrent)
+        memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
@@ -180,12 +182,14 @@ class MemoryModel:
         if self.coefficients is not None:
             cost = self.coefficients.layer_cost(
                 kind, RecomputeMode(grad=grad, modules=modules).key,
-                self._probe_tokens(kind, s), padded)
+                self._probe_tokens(kind, s), padded,
+                self._segments_change(kind, modules, s, grad, padded, segments))
             if cost is not None:
                 result = (cost, True)
         if result is None:
             result = (price_layer(self.dims, kind, modules, s, grad=grad,
-                                  worst_case_routing=self.worst_case_routing, padded=padded),
+                                  worst_case_routing=self.worst_case_routing, padded=padded,
+                                  segments=segments),
                       False)
         continued = recurrent.continued_segments if recurrent is not None else 0
         padding = (conv_sequence_padding_bytes(self.dims, kind, sequences, tree=continued > 0)
@@ -194,7 +198,7 @@ class MemoryModel:
         held_change: float | None = 0.0
         if recurrent is not None and len(recurrent.calls) > 1 and kind.linear:
             forward_change, backward_change, held_change = self._tree_change(
-                kind, modules, s, grad, padded, recurrent)
+                kind, modules, s, grad, padded, recurrent, segments)
         if padding or forward_change or backward_change or held_change:
             cost, used = result
             held = cost.backward_held
@@ -209,8 +213,24 @@ class MemoryModel:
         self._memo[memo_key] = result
         return result
 
+    def _segments_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
+                         padded: int | None, segments: int) -> dict[str, float] | None:
+        """What a Gated DeltaNet layer's backward over a row of several segments holds beside
+        one sequence's over the same padded chunks, which the probe's full-chunk line is
+        measured on (pricing/chunked.py): the formulas' difference, the rule's first gradient
+        results at the row's tokens instead of the padded ones (`cpu_rule_backward_work`)."""
+        if not grad or padded is None or segments <= 1 or not kind.linear:
+            return None
+        one, row = (price_layer(self.dims, kind, modules, s, grad=True, padded=padded,
+                                worst_case_routing=self.worst_case_routing, segments=n)
+                    for n in (1, segments))
+        change = {"backward": float(row.backward - one.backward)}
+        if row.backward_held is not None and one.backward_held is not None:
+            change["backward_held"] = float(row.backward_held - one.backward_held)
+        return change
+
     def _tree_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
-                     padded: int | None, recurrent: RecurrentRow
+                     padded: int | None, recurrent: RecurrentRow, segments: int = 1
                      ) -> tuple[float, float, float | None]:
         """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
         prefix trees from its price over the same row as plain sequences: the formulas'
@@ -219,7 +239,7 @@ class MemoryModel:
         grad, what the calls' outputs and states hold (`prefix_tree_extra_forward_bytes`).
         Applied to the probe's layer as to the formulas'."""
         plain = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
-                            worst_case_routing=self.worst_case_routing)
+                            worst_case_routing=self.worst_case_routing, segments=segments)
         tree = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
                            worst_case_routing=self.worst_case_routing,
                            rule_calls=recurrent.calls)
@@ -231,13 +251,14 @@ class MemoryModel:
                 float(tree.backward - plain.backward) if grad else 0.0, held)
 
     def _probed_unit(self, index: int, n: int, s: int, grad: bool = True,
-                     padded: int | None = None, recurrent: RecurrentRow | None = None
-                     ) -> LayerCost | None:
+                     padded: int | None = None, recurrent: RecurrentRow | None = None,
+                     sequences: int = 1, segments: int = 1) -> LayerCost | None:
         """The probe's cost of a full-recompute unit of `n` layers of one kind. Over a row of
         prefix trees a Gated DeltaNet unit's no-grad run changes as its layer's forward does,
         and its backward (the layer rebuilt with grad, then its backward) as the formulas'
-        unit does (`full_unit_peak`) with the rule at its largest call."""
-        cost = self._probed_unit_cost(index, n, s, grad, padded)
+        unit does (`full_unit_peak`) with the rule at its largest call. `sequences` and
+        `segments` as in `_layer_cost`."""
+        cost = self._probed_unit_cost(index, n, s, grad, padded, sequences, segments)
         kind = self._kinds[index]
         if (cost is None or recurrent is None or len(recurrent.calls) < 2
                 or not kind.linear):
@@ -246,14 +267,16 @@ class MemoryModel:
         peaks = []
         for calls in (None, recurrent.calls):
             layer = price_layer(self.dims, kind, frozenset(), s, grad=True, padded=padded,
-                                worst_case_routing=self.worst_case_routing, rule_calls=calls)
+                                worst_case_routing=self.worst_case_routing, rule_calls=calls,
+                                segments=segments)
             peaks.append(full_unit_peak(Unit(True, index, x, x, (layer,))))
         no_grad = self._tree_change(kind, frozenset(), s, False, padded, recurrent)[0]
         return replace(cost, forward=int(cost.forward + no_grad),
                        backward=int(cost.backward + peaks[1] - peaks[0]))
 
     def _probed_unit_cost(self, index: int, n: int, s: int, grad: bool,
-                          padded: int | None) -> LayerCost | None:
+                          padded: int | None, sequences: int = 1, segments: int = 1
+                          ) -> LayerCost | None:
         if self.coefficients is None:
             return None
         layers = self.recompute.layers
@@ -268,9 +291,32 @@ class MemoryModel:
         if len(kinds) != 1:
             return None
         kind = kinds.pop()
+        change = (self._unit_segments_change(index, kind, n, s, padded, sequences, segments)
+                  if grad else None)
         return self.coefficients.layer_cost(
             kind, RecomputeMode(grad=grad, full_layers=n).key, self._probe_tokens(kind, s),
-            padded)
+            padded, change)
+
+    def _unit_segments_change(self, index: int, kind: PricedKind, n: int, s: int,
+                              padded: int | None, sequences: int, segments: int
+                              ) -> dict[str, float] | None:
+        """`_segments_change` of a full-recompute unit of `n` Gated DeltaNet layers, which
+        the probe measures whole on one sequence: the formulas' unit (`full_unit_peak`) over
+        the row's segments against over one sequence. Its rebuilt layers also keep the
+        conv's input with each segment's window (`conv_sequence_padding_bytes`)."""
+        if padded is None or segments <= 1 or not kind.linear:
+            return None
+        x = self.dims.hidden_tokens(s) * self.geometry.hidden_size * self.dtype_bytes
+        peaks = []
+        for rule_segments, conv_segments in ((1, 1), (segments, sequences)):
+            layer = price_layer(self.dims, kind, frozenset(), s, grad=True, padded=padded,
+                                worst_case_routing=self.worst_case_routing,
+                                segments=rule_segments)
+            window = conv_sequence_padding_bytes(self.dims, kind, conv_segments)
+            layer = replace(layer, kept=int(layer.kept + window),
+                            forward=int(layer.forward + window))
+            peaks.append(full_unit_peak(Unit(True, index, x, x, (layer,) * n)))
+        return {"backward": peaks[1] - peaks[0]}
 
     def _probe_tokens(self, kind: PricedKind, s: int) -> int:
         """The tokens a probe curve is read at: this rank's, except a Gated DeltaNet layer's
@@ -340,12 +386,14 @@ class MemoryModel:
             *upper, last = recurrent.calls
             recurrent = RecurrentRow((*upper, (*last, S - sum(segments))))
         padded = None
+        rule_segments = 1
         if has_chunked_layers(g):
             # Under CP the Gated DeltaNet layers run the whole row (its padded tail included).
-            padded = (row_padded_chunk_tokens(segments, self.layout, row_tokens=S,
-                                              implementation=self.implementation)
-                      if recurrent is not None or self.layout.context_parallel > 1
-                      else row_padded_chunk_tokens(segments, self.layout))
+            row = (row_segments(segments, self.layout, row_tokens=S,
+                                implementation=self.implementation)
+                   if recurrent is not None or self.layout.context_parallel > 1
+                   else row_segments(segments, self.layout))
+            padded, rule_segments = padded_chunk_tokens(row), len(row)
         layers = sum(1 for kind in self._kinds if kind.linear)
         if grad and continued and layers:
             per_layer = prefix_tree_state_bytes(self.dims, continued)
@@ -355,9 +403,11 @@ class MemoryModel:
                             "segment(s) x [value heads/TP, dk, dv] fp32"))
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
                           functools.partial(self._layer_cost, padded=padded,
-                                            sequences=len(segments), recurrent=recurrent),
+                                            sequences=len(segments), recurrent=recurrent,
+                                            segments=rule_segments),
                           functools.partial(self._probed_unit, padded=padded,
-                                            recurrent=recurrent),
+                                            recurrent=recurrent, sequences=len(segments),
+                                            segments=rule_segments),
                           attention_layers=frozenset(
                               i for i, kind in enumerate(self._kinds) if not kind.linear),
                           attention_buffers=sum(t.bytes for t in pre
@@ -419,7 +469,7 @@ class MemoryModel:
 
     def _row_tail(self, batch: MicroBatchShape, s: int, S: int) -> tuple[TailCost, bool]:
         if self.coefficients is not None:
-            probed = self.coefficients.tail_cost(batch.outputs, batch.grad_enabled, S)
+            probed = self.probed_tail(batch.outputs, batch.grad_enabled, S)
             if probed is not None:
                 # The probe's kept is the outputs' storages; the caller's loss scalars too.
                 kept = probed.kept_bytes + (CALLER_LOSS_SCALARS_BYTES
@@ -438,6 +488,35 @@ class MemoryModel:
                                 "probe", gathered, saved, caller_loss,
                                 head_backward=probed.head_backward_bytes + caller_loss), True
         return default_tail(self, batch, S), False
+
+    def probed_tail(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
+        """The probe's tail at `s` rows; past the largest row it measured, its value there
+        plus the formulas' growth from there to `s`: the head works in chunks, so past a
+        chunk its working set stops growing, which a curve fitted below the chunk cannot
+        know."""
+        assert self.coefficients is not None
+        probed = self.coefficients.tail_cost(outputs, grad, s)
+        last = probed.measured_up_to_tokens if probed is not None else 0
+        if probed is None or not 0 < last < s:
+            return probed
+        at_last = self.coefficients.tail_cost(outputs, grad, last)
+        assert at_last is not None
+
+        def formulas(rows: int) -> TailCost:
+            return default_tail(self, MicroBatchShape((rows,), outputs=outputs,
+                                                      grad_enabled=grad), rows)
+
+        here, there = formulas(s), formulas(last)
+        growth_forward = (here.forward + here.gathered_logits
+                          - there.forward - there.gathered_logits)
+        growth_head = here.head_backward_peak - there.head_backward_peak
+        return MeasuredTail(
+            kept_bytes=int(at_last.kept_bytes + max(0.0, here.kept - there.kept)),
+            forward_bytes=int(at_last.forward_bytes + max(0.0, growth_forward)),
+            backward_bytes=int(at_last.backward_bytes
+                               + max(0.0, here.backward - there.backward)),
+            head_backward_bytes=int(at_last.head_backward_bytes + max(0.0, growth_head)),
+            measured_up_to_tokens=last)
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,
                             grad_enabled: bool, sequences: int = 1) -> int:
