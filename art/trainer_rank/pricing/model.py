@@ -490,14 +490,16 @@ class MemoryModel:
         return default_tail(self, batch, S), False
 
     def probed_tail(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
-        """The probe's tail at `s` rows; past the largest row it measured, its value there
-        plus the formulas' growth from there to `s`: the head works in chunks, so past a
-        chunk its working set stops growing, which a curve fitted below the chunk cannot
-        know."""
+        """The probe's tail at `s` rows. Where its largest row is no longer than the head
+        chunk and `s` is past it: its value there plus the formulas' growth from there to
+        `s`, since past a chunk the head's working set stops growing, which a curve fitted
+        below the chunk cannot know (a curve with rows past the chunk carries on as they
+        grow)."""
         assert self.coefficients is not None
         probed = self.coefficients.tail_cost(outputs, grad, s)
         last = probed.measured_up_to_tokens if probed is not None else 0
-        if probed is None or not 0 < last < s:
+        chunk = self.head_chunk_tokens or default_head_chunk_tokens()
+        if probed is None or not 0 < last < s or last > chunk:
             return probed
         at_last = self.coefficients.tail_cost(outputs, grad, last)
         assert at_last is not None
