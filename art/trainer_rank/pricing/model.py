@@ -62,6 +62,7 @@ from art.trainer_rank.pricing.tail import (
     gathered_logits_bytes,
     largest_allocation,
     shared_output_copies,
+    tail_past_its_rows,
 )
 
 DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
@@ -503,22 +504,7 @@ class MemoryModel:
             return probed
         at_last = self.coefficients.tail_cost(outputs, grad, last)
         assert at_last is not None
-
-        def formulas(rows: int) -> TailCost:
-            return default_tail(self, MicroBatchShape((rows,), outputs=outputs,
-                                                      grad_enabled=grad), rows)
-
-        here, there = formulas(s), formulas(last)
-        growth_forward = (here.forward + here.gathered_logits
-                          - there.forward - there.gathered_logits)
-        growth_head = here.head_backward_peak - there.head_backward_peak
-        return MeasuredTail(
-            kept_bytes=int(at_last.kept_bytes + max(0.0, here.kept - there.kept)),
-            forward_bytes=int(at_last.forward_bytes + max(0.0, growth_forward)),
-            backward_bytes=int(at_last.backward_bytes
-                               + max(0.0, here.backward - there.backward)),
-            head_backward_bytes=int(at_last.head_backward_bytes + max(0.0, growth_head)),
-            measured_up_to_tokens=last)
+        return tail_past_its_rows(self, at_last, outputs, grad, s)
 
     def max_tokens_that_fit(self, usable_bytes: int, *, outputs: OutputRequest,
                             grad_enabled: bool, sequences: int = 1) -> int:

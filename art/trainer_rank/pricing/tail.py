@@ -11,6 +11,7 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.pricing.coefficients import MeasuredTail
 from art.trainer_rank.pricing.layer_terms import FP32
 
 INT64 = 8
@@ -170,6 +171,29 @@ def default_tail(model: PricedModel, batch: MicroBatchShape, s: int) -> TailCost
                     gathered_logits=gathered_logits_bytes(model, batch, rows),
                     saved=saved_head + (norm_internal if grad else 0.0),
                     caller_loss=caller_loss)
+
+
+def tail_past_its_rows(model: PricedModel, at_last: MeasuredTail, outputs: OutputRequest,
+                       grad: bool, s: int) -> MeasuredTail:
+    """A tail the probe measured up to `at_last.measured_up_to_tokens` rows (no more than one
+    head chunk), carried to `s` rows by the formulas' growth from there: past a chunk the
+    head's working set stops growing, which a curve fitted below the chunk cannot know."""
+    last = at_last.measured_up_to_tokens
+
+    def formulas(rows: int) -> TailCost:
+        return default_tail(model, MicroBatchShape((rows,), outputs=outputs,
+                                                   grad_enabled=grad), rows)
+
+    here, there = formulas(s), formulas(last)
+    growth_forward = (here.forward + here.gathered_logits
+                      - there.forward - there.gathered_logits)
+    growth_head = here.head_backward_peak - there.head_backward_peak
+    return MeasuredTail(
+        kept_bytes=int(at_last.kept_bytes + max(0.0, here.kept - there.kept)),
+        forward_bytes=int(at_last.forward_bytes + max(0.0, growth_forward)),
+        backward_bytes=int(at_last.backward_bytes + max(0.0, here.backward - there.backward)),
+        head_backward_bytes=int(at_last.head_backward_bytes + max(0.0, growth_head)),
+        measured_up_to_tokens=last)
 
 
 def shared_output_copies(model: PricedModel, batch: MicroBatchShape,
