@@ -50,20 +50,32 @@ def _measured_peak(row: dict[str, float]) -> float:
     return max(row["forward"], row["caller_backward"], row["head_backward"])
 
 
-def test_tail_past_the_head_chunk_is_priced_from_rows_measured_past_it(runtime):
+def _probe_tail(runtime, outputs: OutputRequest, tail_max_tokens: int):
+    """The probe's grad tail for `outputs` at rows of 16-48 tokens plus the head chunk's
+    multiples up to `tail_max_tokens`."""
     provider, model = runtime
-    layout, implementation = ParallelLayout(), provider.implementation
+    return probe(model, geometry=provider.geometry, layout=ParallelLayout(),
+                 implementation=provider.implementation, dtype="float32", lora_rank=4,
+                 modes=(), outputs=[(outputs, True)], tokens=(16, 24, 32, 48),
+                 head_chunk_tokens=CHUNK, tail_max_tokens=tail_max_tokens)
+
+
+def _measured_tail_peak(runtime, outputs: OutputRequest, rows: int) -> float:
+    """The tail's peak measured on a row of `rows` tokens with grad."""
+    provider, model = runtime
     device = torch.device("cpu")
-    coefficients = probe(model, geometry=provider.geometry, layout=layout,
-                         implementation=implementation, dtype="float32", lora_rank=4,
-                         modes=(), outputs=[(OUTPUTS, True)], tokens=(16, 24, 32, 48),
-                         head_chunk_tokens=CHUNK, tail_max_tokens=8 * CHUNK)
+    inputs = tail_inputs(model, rows, ParallelLayout(), provider.implementation, device)
+    return _measured_peak(measure_tail(model, inputs, outputs, torch.float32, device, True,
+                                       CHUNK))
+
+
+def test_tail_past_the_head_chunk_is_priced_from_rows_measured_past_it(runtime):
+    coefficients = _probe_tail(runtime, OUTPUTS, 8 * CHUNK)
     for rows in ROWS:
-        inputs = tail_inputs(model, rows, layout, implementation, device)
-        seen = measure_tail(model, inputs, OUTPUTS, torch.float32, device, True, CHUNK)
+        seen = _measured_tail_peak(runtime, OUTPUTS, rows)
         priced = coefficients.tail_cost(OUTPUTS, True, rows)
         assert priced is not None
-        ratio = max(priced.forward_bytes, priced.backward_bytes) / _measured_peak(seen)
+        ratio = max(priced.forward_bytes, priced.backward_bytes) / seen
         assert 1.0 <= ratio <= 1.02, (rows, ratio, priced, seen)
         # The head's moment is one of the two the backward is the larger of.
         assert priced.head_backward_bytes <= priced.backward_bytes
@@ -78,19 +90,11 @@ def test_a_tail_measured_up_to_the_chunk_grows_past_it_as_the_formulas_do(runtim
 
     from art.trainer_rank.pricing.model import MemoryModel
 
-    provider, model = runtime
-    layout, implementation = ParallelLayout(), provider.implementation
-    device = torch.device("cpu")
-    coefficients = probe(model, geometry=provider.geometry, layout=layout,
-                         implementation=implementation, dtype="float32", lora_rank=4,
-                         modes=(), outputs=[(LOGITS, True)], tokens=(16, 24, 32, 48),
-                         head_chunk_tokens=CHUNK, tail_max_tokens=CHUNK)
-    memory = replace(MemoryModel.for_provider(provider), head_chunk_tokens=CHUNK
+    coefficients = _probe_tail(runtime, LOGITS, CHUNK)
+    memory = replace(MemoryModel.for_provider(runtime[0]), head_chunk_tokens=CHUNK
                      ).with_coefficients(coefficients)
     for rows in (150, 211):
-        inputs = tail_inputs(model, rows, layout, implementation, device)
-        seen = _measured_peak(measure_tail(model, inputs, LOGITS, torch.float32, device, True,
-                                           CHUNK))
+        seen = _measured_tail_peak(runtime, LOGITS, rows)
         priced = memory.probed_tail(LOGITS, True, rows)
         curve = coefficients.tail_cost(LOGITS, True, rows)
         assert priced is not None and curve is not None

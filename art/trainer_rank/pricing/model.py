@@ -499,8 +499,7 @@ class MemoryModel:
         assert self.coefficients is not None
         probed = self.coefficients.tail_cost(outputs, grad, s)
         last = probed.measured_up_to_tokens if probed is not None else 0
-        chunk = self.head_chunk_tokens or default_head_chunk_tokens()
-        if probed is None or not 0 < last < s or last > chunk:
+        if probed is None or not 0 < last < s or last > self.head_chunk_tokens:
             return probed
         at_last = self.coefficients.tail_cost(outputs, grad, last)
         assert at_last is not None
