@@ -18,6 +18,7 @@ from art.trainer_rank.compute.items import outputs_union
 from art.trainer_rank.compute.packing import (
     IGNORE_INDEX,
     PackedBatch,
+    PackedTargets,
     pack_sequences,
     pack_targets,
     unpack,
@@ -48,8 +49,7 @@ def run_sub_forward(
     hidden = decoder_hidden_states(model, batch)
     targets = None
     if wanted.target_logprobs:
-        targets = pack_targets([_target_columns(leaf, columns).to(device) for leaf in leaves],
-                               batch)
+        targets = _packed_targets(leaves, columns, batch, device)
     heads = None
     if wanted.uses_head:
         heads = compute_heads(
@@ -58,7 +58,14 @@ def run_sub_forward(
         )
     per_hidden = unpack(hidden, batch) if wanted.hidden_states else None
     per_logprobs = None
-    if heads is not None and targets is not None:
+    # Every sequence with one target per position and no shared row scored twice: each one's
+    # [T] log-probs are views of the row's first column, from one split.
+    one_column = (targets is not None and not targets.extra_rows.numel()
+                  and all(leaf.target_tokens is None or leaf.target_tokens.dim() == 1
+                          for leaf in leaves))
+    if heads is not None and targets is not None and one_column:
+        per_logprobs = unpack(heads.target_logprobs[:, 0], batch, one_op=True)
+    elif heads is not None and targets is not None:
         per_logprobs = unpack(heads.target_logprobs, batch)
         if targets.extra_rows.numel():
             # Shared rows whose sequences want different targets: score just those rows
@@ -74,8 +81,8 @@ def run_sub_forward(
                         (positions,), extra.index_select(0, picks))
     per_top_values = per_top_tokens = per_logits = None
     if heads is not None and wanted.top_k:
-        per_top_values = unpack(heads.top_k_logprobs, batch)
-        per_top_tokens = unpack(heads.top_k_tokens, batch)
+        per_top_values = unpack(heads.top_k_logprobs, batch, one_op=True)
+        per_top_tokens = unpack(heads.top_k_tokens, batch, one_op=True)
     if heads is not None and wanted.logits:
         per_logits = unpack(heads.logits, batch)
     outputs = []
@@ -84,9 +91,9 @@ def run_sub_forward(
         if leaf.top_k and per_top_values is not None and per_top_tokens is not None:
             top = TopK(per_top_values[i][:, : leaf.top_k], per_top_tokens[i][:, : leaf.top_k])
         outputs.append(ForwardOutput(
-            target_logprobs=(_own_columns(per_logprobs[i], leaf)
-                             if leaf.target_tokens is not None and per_logprobs is not None
-                             else None),
+            target_logprobs=(None if leaf.target_tokens is None or per_logprobs is None
+                             else per_logprobs[i] if one_column
+                             else _own_columns(per_logprobs[i], leaf)),
             top_k=top,
             logits=per_logits[i] if leaf.logits and per_logits is not None else None,
             hidden_states=(per_hidden[i] if leaf.hidden_states and per_hidden is not None
@@ -121,6 +128,29 @@ def detached_output(out: ForwardOutput) -> ForwardOutput:
         hidden_states=d(out.hidden_states), no_grad=True,
         top_k=None if top is None else TopK(top.logprobs.detach(), top.tokens),
     )
+
+
+def _packed_targets(leaves: Sequence[ForwardInput], columns: int, batch: PackedBatch,
+                    device: torch.device) -> PackedTargets:
+    """The row's targets as [S, columns]. One target per position: the 1-D targets are
+    packed as they are and the row gets its column once (no op per sequence)."""
+    if columns == 1 and all(leaf.target_tokens is None or leaf.target_tokens.dim() == 1
+                            for leaf in leaves):
+        packed = pack_targets([_one_column(leaf).to(device) for leaf in leaves], batch)
+        return replace(packed, row_targets=packed.row_targets.unsqueeze(1),
+                       extra_targets=packed.extra_targets.unsqueeze(1))
+    return pack_targets([_target_columns(leaf, columns).to(device) for leaf in leaves], batch)
+
+
+def _one_column(leaf: ForwardInput) -> torch.Tensor:
+    """[T] long targets on CPU: the caller's tensor itself when it already is one (pack_targets
+    copies it into the row and never writes to it)."""
+    targets = leaf.target_tokens
+    if targets is None:
+        return torch.full((leaf.num_tokens,), IGNORE_INDEX, dtype=torch.long)
+    if targets.dtype == torch.long and targets.device.type == "cpu":
+        return targets
+    return targets.detach().to("cpu", torch.long)
 
 
 def _target_columns(leaf: ForwardInput, columns: int) -> torch.Tensor:

@@ -124,13 +124,17 @@ def validate_items(items: Sequence[Item], vocab_size: int) -> None:
     targets inside the vocabulary, top_k no larger than it, and something to differentiate in
     a grad item (an item without any output, with grad, is refused here: its head would
     have nothing to run backward through). Errors name the item by its place in the inputs."""
-    for item in items:
-        for path, leaf in _leaf_paths(item.value, f"[{item.index}]"):
-            _check_ids(leaf.input_tokens, f"inputs{path}.input_tokens", vocab_size,
-                       ignore=None)
-            if leaf.target_tokens is not None:
-                _check_ids(leaf.target_tokens, f"inputs{path}.target_tokens", vocab_size,
-                           ignore=IGNORE_INDEX)
+    paths = [(item, list(_leaf_paths(item.value, f"[{item.index}]"))) for item in items]
+    ids_checked = _every_id_in_vocabulary([leaf for _, leaves in paths for _, leaf in leaves],
+                                          vocab_size)
+    for item, leaves in paths:
+        for path, leaf in leaves:
+            if not ids_checked:
+                _check_ids(leaf.input_tokens, f"inputs{path}.input_tokens", vocab_size,
+                           ignore=None)
+                if leaf.target_tokens is not None:
+                    _check_ids(leaf.target_tokens, f"inputs{path}.target_tokens", vocab_size,
+                               ignore=IGNORE_INDEX)
             problem = output_request_problem(leaf.outputs, grad=False, vocab_size=vocab_size)
             if problem is not None:
                 raise ValueError(f"inputs{path} {problem}")
@@ -138,6 +142,31 @@ def validate_items(items: Sequence[Item], vocab_size: int) -> None:
         if problem is not None:
             what = "every sequence of the group" if item.is_group else "the sequence"
             raise ValueError(f"inputs[{item.index}] ({what}) {problem}")
+
+
+def _every_id_in_vocabulary(leaves: Sequence[ForwardInput], vocab_size: int) -> bool:
+    """True when every input id and target (IGNORE_INDEX aside) of `leaves` is inside the
+    vocabulary, in a fixed number of ops whatever the number of sequences; False when one is
+    not, or the tensors sit on several devices: the per-sequence checks then name it."""
+    def flat(ids: torch.Tensor) -> torch.Tensor:
+        return ids if ids.dim() == 1 else ids.reshape(-1)
+
+    inputs = [flat(leaf.input_tokens) for leaf in leaves]
+    targets = [flat(leaf.target_tokens) for leaf in leaves if leaf.target_tokens is not None]
+    for ids, ignore in ((inputs, None), (targets, IGNORE_INDEX)):
+        if not ids:
+            continue
+        if len({t.device for t in ids}) > 1:
+            return False
+        row = torch.cat(ids)
+        if ignore is not None:
+            row = row[row != ignore]
+        if row.numel() == 0:
+            continue
+        low, high = torch.aminmax(row)
+        if int(low) < 0 or int(high) >= vocab_size:
+            return False
+    return True
 
 
 def _leaf_paths(value: Any, path: str) -> Iterable[tuple[str, ForwardInput]]:

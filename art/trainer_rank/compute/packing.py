@@ -176,7 +176,7 @@ def pack_sequences(
     per_sequence = sequence_multiple_tokens(layout, implementation)
     lengths = [int(s.numel()) for s in sequences]
     tokens: list[Tensor] = []
-    positions: list[Tensor] = []
+    positions: list[tuple[int, int]] = []  # (first position, tokens) of each run of the row
     segments: list[AttentionSegment] = []
     pieces: list[list[KeySpan]] = [[] for _ in sequences]
     cursor = 0
@@ -189,16 +189,15 @@ def pack_sequences(
                                         pieces, roots_by_length=by_length)
     else:
         for index, sequence in enumerate(sequences):
-            sequence = sequence.to(device=device, dtype=torch.long)
+            sequence = _as_row_tokens(sequence, device)
             length = int(sequence.numel())
             padded = _round_up(length, per_sequence)
             tokens.append(sequence)
-            positions.append(torch.arange(length, device=device))
+            # CP pads inside the sequence's own block (TE's THD kernels see these tokens
+            # through cu_seqlens_*_padded and skip them); positions run on through them.
+            positions.append((0, padded))
             if padded > length:
-                # CP pads inside the sequence's own block: TE's THD kernels see these tokens
-                # through cu_seqlens_*_padded and skip them.
                 tokens.append(torch.full((padded - length,), PAD_TOKEN_ID, device=device))
-                positions.append(torch.arange(length, padded, device=device))
             segments.append(AttentionSegment(cursor, padded))
             pieces[index].append(KeySpan(cursor, length))
             cursor += padded
@@ -206,7 +205,7 @@ def pack_sequences(
     total = _round_up(cursor, row_multiple_tokens(layout))
     if total > cursor:
         tokens.append(torch.full((total - cursor,), PAD_TOKEN_ID, device=device))
-        positions.append(torch.arange(total - cursor, device=device))
+        positions.append((0, total - cursor))
         segments.append(AttentionSegment(cursor, total - cursor))
     attention_layout = AttentionLayout(total, tuple(segments))
     attention_mask: Tensor | None = None
@@ -222,7 +221,7 @@ def pack_sequences(
     merged = tuple(_merge_spans(p) for p in pieces)
     return PackedBatch(
         tokens=torch.cat(tokens).view(1, total),
-        position_ids=torch.cat(positions).view(1, total),
+        position_ids=_positions(positions, total, device).view(1, total),
         attention_mask=attention_mask,
         packed_seq_params=packed_seq_params,
         sequence_lengths_tokens=tuple(lengths),
@@ -233,6 +232,33 @@ def pack_sequences(
         pieces=merged,
         shared_tokens=shared,
     )
+
+
+def _as_row_tokens(sequence: Tensor, device: torch.device) -> Tensor:
+    """The caller's tokens as the row's dtype and device: the tensor itself when it already
+    is (no op per sequence on a call of many short ones)."""
+    if sequence.dtype == torch.long and sequence.device == device:
+        return sequence
+    return sequence.to(device=device, dtype=torch.long)
+
+
+def _positions(runs: Sequence[tuple[int, int]], total: int, device: torch.device) -> Tensor:
+    """[total] long: each run of the row counts up from its first position. Built in a
+    fixed number of ops whatever the number of runs: the row index minus each run's offset
+    (its start in the row less its first position), repeated over the run."""
+    offsets: list[int] = []
+    lengths: list[int] = []
+    start = 0
+    for first, length in runs:
+        offsets.append(start - first)
+        lengths.append(length)
+        start += length
+    if len(runs) == 1:
+        return torch.arange(runs[0][0], runs[0][0] + total, device=device)
+    repeated = torch.repeat_interleave(torch.tensor(offsets, device=device),
+                                       torch.tensor(lengths, device=device),
+                                       output_size=total)
+    return torch.arange(total, device=device) - repeated
 
 
 def _merge_spans(spans: Sequence[KeySpan]) -> tuple[KeySpan, ...]:
@@ -247,7 +273,7 @@ def _merge_spans(spans: Sequence[KeySpan]) -> tuple[KeySpan, ...]:
 
 
 def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: torch.device,
-                   tokens: list[Tensor], positions: list[Tensor],
+                   tokens: list[Tensor], positions: list[tuple[int, int]],
                    segments: list[AttentionSegment], pieces: list[list[KeySpan]],
                    roots_by_length: bool = False) -> tuple[int, int]:
     """Every group's prefix tree (a sequence alone is a tree of one node) laid out depth by
@@ -260,7 +286,7 @@ def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: to
     level: list[tuple[TreeNode, list[Tensor], int, tuple[KeySpan, ...]]] = []
     first = 0
     for size in sizes:
-        members = [s.to(device=device, dtype=torch.long) for s in sequences[first:first + size]]
+        members = [_as_row_tokens(s, device) for s in sequences[first:first + size]]
         roots = (build_prefix_tree(members) if size > 1 else
                  [TreeNode(0, int(members[0].numel()), (0,))])
         level.extend((root, members, first, ()) for root in roots)
@@ -273,8 +299,9 @@ def _lay_out_trees(sequences: Sequence[Tensor], sizes: Sequence[int], device: to
         for node, members, offset, ancestors in level:
             span = KeySpan(cursor, node.length)
             source = members[node.source]
-            tokens.append(source[node.depth:node.depth + node.length])
-            positions.append(torch.arange(node.depth, node.depth + node.length, device=device))
+            whole = node.depth == 0 and node.length == source.numel()
+            tokens.append(source if whole else source[node.depth:node.depth + node.length])
+            positions.append((node.depth, node.length))
             segments.append(AttentionSegment(cursor, node.length, ancestors))
             for m in node.members:
                 pieces[offset + m].append(span)
@@ -323,10 +350,15 @@ def _cumsum(values: Sequence[int]) -> list[int]:
     return out
 
 
-def unpack(values: Tensor, batch: PackedBatch) -> list[Tensor]:
+def unpack(values: Tensor, batch: PackedBatch, *, one_op: bool = False) -> list[Tensor]:
     """values [S, ...] in packed order -> one tensor per sequence, padding dropped: views when
     every sequence is one span of the row; on a row that shares prefixes, every sequence's
-    rows (its shared rows, then its own) as a copy (`_GatherSequences`)."""
+    rows (its shared rows, then its own) as a copy (`_GatherSequences`).
+
+    `one_op`: the views come from one split of the row instead of a slice per sequence (a
+    call of many short sequences pays one op, not one each). Its backward builds one
+    full-row gradient where slices build one per sequence and add them, so the callers use it
+    for outputs a few columns wide, whose full-row gradients are small either way."""
     if values.shape[0] != batch.padded_tokens:
         raise ValueError(
             f"unpack expects values with {batch.padded_tokens} rows (the packed row), got shape "
@@ -336,7 +368,38 @@ def unpack(values: Tensor, batch: PackedBatch) -> list[Tensor]:
     if any(len(s) > 1 for s in spans):
         rows = [batch.sequence_rows(index) for index in range(batch.sequences)]
         return list(_GatherSequences.apply(values, *rows))
+    if one_op and _disjoint_spans(batch):
+        tiles = _row_tiles(batch)
+        out: list[Tensor] = [values] * batch.sequences
+        for part, (_, index) in zip(values.split([n for n, _ in tiles]), tiles, strict=True):
+            if index is not None:
+                out[index] = part
+        return out
     return [values[s[0].start : s[0].end] for s in spans]
+
+
+def _disjoint_spans(batch: PackedBatch) -> bool:
+    """Every sequence is one span of the row and no two overlap (nothing is shared: a
+    sequence that is a prefix of another is one span inside the other's)."""
+    return batch.shared_tokens == 0 and not any(
+        len(batch.sequence_pieces(i)) > 1 for i in range(batch.sequences))
+
+
+def _row_tiles(batch: PackedBatch) -> list[tuple[int, int | None]]:
+    """(tokens, sequence index or None for padding) covering the row in row order, for a
+    row of disjoint spans (`_disjoint_spans`)."""
+    spans = sorted(((batch.sequence_pieces(i)[0], i) for i in range(batch.sequences)),
+                   key=lambda entry: entry[0].start)
+    tiles: list[tuple[int, int | None]] = []
+    cursor = 0
+    for span, index in spans:
+        if span.start > cursor:
+            tiles.append((span.start - cursor, None))
+        tiles.append((span.length, index))
+        cursor = span.end
+    if batch.padded_tokens > cursor:
+        tiles.append((batch.padded_tokens - cursor, None))
+    return tiles
 
 
 class _GatherSequences(torch.autograd.Function):
@@ -385,16 +448,25 @@ def pack_values(
             "sequences"
         )
     first = per_sequence[0]
-    out = torch.full(
-        (batch.padded_tokens, *first.shape[1:]), fill, dtype=first.dtype, device=first.device
-    )
-    for index in reversed(range(batch.sequences)):
-        values, length = per_sequence[index], batch.sequence_lengths_tokens[index]
+    for index, values in enumerate(per_sequence):
+        length = batch.sequence_lengths_tokens[index]
         if values.shape[0] != length:
             raise ValueError(
                 f"pack_values: sequence {index} has {length} tokens but {values.shape[0]} values"
             )
-        out[batch.sequence_rows(index).to(out.device)] = values.to(out.device)
+    if _disjoint_spans(batch):
+        # Every sequence one span of its own: the row is one concatenation in row order (an op per
+        # padding gap, none per sequence), a new tensor even for one sequence.
+        parts = [torch.full((n, *first.shape[1:]), fill, dtype=first.dtype, device=first.device)
+                 if index is None else
+                 per_sequence[index].to(device=first.device, dtype=first.dtype)
+                 for n, index in _row_tiles(batch)]
+        return torch.cat(parts)
+    out = torch.full(
+        (batch.padded_tokens, *first.shape[1:]), fill, dtype=first.dtype, device=first.device
+    )
+    for index in reversed(range(batch.sequences)):
+        out[batch.sequence_rows(index).to(out.device)] = per_sequence[index].to(out.device)
     return out
 
 

@@ -90,11 +90,27 @@ _SYMMETRIC_COLLECTIVES = frozenset({
 })
 
 
+def _symmetric_collective(func: Any) -> bool:
+    """A c10d collective every rank of its group enters together (see _SYMMETRIC_COLLECTIVES)."""
+    return (getattr(func, "namespace", "") == "c10d"
+            and func._schema.name.split("::")[-1] in _SYMMETRIC_COLLECTIVES)
+
+
+# func -> (output kinds, symmetric collective): what the observer needs of an op, looked up
+# once per op instead of read off its schema.
+_OP_INFO: dict[Any, tuple[tuple[int, ...], bool]] = {}
+
+
+def _op_info(func: Any) -> tuple[tuple[int, ...], bool]:
+    info = _OP_INFO.get(func)
+    if info is None:
+        info = _OP_INFO[func] = (output_kinds(func), _symmetric_collective(func))
+    return info
+
+
 def _runs_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A symmetric c10d collective over CPU tensors, issued outside any coalescing block."""
-    if getattr(func, "namespace", "") != "c10d":
-        return False
-    if func._schema.name.split("::")[-1] not in _SYMMETRIC_COLLECTIVES:
+    if not _symmetric_collective(func):
         return False
     if torch.distributed.distributed_c10d._world.pg_coalesce_state:
         return False
@@ -141,15 +157,17 @@ class _Observer(TorchDispatchMode):
         self.meter = meter
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
-        if self.meter._cuda is None and _runs_on_copies(func, args, kwargs or {}):
-            return _collective_on_copies(func, args, kwargs or {})
-        result = func(*args, **(kwargs or {}))
-        kinds = output_kinds(func)
+        kwargs = kwargs or {}
+        kinds, collective = _OP_INFO.get(func) or _op_info(func)
+        if collective and self.meter._cuda is None and _runs_on_copies(func, args, kwargs):
+            return _collective_on_copies(func, args, kwargs)
+        result = func(*args, **kwargs)
         if len(kinds) == 1:
-            if kinds[0] == VIEW:
+            kind = kinds[0]
+            if kind == VIEW:
                 return result
             if type(result) is torch.Tensor:  # the common case, without flattening
-                self.meter._observe(result, kinds[0], func)
+                self.meter._observe(result, kind, func)
                 return result
             outputs: tuple[Any, ...] = (result,)
         else:
@@ -350,7 +368,7 @@ class MemoryMeter:
     # -- what the observer reports ------------------------------------------------------------
 
     def _observe(self, tensor: torch.Tensor, kind: int, func: Any) -> None:
-        if tensor.device.type == "meta":
+        if tensor.is_meta:
             return
         try:
             storage = tensor.untyped_storage()
