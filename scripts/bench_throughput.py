@@ -244,7 +244,7 @@ def start_up(provider: Any, model: Any, pairs: int, lengths: list[int], seed: in
         folder = tempfile.mkdtemp(prefix="art-bench-probe-")
         options = TrainerRankOptions(probe_cache_dir=folder, test_memory_limit_bytes=limit_bytes)
         for cached in (False, True):
-            probe_module._CACHE.clear()
+            probe_module.forget_in_process_probes()
             started = time.perf_counter()
             trainer = TrainerRank(TrainingRuntime.for_model(model, provider,
                                                             trainer_options=options))

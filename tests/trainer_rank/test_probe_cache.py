@@ -9,6 +9,7 @@ import os
 import warnings
 
 import pytest
+from _trainer_helpers import provider
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
@@ -23,6 +24,7 @@ def measured(monkeypatch):
     """Counts the layer measurements the probe makes; the in-process copy of earlier probes is
     set aside, so that what a new process would find on disk is what counts."""
     monkeypatch.setattr(probe_module, "_CACHE", {})
+    monkeypatch.setattr(probe_module, "_PARTS", {})
     calls = []
     real = probe_runs.measure_mode
 
@@ -35,7 +37,7 @@ def measured(monkeypatch):
 
 
 def _trainer(p, model, **options) -> TrainerRank:
-    probe_module._CACHE.clear()
+    probe_module.forget_in_process_probes()
     return TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=TrainerRankOptions(
         test_memory_limit_bytes=LIMIT, **options)))
 
@@ -139,3 +141,33 @@ def _measured_bytes(coefficients) -> list:
 
 def _refuse(self, target):
     raise PermissionError(13, "Permission denied", str(target))
+
+
+def test_a_probe_for_another_policy_measures_only_the_parts_this_process_has_not(
+        built, measured):
+    """Within one process a probe reuses the layer modes and tails an earlier probe of the same
+    model, layout and build measured (the ladder's rungs make most of them common to every
+    policy); what it reuses equals what it would measure."""
+    p, model = built
+    full = provider("full", ART_MEGATRON_RECOMPUTE_METHOD="uniform",
+                    ART_MEGATRON_RECOMPUTE_NUM_LAYERS="1")
+    _trainer(p, model, probe_cache=False)
+    measured.clear()
+    second = TrainerRank(TrainingRuntime.for_model(model, full, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=LIMIT, probe_cache=False)))
+    reused = len(measured)
+    measured.clear()
+    fresh = _trainer(full, model, probe_cache=False)
+    # Full recompute's probe shares the no-grad modes and the tails with selective's (its
+    # grad modes are others, and measured at the points its own limit allows).
+    assert 0 < reused < len(measured), (reused, len(measured))
+    assert second.probe.key == fresh.probe.key
+    # The measured bytes are equal; the fits through them agree to the last bits a threaded
+    # least-squares solve leaves.
+    assert _measured(second.probe.layers.layers) == _measured(fresh.probe.layers.layers)
+
+
+def _measured(layers) -> dict:
+    return {(kind, mode): {q: (getattr(fit, q).tokens, getattr(fit, q).values)
+                           for q in ("kept", "forward", "backward", "output")}
+            for kind, mode, fit in layers}

@@ -233,6 +233,17 @@ class ProbeCoefficients:
 
 
 _CACHE: dict[str, ProbeCoefficients] = {}
+# One layer mode's or one tail's fit, under the key of a probe of just that part: a probe for
+# another policy of the same model, layout and build measures only the parts this process has
+# not measured yet (the ladder's rungs make most of them common to every policy).
+_PARTS: dict[str, Any] = {}
+
+
+def forget_in_process_probes() -> None:
+    """Drop every probe and probed part this process holds (as a new process would start);
+    the cache folder is untouched."""
+    _CACHE.clear()
+    _PARTS.clear()
 
 
 def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
@@ -342,8 +353,13 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
           progress: Callable[[str], None] | None = None,
           grad_tokens: tuple[int, ...] | None = None,
           head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
-          tail_max_tokens: int | None = None) -> ProbeCoefficients:
+          tail_max_tokens: int | None = None,
+          reuse_parts: bool = True) -> ProbeCoefficients:
     """Probe (layer kind, recompute mode) pairs and (outputs, grad) tails.
+
+    `reuse_parts`: take a part this process already measured for another probe (same key
+    but for the other parts) instead of measuring it again. Ranks that probe together must
+    all reuse the same parts, so the caller turns it off unless it knows they do.
 
     `grad_tokens` (a prefix of `tokens`): the points grad modes and grad tails are measured at
     when fewer than `tokens` fit a memory limit (a grad peak is higher than a no-grad one).
@@ -375,6 +391,17 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         _CACHE[key] = coefficients
         return coefficients
 
+    def part_key(part_modes: list[LayerMode], part_outputs: list[tuple[OutputRequest, bool]],
+                 grad: bool) -> str:
+        """The key of a probe of one part at the points it is measured at (a layer mode does
+        not depend on the tails' chunk and largest row)."""
+        tail = bool(part_outputs)
+        return probe_key(geometry=geometry, layout=layout, implementation=implementation,
+                         dtype=dtype, lora_rank=lora_rank, modes=part_modes,
+                         outputs=part_outputs, tokens=points[grad], device=device.type,
+                         head_chunk_tokens=head_chunk_tokens if tail else HEAD_CHUNK_TOKENS,
+                         tail_max_tokens=tail_max_tokens if tail else None)
+
     layer_by_kind: dict[PricedKind, Any] = {}
     for layer in inner.decoder.layers:
         layer_by_kind.setdefault(layer_kind(geometry, layer.layer_number - 1), layer)
@@ -387,6 +414,10 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                       for t in tokens}
         for layer_mode in wanted:
             kind, mode = layer_mode.kind, layer_mode.mode
+            layer_key = part_key([layer_mode], [], mode.grad)
+            if reuse_parts and layer_key in _PARTS:
+                fitted_layers.append(_PARTS[layer_key])
+                continue
             mods, grad, full_layers = mode.modules, mode.grad, mode.full_layers
             layer = layer_by_kind.get(kind)
             if layer is None:
@@ -432,6 +463,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 sparse_chunks=sparse,
             )
             fitted_layers.append((kind, mode.key, fit))
+            _PARTS[layer_key] = fitted_layers[-1]
             if progress:
                 progress(f"probed {kind} {mode.key}")
         # The tail runs on the whole row: under CP, the rows of the layers' points (each
@@ -439,6 +471,10 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         cp = layout.context_parallel
         tail_rows = {t: per_tokens[t] for t in tokens} if cp == 1 else {}
         for okey, request, grad in tails:
+            tail_key = part_key([], [(request, grad)], grad)
+            if reuse_parts and tail_key in _PARTS:
+                fitted_tails.append(_PARTS[tail_key])
+                continue
             row_tokens = tail_points((t * cp for t in points[grad]), head_chunk_tokens,
                                      tail_max_tokens)
             for n in row_tokens:
@@ -451,6 +487,7 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 forward=Fit.fit(row_tokens, [r["forward"] for r in rows]),
                 caller_backward=Fit.fit(row_tokens, [r["caller_backward"] for r in rows]),
                 head_backward=Fit.fit(row_tokens, [r["head_backward"] for r in rows]))))
+            _PARTS[tail_key] = fitted_tails[-1]
     finally:
         release_score_buffer()
         inner.train(was_training)

@@ -212,7 +212,7 @@ class TrainerProbe:
         modes, outputs = list(modes), list(outputs)
         provider = self.provider
 
-        def run(cache_dir: Path | None) -> Any:
+        def run(cache_dir: Path | None, reuse_parts: bool) -> Any:
             with _model_state_kept(self.model):
                 return probe_module.probe(
                     self.model, geometry=provider.geometry, layout=provider.layout,
@@ -220,20 +220,22 @@ class TrainerProbe:
                     lora_rank=self.lora_rank, modes=modes, outputs=outputs,
                     tokens=tokens, grad_tokens=grad_tokens, cache_dir=cache_dir,
                     head_chunk_tokens=self.head_chunk_tokens,
-                    tail_max_tokens=tail_max_tokens)
+                    tail_max_tokens=tail_max_tokens, reuse_parts=reuse_parts)
 
         if _agree.replica_size() == 1:
-            agreed = run(self.cache_dir)
+            agreed = run(self.cache_dir, reuse_parts=True)
         else:
             # Several ranks run the probe's layers together (TP collectives): all of them probe
             # or none does. A cached copy counts only when every rank of the replica has one.
             key = self._key(modes, outputs, tokens, grad_tokens, tail_max_tokens)
             cached = key in probe_module._CACHE or self._stored(key)
+            # Parts measured earlier are not reused: each rank's own would have to be agreed
+            # on part by part, or one rank would skip a layer's collectives another runs.
             if _agree.min_over_replica(int(cached)):
-                mine = run(self.cache_dir)
+                mine = run(self.cache_dir, reuse_parts=False)
             else:
                 probe_module._CACHE.pop(key, None)
-                mine = run(None)
+                mine = run(None, reuse_parts=False)
             agreed = _agree.broadcast_from_replica_root(mine)
             probe_module._CACHE[key] = agreed
         self._write(agreed)
