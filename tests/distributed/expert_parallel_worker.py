@@ -2,7 +2,8 @@
 ranks) or TP=2 with sequence parallel (4 ranks: TP=2 x EP=2, experts TP-sharded as Megatron's
 expert TP defaults to TP).
 
-argv: out_dir [tp [etp]]. With etp 1 at TP=2 (2 ranks: upstream's default for a MoE family
+argv: out_dir, then TP:ETP layouts (default 1:1), compared one after the other in this launch
+(Megatron's parallel state is rebuilt for each). With etp 1 at TP=2 (2 ranks: upstream's default for a MoE family
 without CP, EP = TP = the GPUs, expert TP 1) the EP group is the TP group: the ranks hold
 different halves of the sequence (sequence parallel), so an expert's gradient at EP=2 is the
 sum of its two TP ranks' parts at EP=1 (expert TP 1, every expert whole on both).
@@ -12,7 +13,8 @@ its weights; phase 2 rebuilds Megatron's parallel state at EP=2 and loads them, 
 taking its own experts (`local_experts.i` on EP rank r is global expert r x E/EP + i). Both
 ranks feed the same tokens, so at EP=2 every expert receives the tokens of both ranks: its
 gradient is the sum of the two ranks' parts, twice EP=1's; the other parameters' gradients
-and the logits are EP=1's. Writes out_dir/rank<R>.json with the largest differences.
+and the logits are EP=1's. Writes out_dir/rank<R>-tp<TP>-etp<ETP>.json with the largest
+differences.
 """
 
 from __future__ import annotations
@@ -77,12 +79,10 @@ def _run(ep: int, state: dict | None, tp: int, etp: int) -> tuple[dict, torch.Te
     return full, logits.detach(), grads
 
 
-def main() -> None:
+def _compare(out_dir: str, tp: int, etp: int) -> None:
+    """EP=1 then EP=2 at (TP, expert TP); writes out_dir/rank<R>-tp<TP>-etp<ETP>.json."""
     from megatron.core import parallel_state
 
-    out_dir = sys.argv[1]
-    tp = int(sys.argv[2]) if len(sys.argv) > 2 else 1
-    etp = int(sys.argv[3]) if len(sys.argv) > 3 else tp
     initialize_distributed(tensor_parallel=tp, expert_parallel=1, expert_tensor_parallel=etp)
     state, whole_logits, whole_grads = _run(1, None, tp, etp)
     parallel_state.destroy_model_parallel()
@@ -107,7 +107,7 @@ def main() -> None:
             others += 1
             other_diff = max(other_diff, (grad - whole_grads[name]).abs().max().item())
     rank = int(os.environ["RANK"])
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+    with open(os.path.join(out_dir, f"rank{rank}-tp{tp}-etp{etp}.json"), "w") as f:
         json.dump({"logits": (split_logits - whole_logits).abs().max().item(),
                    "logit_scale": whole_logits.abs().max().item(),
                    "expert_grad": expert_diff / scale, "other_grad": other_diff / scale,
@@ -117,6 +117,16 @@ def main() -> None:
                    "expert_tensor_parallel":
                        parallel_state.get_expert_tensor_parallel_world_size()},
                   f)
+    parallel_state.destroy_model_parallel()
+
+
+def main() -> None:
+    """argv: the output folder, then one or more TP:ETP layouts (default 1:1), each compared
+    in turn in this one launch."""
+    out_dir = sys.argv[1]
+    for layout in sys.argv[2:] or ["1:1"]:
+        tp, etp = (int(x) for x in layout.split(":"))
+        _compare(out_dir, tp, etp)
     shutdown_distributed()
 
 

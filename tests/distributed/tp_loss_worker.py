@@ -17,11 +17,7 @@ from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_t
 from _tiny import tiny_dense
 
 
-def main() -> None:
-    granularity, out_dir = sys.argv[1], sys.argv[2]
-    tp = int(os.environ.get("WORLD_SIZE", "1"))
-    initialize_distributed(tensor_parallel=tp)
-    geometry = tiny_dense(num_layers=2)
+def _loss_and_grad(geometry, tp: int, granularity: str) -> dict:
     recompute = RecomputeConfig("full", "uniform", 1) if granularity == "full" else RecomputeConfig(
         granularity if granularity != "none" else None
     )
@@ -44,10 +40,21 @@ def main() -> None:
                   if p.grad is not None and getattr(p, "tensor_model_parallel", False))
     grad_sq_t = torch.tensor([grad_sq], dtype=torch.float64)
     torch.distributed.all_reduce(grad_sq_t, group=parallel_state.get_tensor_model_parallel_group())
+    return {"loss": loss.item(), "sharded_grad_sq": grad_sq_t.item()}
+
+
+def main() -> None:
+    """argv: comma-separated recompute granularities (one model each, in one launch), the
+    output folder."""
+    granularities, out_dir = sys.argv[1].split(","), sys.argv[2]
+    tp = int(os.environ.get("WORLD_SIZE", "1"))
+    initialize_distributed(tensor_parallel=tp)
+    geometry = tiny_dense(num_layers=2)
     rank = int(os.environ.get("RANK", 0))
+    record = {"rank": rank, "tp": tp,
+              "by_granularity": {g: _loss_and_grad(geometry, tp, g) for g in granularities}}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump({"rank": rank, "tp": tp, "loss": loss.item(),
-                   "sharded_grad_sq": grad_sq_t.item()}, f)
+        json.dump(record, f)
     shutdown_distributed()
 
 
