@@ -2,9 +2,10 @@
 ranks) or TP=2 with sequence parallel (4 ranks: TP=2 x EP=2, experts TP-sharded as Megatron's
 expert TP defaults to TP).
 
-argv: out_dir, then TP:ETP layouts (default 1:1), compared one after the other in this launch
-(Megatron's parallel state is rebuilt for each). With etp 1 at TP=2 (2 ranks: upstream's default for a MoE family
-without CP, EP = TP = the GPUs, expert TP 1) the EP group is the TP group: the ranks hold
+argv: out_dir, then TP:ETP layouts (default 1:1), compared one after the other in this
+launch (Megatron's parallel state is rebuilt for each). With etp 1 at TP=2 (2 ranks:
+upstream's default for a MoE family without CP, EP = TP = the GPUs, expert TP 1) the EP
+group is the TP group: the ranks hold
 different halves of the sequence (sequence parallel), so an expert's gradient at EP=2 is the
 sum of its two TP ranks' parts at EP=1 (expert TP 1, every expert whole on both).
 
