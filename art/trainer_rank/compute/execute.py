@@ -46,10 +46,14 @@ def run_sub_forward(
     wanted = outputs_union(leaves)
     # K targets per position: the widest request; narrower ones are padded with IGNORE_INDEX.
     columns = max((leaf.targets_per_position for leaf in leaves), default=0)
+    # One target per position everywhere ([T] targets, or none): the row's targets and
+    # log-probs take one column, packed and handed out without an op per sequence.
+    vector_targets = all(leaf.target_tokens is None or leaf.target_tokens.dim() == 1
+                         for leaf in leaves)
     hidden = decoder_hidden_states(model, batch)
     targets = None
     if wanted.target_logprobs:
-        targets = _packed_targets(leaves, columns, batch, device)
+        targets = _packed_targets(leaves, columns, batch, device, vector_targets)
     heads = None
     if wanted.uses_head:
         heads = compute_heads(
@@ -58,11 +62,10 @@ def run_sub_forward(
         )
     per_hidden = unpack(hidden, batch) if wanted.hidden_states else None
     per_logprobs = None
-    # Every sequence with one target per position and no shared row scored twice: each one's
-    # [T] log-probs are views of the row's first column, from one split.
-    one_column = (targets is not None and not targets.extra_rows.numel()
-                  and all(leaf.target_tokens is None or leaf.target_tokens.dim() == 1
-                          for leaf in leaves))
+    # With no shared row scored twice, each sequence's [T] log-probs are views of the row's
+    # first column, from one split.
+    one_column = (vector_targets and targets is not None
+                  and not targets.extra_rows.numel())
     if heads is not None and targets is not None and one_column:
         per_logprobs = unpack(heads.target_logprobs[:, 0], batch, one_op=True)
     elif heads is not None and targets is not None:
@@ -131,11 +134,11 @@ def detached_output(out: ForwardOutput) -> ForwardOutput:
 
 
 def _packed_targets(leaves: Sequence[ForwardInput], columns: int, batch: PackedBatch,
-                    device: torch.device) -> PackedTargets:
-    """The row's targets as [S, columns]. One target per position: the 1-D targets are
-    packed as they are and the row gets its column once (no op per sequence)."""
-    if columns == 1 and all(leaf.target_tokens is None or leaf.target_tokens.dim() == 1
-                            for leaf in leaves):
+                    device: torch.device, vector_targets: bool) -> PackedTargets:
+    """The row's targets as [S, columns]. `vector_targets` (every sequence's targets [T] or
+    none, so one column): the 1-D targets are packed as they are and the row gets its column
+    once (no op per sequence)."""
+    if vector_targets:
         packed = pack_targets([_one_column(leaf).to(device) for leaf in leaves], batch)
         return replace(packed, row_targets=packed.row_targets.unsqueeze(1),
                        extra_targets=packed.extra_targets.unsqueeze(1))

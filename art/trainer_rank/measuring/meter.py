@@ -110,7 +110,7 @@ def _op_info(func: Any) -> tuple[tuple[int, ...], bool]:
 
 def _runs_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A symmetric c10d collective over CPU tensors, issued outside any coalescing block."""
-    if not _symmetric_collective(func):
+    if not _op_info(func)[1]:
         return False
     if torch.distributed.distributed_c10d._world.pg_coalesce_state:
         return False
