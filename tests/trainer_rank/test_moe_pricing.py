@@ -86,3 +86,62 @@ def test_a_full_recompute_moe_unit_keeps_its_no_grad_run_s_routing_state() -> No
     unit_input = s * g.hidden_size * model.dtype_bytes  # the first is the embedding output
     state = moe_dispatcher_state(model.dims, s)
     assert kept == (g.num_layers - 1) * unit_input + int(g.num_layers * state)
+
+
+def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
+        megatron_process) -> None:
+    """Megatron's `moe` recompute runs the whole MoE layer (shared experts, router, experts,
+    activation, combine) as one checkpoint: its forward keeps only the checkpoint's input, and
+    nothing at the seams between the experts' fc1, activation and fc2. After its backward
+    the token dispatcher still holds the routing probabilities, whose graph reaches back to
+    the input CheckpointFunction.backward detached: that input and its gradient stay live
+    through the layer's mixer backward and every layer below. A hybrid MoE model built with
+    selective `core_attn` runs the ladder's `core_attn+moe` rung switched on for one
+    micro-batch (a row the size of the rungs matrix's cells), measured on the CPU meter:
+    the formulas price its forward and its peak inside [1.00, 1.05]. Pricing a checkpoint per
+    module (seams kept) puts the forward above the band; leaving the checkpoint's input and
+    gradient out prices the peak under the measurement."""
+    import torch
+    from _calibration.cells import POLICY_BY_NAME, Cell, calibration_geometries
+    from _calibration.harness import (
+        calibration_provider,
+        cell_sequences,
+        default_memory_model,
+        micro_batch_shape,
+        run_micro_batch,
+        rung_by_name,
+    )
+
+    from art.megatron.implementation import Implementation
+    from art.megatron.recompute_ladder import build_ladder
+    from art.trainer_rank.decide.escalation import running_recompute
+
+    cell = Cell("hybrid-moe-128", "selective core_attn+moe", 8, 1, (584,),
+                "logprobs,top_k=8", True, loss="rl", built_with="selective default")
+    geometry = calibration_geometries()[cell.geometry]
+    implementation = Implementation.cpu_local()
+    provider = calibration_provider(geometry, POLICY_BY_NAME[cell.built_policy],
+                                    lora_rank=cell.lora_rank, tensor_parallel=1,
+                                    dtype=cell.dtype, implementation=implementation)
+    model = provider.build_model(seed=0)
+    device = torch.device("cpu")
+    outputs = OutputRequest.parse(cell.outputs)
+    # LoRA gradients exist before the measured micro-batch, as in the calibration harness.
+    run_micro_batch(model, [16], OutputRequest(target_logprobs=True), True, provider.layout,
+                    implementation, device)
+    rung = rung_by_name(build_ladder(provider.effective_recompute, provider.recompute_as),
+                        cell.policy)
+    assert any("moe" in layer.selective_modules for layer in rung.layers)
+    torch.manual_seed(0)
+    sequences = cell_sequences(cell, geometry.vocab_size, device)
+    with running_recompute(model, rung):
+        measured, measured_forward = run_micro_batch(
+            model, cell.lengths, outputs, True, provider.layout, implementation, device,
+            loss_name=cell.loss, sequences=sequences)
+    estimate = default_memory_model(cell, implementation).estimate(
+        micro_batch_shape(cell.lengths, outputs, True, provider.layout, implementation,
+                          sequences))
+    assert 1.0 <= estimate.forward_peak_bytes / measured_forward <= 1.05, (
+        estimate.forward_peak_bytes, measured_forward)
+    predicted = max(estimate.forward_peak_bytes, estimate.backward_peak_bytes)
+    assert 1.0 <= predicted / measured <= 1.05, (predicted, measured, estimate.peak_at)

@@ -48,6 +48,9 @@ from art.trainer_rank.pricing.layers_gdn import (
 )
 from art.trainer_rank.pricing.layers_mlp import mlp_blocks, moe_blocks, moe_dispatcher_state
 
+# The modules Megatron's `moe` checkpoint covers besides the router, dispatch and experts.
+MOE_CHECKPOINT_MODULES = frozenset({"moe_act", "shared_experts"})
+
 
 def layer_kind(geometry: ModelGeometry, index: int) -> PricedKind:
     return PricedKind.of(geometry.layer_types[index], geometry.moe_layers[index])
@@ -188,9 +191,11 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
         return LayerCost(int(kept), int(peak), 0, int(x), False)
 
     # Megatron's `moe` checkpoint wraps the whole MoE layer, its activation and shared
-    # experts included.
-    if "moe" in modules:
-        modules = modules | {"moe_act", "shared_experts"}
+    # experts included: one checkpoint, with no seam between its blocks.
+    moe_checkpoint = kind.moe and "moe" in modules
+    if moe_checkpoint:
+        blocks = [replace(blk, module="moe") if blk.module in MOE_CHECKPOINT_MODULES else blk
+                  for blk in blocks]
     segments = _checkpoint_segments(blocks, modules)
     parts = kept_parts(blocks, modules)
     saves_input = keeps_layer_input(d, kind)
@@ -219,14 +224,21 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
     peak_b = 0.0
     own_input = x if saves_input else 0.0
     remaining = kept - own_input
+    # Once the `moe` checkpoint's backward has run, its detached input and that input's
+    # gradient stay referenced (`moe_checkpoint_retained`) through the rest of the layer.
+    retained_moe = 0.0
     for idx in reversed(range(len(blocks))):
         blk, part, seg = blocks[idx], parts[idx], segments[idx]
-        rebuilt = _norm_rebuilt_for(blocks, segments, idx)
+        if (moe_checkpoint and not retained_moe and idx + 1 < len(blocks)
+                and blocks[idx + 1].module == "moe" and segments[idx + 1] is not None
+                and seg != segments[idx + 1]):
+            retained_moe = moe_checkpoint_retained(blk.output)
+        rebuilt = _norm_rebuilt_for(blocks, segments, idx) + retained_moe
         if seg is not None:
             for j in range(idx, -1, -1):
                 if segments[j] != seg:
                     break
-                rebuilt += blocks[j].internal + blocks[j].output
+                rebuilt += blocks[j].internal + _rebuilt_output(blocks, segments, j)
         stream = x if blk.stream is None else blk.stream
         grads = 2 * stream + blk.output + blk.grad_temp
         # The block's output, kept by the block after it, was freed when that block's
@@ -243,13 +255,29 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
             for j in range(start, idx + 1):
                 peak_b = max(peak_b, held + own_input + 2 * x + before + blocks[j].internal
                              + blocks[j].output + blocks[j].temp)
-                before += blocks[j].internal + blocks[j].output
+                before += blocks[j].internal + _rebuilt_output(blocks, segments, j)
         remaining -= part
     backward = int(max(peak_b - kept, 0.0))
     # Every block's backward above keeps a residual-stream gradient live besides its input's
     # (the `2 * x`): the layer's incoming gradient is priced as held to the end already.
     return LayerCost(int(kept), int(peak_f), backward, int(x), saves_input,
                      backward_held=backward)
+
+
+def _rebuilt_output(blocks: list[Block], segments: list[int | None], idx: int) -> float:
+    """Of a block a checkpoint rebuilt, whether its output is still held when the
+    checkpoint's backward runs: when a later block saved it, or when it is the checkpoint's
+    output (CheckpointFunction.backward holds the rebuilt outputs until it returns)."""
+    last = idx + 1 == len(blocks) or segments[idx + 1] != segments[idx]
+    return blocks[idx].output if blocks[idx].output_saved or last else 0.0
+
+
+def moe_checkpoint_retained(checkpoint_input: float) -> float:
+    """What Megatron's `moe` checkpoint leaves referenced after its backward: its input,
+    which CheckpointFunction.backward detached and made a leaf, and that leaf's gradient.
+    The token dispatcher keeps the routing probabilities (`self.probs`), whose graph reaches
+    back to the leaf, until the layer's next call."""
+    return 2 * checkpoint_input
 
 
 def _norm_rebuilt_for(blocks: list[Block], segments: list[int | None], idx: int, *,

@@ -12,6 +12,7 @@ from art.megatron.implementation import Implementation
 from art.megatron.recompute import LayerRecompute
 from art.trainer_rank.pricing.estimate import Lifetime, Term, TermKind
 from art.trainer_rank.pricing.layer_terms import FP32, LayerCost
+from art.trainer_rank.pricing.layers import moe_checkpoint_retained
 from art.trainer_rank.pricing.tail import INT64, TailCost
 
 INT32 = 4
@@ -236,9 +237,13 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
         fp.reach(fp.kept_total + x_in + cost.forward, f"layer {index + 1}")
         kept = cost.kept - (x if first and cost.saves_input else 0)
         # A MoE layer's dispatcher keeps its routing state past the layer's backward, what the
-        # layer keeps without grad.
-        retained = layer_cost(index, frozenset(), s, False)[0].kept if (
-            grad and index in moe_layers) else 0.0
+        # layer keeps without grad; under the `moe` checkpoint also the checkpoint's detached
+        # input (the pre-MLP norm's output, a hidden tensor) and its gradient.
+        retained = 0.0
+        if grad and index in moe_layers:
+            retained = layer_cost(index, frozenset(), s, False)[0].kept
+            if "moe" in modules:
+                retained += moe_checkpoint_retained(cost.output)
         fp.units.append(Unit(False, index, kept, x, (replace(cost, kept=int(kept)),),
                              retained))
         fp.kept_total += kept
