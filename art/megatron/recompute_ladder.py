@@ -99,6 +99,17 @@ def layer_flops(geometry: ModelGeometry, index: int, sequence_lengths_tokens: Se
     return LayerFlops(projections / tp, core / tp, mlp / tp, norms)
 
 
+def forward_flops(geometry: ModelGeometry, sequence_lengths_tokens: Sequence[int],
+                  tensor_parallel: int = 1) -> float:
+    """The forward FLOPs of a micro-batch over a packed row of these sequences: every layer
+    and the output layer's logits (per tensor-parallel rank)."""
+    layers = sum(layer_flops(geometry, i, sequence_lengths_tokens, tensor_parallel).layer
+                 for i in range(geometry.num_layers))
+    tokens = float(sum(sequence_lengths_tokens))
+    head = 2 * tokens * geometry.hidden_size * geometry.vocab_size / tensor_parallel
+    return layers + head
+
+
 def recomputed_flops(geometry: ModelGeometry, recompute: EffectiveRecompute,
                      sequence_lengths_tokens: Sequence[int], tensor_parallel: int = 1) -> float:
     """The forward FLOPs a grad micro-batch re-runs in backward under `recompute`."""
@@ -202,6 +213,9 @@ class RecomputeLadder:
 
     def flops(self, recompute: EffectiveRecompute, lengths: Sequence[int]) -> float:
         return recomputed_flops(self.geometry, recompute, lengths, self.tensor_parallel)
+
+    def forward_flops(self, lengths: Sequence[int]) -> float:
+        return forward_flops(self.geometry, lengths, self.tensor_parallel)
 
     def ordered(self, lengths: Sequence[int]) -> list[tuple[float, RecomputeRung]]:
         """Every rung with its recomputed FLOPs at `lengths`, least work first (ties: ladder

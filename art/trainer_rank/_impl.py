@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Generator, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -53,6 +54,7 @@ from art.trainer_rank.decide.outcome import (
 from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.decide.runnable import layout_refusal
+from art.trainer_rank.decide.step_time import MicroBatchTime, StepTimes
 from art.trainer_rank.decide.trainer_admission import trainer_admission
 from art.trainer_rank.measuring.device import (
     GradSnapshot,
@@ -141,6 +143,9 @@ class TrainerRank(SlotMethods, StepMethods):
             ),
             self._next_tp_model)
         self.stats_history: list[MicroBatchStats] = []
+        # How long grad micro-batches took, agreed over the replica (adaptive weighs its
+        # packings with it: decide/step_time.py).
+        self.step_times = StepTimes()
         # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
         self.phases = PhaseAgreement(self.options.fault_timeout_s)
         self._calls = 0
@@ -288,7 +293,8 @@ class TrainerRank(SlotMethods, StepMethods):
             gradients = self._unallocated_gradients() if True in usable else None
             # A tail probed on first use measures below the lower limit (the grad one).
             with self._probing_below(usable[True] if True in usable else usable[False]):
-                fitting = self.admission.fitting_prefix(mine, usable, gradients)
+                fitting = self.admission.fitting_prefix(
+                    mine, usable, gradients, self.step_times.fit() if True in usable else None)
         return widest_wave(start, len(items), dp_rank, dp_size, fitting, len(mine))
 
     def _by_grad_mode(self, local: list[Item], call: CallOutcome, wave: Wave, mode: PlanMode, *,
@@ -363,7 +369,8 @@ class TrainerRank(SlotMethods, StepMethods):
     def _request(self, pending: list[Item], grad: bool, usable: int, mode: PlanMode
                  ) -> PlanRequest:
         return PlanRequest(tuple(pending), grad, usable, mode,
-                           self._unallocated_gradients() if grad else None)
+                           self._unallocated_gradients() if grad else None,
+                           self.step_times.fit() if grad else None)
 
     def _unallocated_gradients(self) -> UnallocatedGradients:
         return unallocated_gradients(self.model, self.provider.geometry.num_layers)
@@ -432,6 +439,7 @@ class TrainerRank(SlotMethods, StepMethods):
                 stack.enter_context(running_recompute(self.model, plan.recompute))
             meter = stack.enter_context(self._meter(usable))
             ooms_before = cuda_oom_count(self.device)
+            started = time.perf_counter()
             executed = execute(path, plan, grad, context, replica)
             if executed.oom is not None:
                 stack.close()
@@ -446,7 +454,7 @@ class TrainerRank(SlotMethods, StepMethods):
             del executed
             with self.phases.caller_phase(context, replica):
                 yield micro_batch
-            caller = caller_peak(path, meter, ooms_before, usable, context, replica)
+            caller = caller_peak(path, meter, ooms_before, usable, context, replica, started)
         return self._recorded(plan, request, micro_batch, caller, snapshot,
                               measure_caller=measure_caller)
 
@@ -491,6 +499,12 @@ class TrainerRank(SlotMethods, StepMethods):
             return exc
         self.stats_history.append(replace(micro_batch.stats,
                                           measured_peak_bytes=caller.measured_peak_bytes))
+        ladder = self.admission.ladder
+        if request.grad and ladder is not None and len(plan.sub_forwards) == 1:
+            lengths = plan.shape.sequence_lengths_tokens
+            self.step_times = self.step_times.with_time(MicroBatchTime(
+                ladder.forward_flops(lengths), ladder.flops(plan.pricing.recompute, lengths),
+                caller.seconds))
         if measure_caller:
             # A split's signature and size are its largest sub-forward's: nothing is kept
             # between sub-forwards without grad, so the measured peak is that one's.

@@ -4,6 +4,7 @@ CallerPeak). The orchestrator (_impl.py) yields between the two and records the 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -62,6 +63,9 @@ class CallerPeak:
 
     measured_peak_bytes: int
     out_of_memory: bool
+    # From the start of the micro-batch's forward to the caller asking for the next one, the
+    # slowest rank's (every rank of the replica reads the same).
+    seconds: float = 0.0
 
 
 def leaf_slots(plan: Plan) -> list[str | None]:
@@ -149,8 +153,9 @@ def _prepare(path: ComputePath, plan: Plan, slot_of: list[str | None], replica: 
 
 
 def caller_peak(path: ComputePath, meter: MemoryMeter, ooms_before: int, usable_bytes: int,
-                context: MicroBatchContext, replica: int) -> CallerPeak:
-    """Read once the caller asks for the next micro-batch (its loss and backward done)."""
+                context: MicroBatchContext, replica: int, started: float) -> CallerPeak:
+    """Read once the caller asks for the next micro-batch (its loss and backward done);
+    `started`: `time.perf_counter()` when its forward began."""
     over = meter.limit_bytes is not None and meter.peak_bytes > meter.limit_bytes
     out_of_memory = over or cuda_oom_count(path.device) > ooms_before
     if out_of_memory and replica > 1:
@@ -159,10 +164,11 @@ def caller_peak(path: ComputePath, meter: MemoryMeter, ooms_before: int, usable_
         raise path.phases.abandon(torch.OutOfMemoryError(
             f"out of memory in the caller's loss/backward at {meter.peak_bytes} bytes "
             f"(usable {usable_bytes})"), CALLER_BACKWARD, "", context)
+    micros = int((time.perf_counter() - started) * 1e6)
     with path.phases.collectives(CALLER_BACKWARD, context):
-        out_of_memory = bool(_agree.max_over_replica(int(out_of_memory)))
-        measured = _agree.max_over_replica(meter.peak_bytes)
-    return CallerPeak(measured, out_of_memory)
+        oom, measured, micros = _agree.max_over_replica_of(
+            (int(out_of_memory), meter.peak_bytes, micros))
+    return CallerPeak(measured, bool(oom), micros / 1e6)
 
 
 def micro_batch_context(plan: Plan, call: int, micro_batch: int, usable_bytes: int

@@ -175,6 +175,131 @@ def test_adaptive_under_a_tight_limit_runs_a_rung_between(full):
     _same(got, reference)
 
 
+def _three_groups() -> list[list[ForwardInput]]:
+    g = torch.Generator().manual_seed(11)
+    return [[ForwardInput(input_tokens=torch.randint(0, 256, (n,), generator=g),
+                          hidden_states=True) for n in lengths]
+            for lengths in ((523, 141), (480, 200), (300, 90))]
+
+
+def test_adaptive_weighs_its_two_packings_by_the_step_time_line(full):
+    """Adaptive packs the queue two ways: under the least-work rung the first group fits
+    alone (here no recompute, one group; the cold cap starts with the smallest), and as the
+    configured full recompute packs it (all three groups) with the rung then lowered as far
+    as that micro-batch fits. Which
+    runs is the one the step-time line predicts faster per token: a large fixed cost per
+    micro-batch favours the packed one, none at all the least-work one; before there is a
+    line, the packed one (never more micro-batches than the configured policy)."""
+    from art.trainer_rank.decide.plan import PlanRequest
+    from art.trainer_rank.decide.step_time import StepTimeFit
+
+    trainer = _trainer(full, ROOMY_BYTES, recompute="adaptive", cold_start_fraction=1.0)
+    admission = trainer.admission
+    items = tuple(make_items(_three_groups()))
+    ladder = admission.ladder
+    none = ladder.below(LENGTHS)[0].recompute
+
+    def price(chosen, recompute) -> int:
+        return admission.price_items(list(chosen), True, recompute)[0].dynamic_bytes
+
+    usable = max(price(items, ladder.configured.recompute), price(items[:1], none))
+    assert usable < price(items[:2], none)
+
+    def plan(fit):
+        return admission.plan(PlanRequest(items, True, usable, step_time=fit))
+
+    packed = plan(None)
+    assert packed.indices == [0, 1, 2], packed.note
+    assert packed.recompute is not None and packed.recompute != none
+    assert price(items, packed.recompute) <= usable
+    lower = [r.recompute for r in ladder.below([n for it in items
+                                                 for n in it.sequence_lengths_tokens])]
+    assert packed.recompute == next(r for r in lower if price(items, r) <= usable)
+    assert "packed as configured" in packed.note
+
+    least_work = plan(StepTimeFit(fixed_seconds=0.0, seconds_per_flop=1e-9, observations=8))
+    assert len(least_work.items) == 1 and least_work.recompute == none, least_work.note
+    assert "packed under its rung" in least_work.note
+
+    fixed = plan(StepTimeFit(fixed_seconds=1.0, seconds_per_flop=1e-12, observations=8))
+    assert fixed.indices == [0, 1, 2] and fixed.recompute == packed.recompute, fixed.note
+
+
+def test_a_call_packs_its_waves_the_way_the_step_time_line_predicts_faster(full):
+    """Through `forward_micro_batches` (waves): with no step times yet adaptive packs the three
+    groups as the configured policy would (one micro-batch) and runs it under the least-work
+    rung that micro-batch fits; once the line says a micro-batch costs nothing beside its
+    FLOPs, the next call packs under the least-work rung of each wave's first group (more
+    micro-batches, less recompute). Outputs and gradients equal the roomy run's."""
+    from art.trainer_rank.decide.step_time import MicroBatchTime, StepTimes
+
+    def run(trainer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        trainer.zero_grad()
+        hidden = []
+        for mb in trainer.forward_micro_batches(_three_groups()):
+            outs = [o for group in mb.outputs for o in group]
+            sum(o.hidden_states.float().pow(2).mean() for o in outs).backward()
+            hidden += [((index, k), o.hidden_states.detach())
+                       for index, group in zip(mb.indices, mb.outputs)
+                       for k, o in enumerate(group)]
+        grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters()
+                 if p.grad is not None}
+        trainer.zero_grad()
+        return torch.cat([h for _, h in sorted(hidden, key=lambda t: t[0])]), grads
+
+    roomy = _trainer(full, ROOMY_BYTES, recompute="adaptive", cold_start_fraction=1.0)
+    reference = run(roomy)
+    offset = _offset(roomy)
+    admission = roomy.admission
+    items = make_items(_three_groups())
+    ladder = admission.ladder
+    none = ladder.below(LENGTHS)[0].recompute
+
+    def price(chosen, recompute) -> int:
+        return admission.price_items(list(chosen), True, recompute)[0].dynamic_bytes
+
+    # A little above what the first group needs without recompute, far below two groups'.
+    usable = int(max(price(items, ladder.configured.recompute), price(items[:1], none)) * 1.02)
+    assert usable < price(items[:2], none)
+    trainer = _trainer(full, usable + offset, recompute="adaptive", cold_start_fraction=1.0)
+    packed = run(trainer)
+    (stats,) = trainer.stats_history
+    assert stats.local_count == 3 and "packed as configured" in stats.note, stats.note
+    assert stats.recompute_summary not in ("no recompute", ladder.configured.recompute.summary)
+    assert stats.measured_peak_bytes <= stats.available_bytes
+    _same(packed, reference)
+
+    trainer.step_times = StepTimes(tuple(MicroBatchTime(w, 0.0, 3e-9 * w)
+                                         for w in (1e9, 2e9, 4e9)))
+    least_work = run(trainer)
+    first, *rest = trainer.stats_history[1:]
+    assert rest and first.local_count == 1 and first.recompute_summary == "no recompute"
+    assert all(s.measured_peak_bytes <= s.available_bytes for s in trainer.stats_history)
+    _same(least_work, reference)
+
+
+def test_grad_micro_batches_time_themselves_into_the_step_time_line(full):
+    """Every grad micro-batch that runs adds its work and wall time (forward through the
+    caller's backward) to the trainer's step times; no-grad ones do not."""
+    trainer = _trainer(full, ROOMY_BYTES, recompute="adaptive")
+    assert trainer.step_times.fit() is None
+    _run(trainer)
+    _run(trainer)
+    times = trainer.step_times.times
+    assert len(times) == len(trainer.stats_history) == 2
+    ladder = trainer.admission.ladder
+    for time, stats in zip(times, trainer.stats_history):
+        rung = next(r.recompute for r in ladder.rungs
+                    if r.recompute.summary == stats.recompute_summary)
+        assert time.forward_flops == ladder.forward_flops(LENGTHS)
+        assert time.recomputed_flops == ladder.flops(rung, LENGTHS)
+        assert time.seconds > 0
+    with torch.no_grad():
+        for _ in trainer.forward_micro_batches(_group()):
+            pass
+    assert len(trainer.step_times.times) == 2
+
+
 def test_the_rung_choice_is_validated():
     with pytest.raises(ValueError, match="must be one of configured, escalate, adaptive"):
         TrainerRankOptions.from_env({"ART_TRAINER_RANK_RECOMPUTE": "sometimes"})

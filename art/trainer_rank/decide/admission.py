@@ -26,6 +26,13 @@ from art.trainer_rank._types import (
 )
 from art.trainer_rank.compute.items import Item, group_shared_tokens, outputs_union
 from art.trainer_rank.compute.prefix_tree import TreeShape, row_levels, tree_shape
+from art.trainer_rank.decide.adaptive import (
+    least_work_rung_plan,
+    packed_wave_noted,
+    packs_two_ways,
+    quicker_of_next,
+    quicker_wave,
+)
 from art.trainer_rank.decide.decline import decline_error
 from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.nograd_split import split_no_grad
@@ -33,6 +40,7 @@ from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
+from art.trainer_rank.decide.step_time import StepTimeFit
 from art.trainer_rank.measuring.device import UnallocatedGradients
 from art.trainer_rank.pricing.model import largest_fitting
 
@@ -260,7 +268,11 @@ class Admission:
             return plan_call(self, request)
         if request.mode == PlanMode.WAVE:
             return self._plan_group(request)
-        return self._plan_next(request, self._packing_rung(request.pending[0], request))
+        least_work = self._plan_next(request, self._packing_rung(request.pending[0], request))
+        if not packs_two_ways(self, request.pending):
+            return least_work
+        return quicker_of_next(self, request, least_work,
+                               self._plan_next(request, self.recompute))
 
     def _packing_rung(self, first: Item, request: PlanRequest) -> EffectiveRecompute:
         """The rung the queue is packed under: the configured policy; adaptive, the least-work
@@ -343,12 +355,12 @@ class Admission:
             chosen.append(item)
             lengths, outputs, shared = cand_lengths, cand_outputs, cand_shared
             pricing, shape, sig = priced
-        return self._admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected,
+        return self.admitted(chosen, pricing, shape, sig, cold, cap_tokens, rejected,
                               recompute=recompute)
 
-    def _admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
-                  sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0, *,
-                  recompute: EffectiveRecompute | None = None) -> Plan:
+    def admitted(self, chosen: Sequence[Item], pricing: Pricing, shape: MicroBatchShape,
+                 sig: str, cold: bool, cap_tokens: int | None, rejected: int = 0, *,
+                 recompute: EffectiveRecompute | None = None) -> Plan:
         """`chosen` as one micro-batch, cold-capped or admitted, with the cap in its note,
         under `recompute` (None: the configured policy; else the rung below it that adaptive
         packed under)."""
@@ -378,9 +390,9 @@ class Admission:
 
     # -- a given set of items as one micro-batch (a data-parallel wave's share) ---------------
 
-    def _cap(self, items: Sequence[Item], request: PlanRequest, sig: str,
-             outputs: OutputRequest, recompute: EffectiveRecompute | None = None
-             ) -> tuple[bool, int | None]:
+    def cap(self, items: Sequence[Item], request: PlanRequest, sig: str,
+            outputs: OutputRequest, recompute: EffectiveRecompute | None = None
+            ) -> tuple[bool, int | None]:
         """(cold, cap in packed tokens or None): an unprofiled signature starts at a fraction
         of what the memory model alone admits (at least its smallest item); a profile that saw
         the model under-predict grows only to the edge of its trust window."""
@@ -394,49 +406,72 @@ class Admission:
                              int(self.policy.cold_start_fraction * model_max))
         return False, self.growth_cap(sig, request.grad, outputs)
 
-    def fits_together(self, request: PlanRequest) -> bool:
+    def fits_together(self, request: PlanRequest, *, as_configured: bool = False) -> bool:
         """Whether the pending items run as one micro-batch under the rung they are packed
         under (the configured policy; adaptive: the least-work rung their first item fits
-        alone). One item always has a plan of its own (admitted, split, escalated or
-        declined)."""
+        alone, or with `as_configured` any rung up to the configured one, within its cap).
+        One item always has a plan of its own (admitted, split, escalated or declined)."""
         items = request.pending
         if len(items) <= 1:
             return True
+        if as_configured:
+            return least_work_rung_plan(self, items, request) is not None
         rung = self._packing_rung(items[0], request)
         pricing, shape, sig = self.price_items(items, request.grad, rung,
                                                gradients=request.gradients)
         if pricing.dynamic_bytes > request.usable_bytes:
             return False
-        _, cap = self._cap(items, request, sig, shape.outputs, rung)
+        _, cap = self.cap(items, request, sig, shape.outputs, rung)
         return cap is None or shape.packed_tokens <= cap
 
     def fitting_prefix(self, items: Sequence[Item], usable_bytes: Mapping[bool, int],
-                       unallocated_gradients: UnallocatedGradients | None = None) -> int:
+                       unallocated_gradients: UnallocatedGradients | None = None,
+                       step_time: StepTimeFit | None = None) -> int:
         """How many leading `items` run together: their grad items as one micro-batch and
-        their no-grad items as another, each fitting its limit (`usable_bytes[grad]`)."""
-        def fits(count: int) -> bool | None:
+        their no-grad items as another, each fitting its limit (`usable_bytes[grad]`).
+        Adaptive weighs its two packings of the grad items by `step_time` (adaptive.py)."""
+        def fits(count: int, as_configured: bool = False) -> bool | None:
             head = items[:count]
-            return all(self.fits_together(PlanRequest(
-                tuple(it for it in head if it.grad == grad), grad, usable_bytes[grad],
-                PlanMode.WAVE, unallocated_gradients))
-                for grad in {it.grad for it in head}) or None
+
+            def together(grad: bool) -> bool:
+                request = PlanRequest(tuple(it for it in head if it.grad == grad), grad,
+                                      usable_bytes[grad], PlanMode.WAVE, unallocated_gradients)
+                if as_configured and grad:
+                    return self.fits_together(request, as_configured=True)
+                return self.fits_together(request)
+
+            return all(together(grad) for grad in {it.grad for it in head}) or None
 
         # By bisection (fitting together is monotone in the count): a wave of many short
         # items costs a logarithmic number of prices, not one per item.
-        return largest_fitting_count(fits, 0, len(items), True)[0]
+        count = largest_fitting_count(fits, 0, len(items), True)[0]
+        if not packs_two_ways(self, items):
+            return count
+        packed = largest_fitting_count(lambda n: fits(n, True), 0, len(items), True)[0]
+        if packed <= count:
+            return count
+        return quicker_wave(self, items[:count], items[:packed], PlanRequest(
+            tuple(it for it in items[:packed] if it.grad), True, usable_bytes[True],
+            PlanMode.WAVE, unallocated_gradients, step_time))
 
     def _plan_group(self, request: PlanRequest) -> Plan:
         """The plan that runs exactly the pending items (which fit together) as one
-        micro-batch; one item is planned as `next` plans it."""
+        micro-batch; one item is planned as `next` plans it. Adaptive runs them under the
+        least-work rung they fit together."""
         items = request.pending
+        if request.grad and len(items) > 1 and packs_two_ways(self, items):
+            lowest = least_work_rung_plan(self, items, request)
+            if lowest is not None:
+                return packed_wave_noted(self, lowest, self._packing_rung(items[0], request),
+                                         request.step_time)
         if len(items) == 1 or not self.fits_together(request):
             return self._plan_next(request, self._packing_rung(items[0], request))
         rung = self._packing_rung(items[0], request)
         chosen = sorted(items, key=lambda it: it.index)
         pricing, shape, sig = self.price_items(chosen, request.grad, rung,
                                                gradients=request.gradients)
-        cold, cap = self._cap(chosen, request, sig, shape.outputs, rung)
-        return self._admitted(chosen, pricing, shape, sig, cold, cap, recompute=rung)
+        cold, cap = self.cap(chosen, request, sig, shape.outputs, rung)
+        return self.admitted(chosen, pricing, shape, sig, cold, cap, recompute=rung)
 
     # -- the recompute rungs ---------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank._types import ForwardInput, TrainerRankMemoryError
 from art.trainer_rank.compute.items import Item
 from art.trainer_rank.decide.priced import Pricing
+from art.trainer_rank.decide.step_time import StepTimeFit
 from art.trainer_rank.measuring.device import UnallocatedGradients
 
 
@@ -29,13 +30,15 @@ class PlanMode(StrEnum):
 class PlanRequest:
     """One question to admission. `unallocated_gradients`: the trainable gradients not
     allocated yet, which a grad micro-batch's backward allocates (ignored without grad; None:
-    all of them exist already)."""
+    all of them exist already). `step_time`: how long grad micro-batches took, as a line in
+    their work (None: not known yet), which `adaptive` weighs its packings with."""
 
     pending: tuple[Item, ...]
     grad: bool
     usable_bytes: int
     mode: PlanMode = PlanMode.NEXT
     unallocated_gradients: UnallocatedGradients | None = None
+    step_time: StepTimeFit | None = None
 
     def __post_init__(self) -> None:
         if not self.pending:

@@ -100,6 +100,15 @@ def max_over_replica(value: int) -> int:
     return _reduce(value, dist.ReduceOp.MAX)
 
 
+def max_over_replica_of(values: tuple[int, ...]) -> tuple[int, ...]:
+    """Each value's maximum over the TP/CP ranks of this model replica, in one collective."""
+    if not _initialized() or _replica_size() == 1:
+        return tuple(int(v) for v in values)
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_replica_group())
+    return tuple(int(v) for v in t.tolist())
+
+
 def check_same_plan(description: str) -> None:
     """Every TP/CP rank holds the same plan; otherwise raise on all of them (before any
     collective of the forward could hang)."""
