@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from art.megatron.geometry import ModelGeometry, load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
@@ -88,8 +90,12 @@ def test_a_full_recompute_moe_unit_keeps_its_no_grad_run_s_routing_state() -> No
     assert kept == (g.num_layers - 1) * unit_input + int(g.num_layers * state)
 
 
+@pytest.mark.parametrize("lengths, outputs, loss, built_with", [
+    ((584,), "logprobs,top_k=8", "rl", "selective default"),
+    ((1909,), "hidden_states", "synthetic", "full uniform 1"),
+])
 def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
-        megatron_process) -> None:
+        megatron_process, lengths, outputs, loss, built_with) -> None:
     """Megatron's `moe` recompute runs the whole MoE layer (shared experts, router, experts,
     activation, combine) as one checkpoint: its forward keeps only the checkpoint's input, and
     nothing at the seams between the experts' fc1, activation and fc2. After its backward
@@ -99,8 +105,10 @@ def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
     selective `core_attn` runs the ladder's `core_attn+moe` rung switched on for one
     micro-batch (a row the size of the rungs matrix's cells), measured on the CPU meter:
     the formulas price its forward and its peak inside [1.00, 1.05]. Pricing a checkpoint per
-    module (seams kept) puts the forward above the band; leaving the checkpoint's input and
-    gradient out prices the peak under the measurement."""
+    module (seams kept) puts the first cell's forward above the band; leaving the checkpoint's
+    input and gradient out prices its peak under the measurement; leaving out the experts'
+    input, which the layer's frame holds through the combine inside the checkpoint's
+    no-grad forward, prices the second cell's forward under it."""
     import torch
     from _calibration.cells import POLICY_BY_NAME, Cell, calibration_geometries
     from _calibration.harness import (
@@ -116,8 +124,8 @@ def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
     from art.megatron.recompute_ladder import build_ladder
     from art.trainer_rank.decide.escalation import running_recompute
 
-    cell = Cell("hybrid-moe-128", "selective core_attn+moe", 8, 1, (584,),
-                "logprobs,top_k=8", True, loss="rl", built_with="selective default")
+    cell = Cell("hybrid-moe-128", "selective core_attn+moe", 8, 1, lengths, outputs, True,
+                loss=loss, built_with=built_with)
     geometry = calibration_geometries()[cell.geometry]
     implementation = Implementation.cpu_local()
     provider = calibration_provider(geometry, POLICY_BY_NAME[cell.built_policy],

@@ -208,6 +208,11 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
     frame_held = sum(blk.output for blk in blocks
                      if blk.role is BlockRole.RULE_INPUT and not blk.output_saved)
     frame_held += sum(blk.temp for blk in blocks if blk.role is BlockRole.RULE_INPUT_COPIES)
+    # Inside the `moe` checkpoint (run without grad) nothing is kept, but the MoE layer's
+    # frame still holds the experts' input (the dispatch's output) through the combine, which
+    # a grad run keeps anyway (the experts' fc1 saves it; the experts' own blocks price it
+    # with their adapters' saved input).
+    experts_input = 0.0
     peak_f = 0.0
     so_far = 0.0
     for idx, (blk, part) in enumerate(zip(blocks, parts)):
@@ -215,8 +220,12 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                 + _norm_rebuilt_for(blocks, segments, idx, backward=False))
         if blk.role is BlockRole.DELTA_RULE:
             live += frame_held - (blk.output if d.implementation.device != "cuda" else 0.0)
+        if blk.role is BlockRole.COMBINE:
+            live += experts_input
         peak_f = max(peak_f, live)
         so_far += part
+        if moe_checkpoint and blk.role is BlockRole.DISPATCH:
+            experts_input = blk.output
 
     # Backward, blocks in reverse: kept up to here + what the checkpoint rebuilt for this
     # block's segment (every block of the segment up to this one, as if not recomputed) +

@@ -99,7 +99,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
                    * INT64 + routed * INT64 + g.num_experts * INT64,
                    float(s) * g.moe_router_topk * FP32, True)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
-                     temp=local_pairs * g.hidden_size * b)
+                     temp=local_pairs * g.hidden_size * b, role=BlockRole.DISPATCH)
     # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
     # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
     experts = [replace(blk, module="moe_act" if blk.role is BlockRole.ACTIVATION else "moe")
@@ -119,7 +119,8 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
               ] if g.shared_expert_ffn_hidden_size else []
     blocks += [replace(router, module="moe"), dispatch, *experts]
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
-                        temp=combine_working_set(d, s, local_pairs, local_experts)))
+                        temp=combine_working_set(d, s, local_pairs, local_experts),
+                        role=BlockRole.COMBINE))
     return blocks
 
 
