@@ -1,34 +1,58 @@
-"""Harness of the 2-rank workers that publish a fault by hand (boundary_fault_worker.py,
-waves_fault_worker.py): the world with its phase agreement, and a forward OOM of some rank
-written to the job's store as the failing rank's `abandon` would write it."""
+"""The two 2-rank scenarios of a fault published by hand, as the failing rank's `abandon` would
+write it to the job's store; phase_faults_worker.py runs each in a world of its own (gloo,
+group timeout GROUP_TIMEOUT_S) within its launch, and each returns this rank's record.
+
+`boundary` (one TP=2 replica): a fault another replica published reaches this replica's ranks
+at different moments. Rank 1 has already passed its micro-batch boundary and waits in a replica
+collective (the plan's agreed limit); rank 0 reads the fault at its boundary a second later and
+raises it. Rank 1 must then end with the same error at once, not when the process group times
+out (or rank 0 leaves). Record: the error each rank ended with and how long rank 1's collective
+took.
+
+`waves` (two DP replicas of one rank each): rank 0 waits in the data-parallel waves' all-reduce
+(ranks/lockstep.py) while rank 1, of the other replica, publishes a fault and stays away from
+that collective with its process groups open (the state of a replica whose fault ended the
+call and whose ranks left for the next job, seen from a peer its closed pairs did not reach).
+Rank 0 must end with the published fault's error at once, not when rank 1 leaves or the
+process group times out. Record: the error rank 0 ended with and how long its wave step took.
+
+In both, the rank that is not measured keeps its process groups open (as a job's rank does
+after the error: leaving would close its connections and wake the measured rank anyway) until
+the measured rank has written DONE_KEY, after its wait ended, or for HOLD_S at most: a measured
+rank that is not woken waits the whole HOLD_S, past the test's bound.
+"""
 
 from __future__ import annotations
 
 import os
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
-from megatron.core import parallel_state
 
+from art.trainer_rank.ranks import agree as _agree
+from art.trainer_rank.ranks.lockstep import in_waves
 from art.trainer_rank.ranks.phases import (
     FAULT_COUNT_KEY,
     FAULT_KEY,
+    PLAN,
     Fault,
     MicroBatchContext,
     PhaseAgreement,
 )
 
 RANK = int(os.environ["RANK"])
+# Long enough that waiting it out fails the test's bound.
+GROUP_TIMEOUT_S = 40
+# The longest the unmeasured rank keeps its groups open (the measured one must end well before).
+HOLD_S = {"boundary": 10, "waves": 12}
+DONE_KEY = "art-test-published-fault-measured"
+# Each scenario's layout: tensor parallel size (the rest data parallel).
+TENSOR_PARALLEL = {"boundary": 2, "waves": 1}
 
 
-def two_rank_agreement(port: int, *, tensor_parallel: int,
-                       group_timeout_s: float) -> PhaseAgreement:
-    """Both ranks' gloo world on a control store at `port`, Megatron's groups, and this rank's
-    PhaseAgreement, once every rank has one."""
-    store = dist.TCPStore("127.0.0.1", port, 2, RANK == 0, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=RANK, world_size=2,
-                            timeout=timedelta(seconds=group_timeout_s))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel)
+def _agreement() -> PhaseAgreement:
+    """This rank's PhaseAgreement, once every rank has one."""
     phases = PhaseAgreement(fault_timeout_s=20)
     dist.barrier()
     return phases
@@ -43,3 +67,60 @@ def publish_forward_oom(phases: PhaseAgreement, failing_rank: int,
     fault = Fault(failing_rank, "forward", "layer 1", "OutOfMemoryError: injected", context)
     phases._store.add(FAULT_COUNT_KEY, 1)
     phases._store.set(FAULT_KEY, fault.to_json())
+
+
+def _hold(store: dist.Store, seconds: float) -> None:
+    """Keep this rank's groups open until the measured rank is done, or `seconds`."""
+    try:
+        store.wait([DONE_KEY], timedelta(seconds=seconds))
+    except (RuntimeError, dist.DistError):
+        pass  # not woken: it waited the whole hold, and its record says so
+
+
+def boundary(store: dist.Store) -> dict:
+    phases = _agreement()
+    result: dict = {}
+    if RANK == 1:
+        # The fault of a rank of another replica (rank 3 of a TP=2 x DP=2 job), published
+        # after this rank passed its boundary check.
+        publish_forward_oom(phases, 3, (2, 4))
+        started = time.monotonic()
+        try:
+            with phases.collectives(PLAN, None):
+                _agree.min_over_replica(1)
+        except Exception as exc:  # noqa: BLE001 - the test checks the type and text
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["waited_s"] = time.monotonic() - started
+        store.set(DONE_KEY, "1")
+    else:
+        time.sleep(1.0)  # rank 1 is inside the all-reduce by now
+        try:
+            phases.check()
+        except Exception as exc:  # noqa: BLE001
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        _hold(store, HOLD_S["boundary"])
+    return result
+
+
+def waves(store: dist.Store) -> dict:
+    phases = _agreement()
+    result: dict = {}
+    if RANK == 0:
+        started = time.monotonic()
+        try:
+            for _ in in_waves(2, lambda start: 1, lambda wave: iter(()),
+                              lambda wave: None,  # type: ignore[arg-type,return-value]
+                              guard=lambda: phases.between_micro_batches(2)):
+                pass
+        except Exception as exc:  # noqa: BLE001 - the test checks the type and text
+            result["error"] = f"{type(exc).__name__}: {exc}"
+        result["waited_s"] = time.monotonic() - started
+        store.set(DONE_KEY, "1")
+    else:
+        time.sleep(1.0)  # rank 0 is inside the all-reduce by now
+        publish_forward_oom(phases, 1, (1,))
+        _hold(store, HOLD_S["waves"])
+    return result
+
+
+SCENARIOS = {"boundary": boundary, "waves": waves}

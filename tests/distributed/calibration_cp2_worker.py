@@ -1,6 +1,7 @@
 """torchrun worker: calibration cells at TP=1 x CP=2 (the segmented flash attention over a
 split row), dense and hybrid; each rank writes its measured vs predicted and stores its probe in
-<out>/probes/rank<R>."""
+<out>/probes/rank<R>. The suite runs `run` after calibration_tp2_worker.py's cells, in its
+launch."""
 
 from __future__ import annotations
 
@@ -19,7 +20,11 @@ PROBE_TOKENS = with_points_inside_chunks((64, 128, 192, 256, 320, 384))
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
+    run(Path(sys.argv[1]))
+
+
+def run(out_dir: Path) -> None:
+    """Measure the cells on this rank at TP=1 x CP=2; its rows and probe to out_dir."""
     cp = dict(context_parallel=2)
     cells = [
         Cell("gqa-128", "selective default", 8, 1, (150, 231), "logprobs", True, **cp),

@@ -1,5 +1,7 @@
 """torchrun worker: five calibration cells at TP=2; each rank writes its measured vs predicted
-and stores its probe in <out>/probes/rank<R>."""
+and stores its probe in <out>/probes/rank<R>; then, given a second folder, the CP=2 cells of
+calibration_cp2_worker.py (one launch for test_calibration_tp2.py and test_calibration_cp2.py,
+conftest.py's calibration_launch)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,19 @@ PROBE_TOKENS = (64, 128, 192, 256, 320, 384)
 
 
 def main() -> None:
-    out_dir = Path(sys.argv[1])
+    """argv: out_dir, then optionally the CP=2 cells' out_dir: calibration_cp2_worker.py's
+    cells run after these in the same launch, on Megatron's parallel state rebuilt at CP=2."""
+    run(Path(sys.argv[1]))
+    if len(sys.argv) > 2:
+        import calibration_cp2_worker
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        calibration_cp2_worker.run(Path(sys.argv[2]))
+
+
+def run(out_dir: Path) -> None:
+    """Measure the cells on this rank at TP=2; its rows and probe to out_dir."""
     cells = [
         Cell("gqa-128", "selective default", 8, 2, (128, 192), "logprobs", True),
         Cell("gqa-128", "selective default", 8, 2, (320,), "top_k=20", False),

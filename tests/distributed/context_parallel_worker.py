@@ -1,6 +1,7 @@
 """torchrun worker: context parallel equals CP=1 on the same weights.
 
-argv: out_dir, tp (CP = WORLD_SIZE / tp), model, [ep]. Models: "dense" (a 2-layer
+argv: out_dir, tp (CP = WORLD_SIZE / tp), models (comma-separated, each with its EP size
+after a colon, default 1: "moe:2"). Models: "dense" (a 2-layer
 Qwen3-shaped model), "hybrid" (the shipped tiny-qwen3_5, three Gated DeltaNet layers and an
 attention layer, whose recurrence crosses the CP ranks' chunks), "moe" (a 2-layer Qwen3-MoE
 shape, 4 experts top-2) and "hybrid-moe" (the shipped tiny-qwen3_5-moe, 8 experts top-2 and a
@@ -13,8 +14,8 @@ then the CP ranks), loads the same weights (under EP each rank its own experts) 
 same cases. The LoRA-free model's parameter gradients are summed over the CP ranks (what the
 optimizer's data-parallel x CP reduction does for the LoRA factors, all inside the decoder;
 an expert's over Megatron's expert data-parallel group, which folds CP in). Writes
-out_dir/rank<R>.json: the largest output and gradient differences per case, and whether the
-one place (runnable_layouts) refuses the layout.
+out_dir/rank<R>-<model>-ep<ep>.json: the largest output and gradient differences per case,
+and whether the one place (runnable_layouts) refuses the layout.
 """
 
 from __future__ import annotations
@@ -203,19 +204,22 @@ def _compare(tp: int, cp: int, ep: int, model_kind: str) -> list[dict]:
     return results
 
 
-def main() -> None:
-    out_dir, tp = sys.argv[1], int(sys.argv[2])
-    # One launch runs each model named (comma-separated): a torchrun start costs more than a
-    # tiny model's run on the CI's cores.
-    model_kinds = (sys.argv[3] if len(sys.argv) > 3 else "dense").split(",")
-    ep = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+def run(out_dir: str, tp: int, models: list[str]) -> None:
+    """Each model ("kind" or "kind:ep") in turn at TP=tp x CP = WORLD_SIZE / tp."""
     world = int(os.environ["WORLD_SIZE"])
     cp = world // tp
     rank = int(os.environ["RANK"])
-    for model_kind in model_kinds:
-        results = _compare(tp, cp, ep, model_kind)
-        with open(os.path.join(out_dir, f"rank{rank}-{model_kind}.json"), "w") as f:
+    for model in models:
+        model_kind, _, ep = model.partition(":")
+        results = _compare(tp, cp, int(ep or 1), model_kind)
+        with open(os.path.join(out_dir, f"rank{rank}-{model_kind}-ep{ep or 1}.json"), "w") as f:
             json.dump(results, f)
+
+
+def main() -> None:
+    # One launch runs each model named (comma-separated), each at its EP size: a torchrun
+    # start costs more than a tiny model's run on the CI's cores.
+    run(sys.argv[1], int(sys.argv[2]), (sys.argv[3] if len(sys.argv) > 3 else "dense").split(","))
     shutdown_distributed()
 
 

@@ -121,13 +121,20 @@ def _compare(out_dir: str, tp: int, etp: int) -> None:
     parallel_state.destroy_model_parallel()
 
 
+def run(out_dir: str, layouts: list[tuple[int, int]]) -> None:
+    """Each (TP, ETP) layout compared in turn."""
+    for tp, etp in layouts:
+        _compare(out_dir, tp, etp)
+
+
 def main() -> None:
     """argv: the output folder, then one or more TP:ETP layouts (default 1:1), each compared
     in turn in this one launch."""
-    out_dir = sys.argv[1]
+    layouts = []
     for layout in sys.argv[2:] or ["1:1"]:
         tp, etp = (int(x) for x in layout.split(":"))
-        _compare(out_dir, tp, etp)
+        layouts.append((tp, etp))
+    run(sys.argv[1], layouts)
     shutdown_distributed()
 
 

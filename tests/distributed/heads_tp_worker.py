@@ -1,5 +1,6 @@
 """torchrun worker: the packed compute path at TP = WORLD_SIZE (with and without sequence
-parallel) on the TP=1 model's weights, compared with the TP=1 reference the test saved.
+parallel) on the TP=1 model's weights, compared with the TP=1 reference `save_reference` saved
+in the test's process.
 
 argv: reference.pt out_dir. Writes out_dir/rank<R>.json with the largest differences seen.
 """
@@ -115,8 +116,54 @@ def run(reference: dict, sequence_parallel: bool, rank: int, tp: int) -> dict:
     return result
 
 
-def main() -> None:
-    reference_path, out_dir = sys.argv[1], sys.argv[2]
+def save_reference(path: str) -> None:
+    """TP=1 outputs and gradients of `run`'s loss, saved with the weights (in the test's
+    process, at TP=1, before the launch)."""
+    geometry = tiny_dense(num_layers=2)
+    config = build_transformer_config(
+        geometry, layout=ParallelLayout(), recompute=RecomputeConfig("selective"), dtype="float32"
+    )
+    model = build_gpt_model(geometry, config, seed=0)
+    generator = torch.Generator().manual_seed(3)
+    # 21 tokens: sequence parallel pads the row to 22.
+    sequences = [
+        torch.randint(0, geometry.vocab_size, (n,), generator=generator) for n in (11, 3, 7)
+    ]
+    batch = pack_sequences(sequences, implementation=Implementation.cpu_local(),
+                           layout=ParallelLayout())
+    hidden = decoder_hidden_states(model, batch)
+    heads = compute_heads(
+        model, hidden, target_tokens=next_token_targets(batch), top_k=TOP_K, logits=True
+    )
+    outputs = {
+        "hidden": unpack(hidden, batch),
+        "logprobs": unpack(heads.target_logprobs, batch),
+        "top_k_logprobs": unpack(heads.top_k_logprobs, batch),
+        "top_k_tokens": unpack(heads.top_k_tokens, batch),
+        "logits": unpack(heads.logits, batch),
+    }
+    loss = sum(
+        lp.sum() + 0.1 * top.sum() + 0.01 * logits.pow(2).sum() + 0.1 * h.pow(2).sum()
+        for h, lp, top, logits in zip(
+            outputs["hidden"], outputs["logprobs"], outputs["top_k_logprobs"], outputs["logits"]
+        )
+    )
+    loss.backward()
+    torch.save(
+        {
+            "sequences": sequences,
+            "weights": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "grads": {n: p.grad.detach().clone() for n, p in model.named_parameters()},
+            "loss": float(loss),
+            **{k: [t.detach().clone() for t in v] for k, v in outputs.items()},
+        },
+        path,
+    )
+
+
+def run_variants(reference_path: str, out_dir: str) -> None:
+    """Both variants at TP = WORLD_SIZE against the saved reference; this rank's rows to
+    out_dir."""
     tp = int(os.environ["WORLD_SIZE"])
     state = initialize_distributed(tensor_parallel=tp)
     reference = torch.load(reference_path, weights_only=False)
@@ -127,6 +174,10 @@ def main() -> None:
         )
     with open(os.path.join(out_dir, f"rank{state.rank}.json"), "w") as f:
         json.dump(rows, f)
+
+
+def main() -> None:
+    run_variants(sys.argv[1], sys.argv[2])
     shutdown_distributed()
 
 

@@ -64,16 +64,22 @@ def hybrid_cases(tp: int) -> list[dict]:
     return rows
 
 
-def main() -> None:
-    from art.megatron.distributed import initialize_distributed, shutdown_distributed
+def run(out_dir: str) -> None:
+    """`hybrid_cases` at TP = WORLD_SIZE; this rank's rows to out_dir."""
+    from art.megatron.distributed import initialize_distributed
 
-    out_dir = sys.argv[1]
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     initialize_distributed(tensor_parallel=tp)
     rows = hybrid_cases(tp)
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
+
+
+def main() -> None:
+    from art.megatron.distributed import shutdown_distributed
+
+    run(sys.argv[1])
     shutdown_distributed()
 
 

@@ -1,12 +1,16 @@
 """torchrun worker (2 ranks, TP=2 with sequence parallel, gloo): faults injected on rank 1 only,
 one scenario per phase and kind (an OOM, or another exception: a bug, the caller's own), each
 in a fresh job world (its own store and process groups, since a fault in a phase with
-collectives closes them).
+collectives closes them). Then, in the same launch, what ART_TEST_PHASE_FAULTS_THEN names
+(comma-separated), each in worlds of its own: "cp2", the packing and forward-layer scenarios
+again at TP=1 x CP=2; "boundary" and "waves", the faults published by hand of
+_published_fault.py.
 
 argv: out_dir, fault_timeout_s, then the fuzz's control store port (not needed with ONLY; each
 world's store port is rank 0's, see `start_world`). Writes rank<r>.json: per
 scenario the items seen, the error (type, text), when the call ended, when the fault fired,
-the profile (observations and misses) and the decisions.
+the profile (observations and misses) and the decisions; under "cp2" the CP=2 scenarios' and
+under "boundary" and "waves" those scenarios' records.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ from art.trainer_rank import (
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "reliability"))
 from _faults import Injector  # noqa: E402
+from _published_fault import GROUP_TIMEOUT_S, TENSOR_PARALLEL  # noqa: E402
+from _published_fault import SCENARIOS as BY_HAND  # noqa: E402
 
 from _tiny import tiny_dense  # noqa: E402
 
@@ -53,6 +59,9 @@ CP = int(os.environ.get("ART_TEST_PHASE_FAULTS_CP", 1))
 TP = int(os.environ.get("ART_TEST_PHASE_FAULTS_TP", WORLD // CP))
 ONLY = (set(os.environ["ART_TEST_PHASE_FAULTS_ONLY"].split(","))
         if os.environ.get("ART_TEST_PHASE_FAULTS_ONLY") else None)
+THEN = [s for s in os.environ.get("ART_TEST_PHASE_FAULTS_THEN", "").split(",") if s]
+# The scenarios the "cp2" stage runs.
+CP2_ONLY = {"packing", "forward layer"}
 LIMIT_BYTES = 48 * 2**20
 # (scenario, what rank 1 raises (None: an OOM), where, which of its allocations there fails: a
 # fraction of what the fault-free run made there). "packing" fails the first packing
@@ -111,10 +120,12 @@ class StepFault:
             self._module.get_grad_norm_fp32 = self._original
 
 
-def start_world(out_dir: str, name: str) -> None:
-    """A fresh job world. Rank 0's store listens on a port the OS gives it at once, and the
-    others read that port from a file: a port chosen ahead of time can be taken meanwhile
-    (by the previous world's gloo connections, or torchrun's own store)."""
+def start_world(out_dir: str, name: str, tp: int = TP, cp: int = CP,
+                timeout_s: float = 60) -> dist.Store:
+    """A fresh job world at TP=tp x CP=cp (the rest data parallel), its store returned. Rank
+    0's store listens on a port the OS gives it at once, and the others read that port from a
+    file: a port chosen ahead of time can be taken meanwhile (by the previous world's gloo
+    connections, or torchrun's own store)."""
     port_file = os.path.join(out_dir, f"world-{name}.port")
     if RANK == 0:
         # Not waiting for the others here: they learn the port from the file below.
@@ -133,10 +144,11 @@ def start_world(out_dir: str, name: str) -> None:
             port = int(f.read())
         store = dist.TCPStore("127.0.0.1", port, WORLD, False, timedelta(seconds=60))
     dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
-                            timeout=timedelta(seconds=60))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=TP,
-                                             context_parallel_size=CP)
+                            timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp)
     model_parallel_cuda_manual_seed(1234)
+    return store
 
 
 def end_world() -> None:
@@ -158,21 +170,21 @@ def leaves(value) -> list:
     return [value] if not isinstance(value, list) else [y for v in value for y in leaves(v)]
 
 
-def provider() -> Provider:
+def provider(tp: int, cp: int) -> Provider:
     return Provider(
         tiny_dense(num_layers=2),
-        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(TP),
-                                "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": str(CP),
+        settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(tp),
+                                "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": str(cp),
                                 "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
-        dtype="float32", implementation=Implementation.cpu_local("flash" if CP > 1 else "unfused"),
+        dtype="float32", implementation=Implementation.cpu_local("flash" if cp > 1 else "unfused"),
     )
 
 
-def trainer(fault_timeout_s: float, *, step: bool = False) -> TrainerRank:
-    """A trainer on a fresh provider; `step`: LoRA adapters with Megatron's DDP and optimizer
-    (what optim_step steps), else the base model, forwards only."""
+def trainer(fault_timeout_s: float, tp: int, cp: int, *, step: bool = False) -> TrainerRank:
+    """A trainer on a fresh provider at TP=tp x CP=cp; `step`: LoRA adapters with Megatron's
+    DDP and optimizer (what optim_step steps), else the base model, forwards only."""
     return TrainerRank(build_runtime_for_provider(
-        provider(), build_optimizer=step, wrap_ddp=step,
+        provider(tp, cp), build_optimizer=step, wrap_ddp=step,
         trainable_parameter_mode="lora" if step else "base_model",
         trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT_BYTES,
                                            probe_layers=False, fault_timeout_s=fault_timeout_s)))
@@ -233,15 +245,16 @@ def run_break(trainer: TrainerRank) -> dict:
     return result
 
 
-def main() -> None:
-    out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
-    cpu_runtime.install()
+def run_scenarios(out_dir: str, fault_timeout_s: float, tp: int, cp: int,
+                  only: set[str] | None, prefix: str) -> dict:
+    """The fault-free call, then every scenario (those in `only`), each in a world of its own
+    at TP=tp x CP=cp; their records by name."""
     results: dict = {}
-    start_world(out_dir, "clean")
-    clean = run(trainer(fault_timeout_s), Injector())
+    start_world(out_dir, f"{prefix}clean", tp, cp)
+    clean = run(trainer(fault_timeout_s, tp, cp), Injector())
     results["clean"] = clean
     assert clean["error"] is None and clean["counts"], clean["error"]
-    scenarios = [s for s in SCENARIOS if ONLY is None or s[0] in ONLY]
+    scenarios = [s for s in SCENARIOS if only is None or s[0] in only]
     for k, (name, raises, location, fraction) in enumerate(scenarios, start=1):
         # The fault-free run's allocation counts place the fault (on rank 1 only).
         nth = max(1, int(clean["counts"].get(location, 0) * fraction))
@@ -249,26 +262,48 @@ def main() -> None:
         injector = Injector(location, nth, raises) if mine and fraction else Injector()
         step = StepFault(raises, mine) if location == "optimizer step" else None
         end_world()  # a fault closes the groups: every scenario gets a world of its own
-        start_world(out_dir, f"scenario-{k}")
+        start_world(out_dir, f"{prefix}scenario-{k}", tp, cp)
         # A hang shows where each rank waits (the test's own timeout then fails it).
         faulthandler.dump_traceback_later(3 * fault_timeout_s)
         timeout_s = (CALLER_LOOP_TIMEOUT_S if location in ("caller loop", "break")
                      else fault_timeout_s)
         if location == "break":
-            results[name] = run_break(trainer(timeout_s))
+            results[name] = run_break(trainer(timeout_s, tp, cp))
         else:
             results[name] = run(
-                trainer(timeout_s, step=step is not None), injector, step=step,
+                trainer(timeout_s, tp, cp, step=step is not None), injector, step=step,
                 leave_loop=raises if mine and location == "caller loop" else None)
         faulthandler.cancel_dump_traceback_later()
-        print(f"rank {RANK} {name}: fired={results[name]['fired']} "
+        print(f"rank {RANK} {prefix}{name}: fired={results[name]['fired']} "
               f"error={(results[name]['error'] or {}).get('text', '')[:300]}", flush=True)
     end_world()
+    return results
+
+
+def published_fault(out_dir: str, name: str) -> dict:
+    """One scenario of _published_fault.py in a world of its own."""
+    store = start_world(out_dir, name, TENSOR_PARALLEL[name], 1, timeout_s=GROUP_TIMEOUT_S)
+    faulthandler.dump_traceback_later(3 * GROUP_TIMEOUT_S)
+    result = BY_HAND[name](store)
+    faulthandler.cancel_dump_traceback_later()
+    end_world()
+    return result
+
+
+def main() -> None:
+    out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    cpu_runtime.install()
+    results = run_scenarios(out_dir, fault_timeout_s, TP, CP, ONLY, "")
     if ONLY is None:
         counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1,
                             control_port=int(ports[0]), max_items=4,
                             max_tokens=120)
         results["fuzz"] = dict(counts)
+    for stage in THEN:
+        if stage == "cp2":
+            results[stage] = run_scenarios(out_dir, fault_timeout_s, 1, 2, CP2_ONLY, "cp2-")
+        else:
+            results[stage] = published_fault(out_dir, stage)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:
         json.dump(results, f)
 

@@ -1,4 +1,5 @@
-"""torchrun worker: ranks that pass different inputs to forward_micro_batches.
+"""torchrun worker: ranks that pass different inputs to forward_micro_batches. The suite runs
+`run` in trainer_worker.py's launch (see conftest.py).
 
 argv: <tp size> <out dir>. Every rank writes rank<r>.json with what each phase raised and how
 long it took:
@@ -46,9 +47,9 @@ def _phase(trainer: TrainerRank, inputs: list[ForwardInput]) -> dict:
     return outcome
 
 
-def main() -> None:
+def run(tp: int, out_dir: Path) -> None:
+    """The three phases on a trainer of its own at TP=tp; this rank's record to out_dir."""
     warnings.filterwarnings("ignore")
-    tp, out_dir = int(sys.argv[1]), Path(sys.argv[2])
     provider = Provider(
         tiny_dense(num_layers=2),
         settings=load_settings({"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(tp),
@@ -66,6 +67,10 @@ def main() -> None:
         "agreed": _phase(trainer, _inputs([8, 9, 10])),
     }
     (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+
+
+def main() -> None:
+    run(int(sys.argv[1]), Path(sys.argv[2]))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,8 @@ from _shared_prefix import CASES, HYBRID_CASES, compare, group
 from _tiny import tiny_dense
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
+def run(out_dir: str) -> None:
+    """Every variant's cases at TP = WORLD_SIZE; this rank's results to out_dir."""
     tp = int(os.environ["WORLD_SIZE"])
     initialize_distributed(tensor_parallel=tp)
     rank = int(os.environ["RANK"])
@@ -49,6 +49,10 @@ def main() -> None:
                             "rollouts": case.rollouts, "prompt": case.prompt_tokens, **diffs})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+
+
+def main() -> None:
+    run(sys.argv[1])
     shutdown_distributed()
 
 

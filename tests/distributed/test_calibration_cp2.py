@@ -10,16 +10,14 @@ import pytest
 from _calibration_runs import assert_rows_reprice
 from calibration_cp2_worker import PROBE_TOKENS
 
-from _torchrun import rank_records, run_torchrun
-
-WORKER = Path(__file__).with_name("calibration_cp2_worker.py")
+from _torchrun import rank_records
 
 
 @pytest.fixture(scope="module")
-def cp2_run(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("calibration-cp2")
-    run_torchrun(WORKER, str(out), nproc=2, timeout_s=200)
-    return out
+def cp2_run(calibration_launch) -> Path:
+    """rank<R>.json records and probes/rank<R>/ probes, from the launch test_calibration_tp2.py
+    and test_calibration_cp2.py share (conftest.py)."""
+    return calibration_launch / "cp2"
 
 
 @pytest.mark.torchrun

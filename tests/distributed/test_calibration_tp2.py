@@ -11,17 +11,14 @@ import pytest
 from _calibration_runs import assert_rows_reprice
 from calibration_tp2_worker import PROBE_TOKENS
 
-from _torchrun import rank_records, run_torchrun
-
-WORKER = Path(__file__).with_name("calibration_tp2_worker.py")
+from _torchrun import rank_records
 
 
 @pytest.fixture(scope="module")
-def tp2_run(tmp_path_factory) -> Path:
-    """One torchrun run of the worker: rank<R>.json records and probes/rank<R>/ probes."""
-    out = tmp_path_factory.mktemp("calibration-tp2")
-    run_torchrun(WORKER, str(out), nproc=2, timeout_s=150)
-    return out
+def tp2_run(calibration_launch) -> Path:
+    """rank<R>.json records and probes/rank<R>/ probes, from the launch test_calibration_tp2.py
+    and test_calibration_cp2.py share (conftest.py)."""
+    return calibration_launch / "tp2"
 
 
 @pytest.mark.torchrun

@@ -12,25 +12,14 @@ import json
 from pathlib import Path
 
 import pytest
+from _launches import CP_MODELS as MODELS
 
-from _torchrun import run_torchrun
-
-WORKER = Path(__file__).with_name("context_parallel_worker.py")
 MOE_MODELS = ("moe", "hybrid-moe")
-
-
-MODELS = ("dense", "hybrid", "hybrid-moe")
-
-
-def _run(out: Path, tp: int, ranks: int, models: tuple[str, ...], ep: int) -> Path:
-    run_torchrun(WORKER, str(out), str(tp), ",".join(models), str(ep), nproc=ranks,
-                 timeout_s=150 * len(models))
-    return out
 
 
 def _check(out: Path, tp: int, ranks: int, model: str, ep: int) -> None:
     for rank in range(ranks):
-        results = json.loads((out / f"rank{rank}-{model}.json").read_text())
+        results = json.loads((out / f"rank{rank}-{model}-ep{ep}.json").read_text())
         assert len(results) == 8
         assert {r["case"] for r in results} >= {"independent", "shared-prefix-4"}
         assert any(r["sequence_parallel"] for r in results) == (tp > 1)
@@ -47,18 +36,19 @@ def _check(out: Path, tp: int, ranks: int, model: str, ep: int) -> None:
             assert r["grad"] < 1e-5, label
 
 
-# One torchrun launch per layout runs the three models (a launch of 4 ranks on the CI's 2
-# cores costs more than the tiny models): the hybrid MoE covers the MoE layer beside the Gated
-# DeltaNet one at CP=2 and TP=2 x CP=2 (its experts TP-sharded under sequence parallel), and
-# the tiny MoE the experts spread over the CP ranks (below).
+# One torchrun launch per number of ranks (shared with other modules, conftest.py) runs the
+# three models (a launch of 4 ranks on the CI's 2 cores costs more than the tiny models): the
+# hybrid MoE covers the MoE layer beside the Gated DeltaNet one at CP=2 and TP=2 x CP=2 (its
+# experts TP-sharded under sequence parallel), and the tiny MoE, in the 2-rank launch, the
+# experts spread over the CP ranks (below); context_parallel_worker.py runs them.
 @pytest.fixture(scope="module")
-def cp2_run(tmp_path_factory) -> Path:
-    return _run(tmp_path_factory.mktemp("cp2"), 1, 2, MODELS, ep=1)
+def cp2_run(two_rank_launch) -> Path:
+    return two_rank_launch / "context_parallel"
 
 
 @pytest.fixture(scope="module")
-def tp2xcp2_run(tmp_path_factory) -> Path:
-    return _run(tmp_path_factory.mktemp("tp2xcp2"), 2, 4, MODELS, ep=1)
+def tp2xcp2_run(four_rank_launch) -> Path:
+    return four_rank_launch / "context_parallel"
 
 
 @pytest.mark.parametrize("model", MODELS)
@@ -71,7 +61,7 @@ def test_tensor_and_context_parallel_equal_cp1(tp2xcp2_run, model):
     _check(tp2xcp2_run, 2, 4, model, ep=1)
 
 
-def test_context_parallel_with_experts_over_the_cp_ranks_equals_cp1(tmp_path):
+def test_context_parallel_with_experts_over_the_cp_ranks_equals_cp1(cp2_run):
     """CP=2 x EP=2 on 2 ranks: the EP group is the CP group, so each rank's experts take the
     routed pairs of both halves of the row and their gradients are whole on their rank."""
-    _check(_run(tmp_path, 1, 2, ("moe",), ep=2), 1, 2, "moe", ep=2)
+    _check(cp2_run, 1, 2, "moe", ep=2)

@@ -13,22 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
 
-WORKER = Path(__file__).with_name("expert_parallel_worker.py")
-
-
-# Layouts of two ranks run in one launch, one after the other; TP=2 x EP=2 takes four.
-LAUNCHES = {2: ((1, 1), (2, 1)), 4: ((2, 2),)}
-
-
+# expert_parallel_worker.py runs the layouts of two ranks one after the other in the 2-rank
+# launch, TP=2 x EP=2 in the 4-rank one (both shared with other modules, conftest.py).
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> Path:
-    out_dir = tmp_path_factory.mktemp("expert-parallel")
-    for ranks, layouts in LAUNCHES.items():
-        run_torchrun(WORKER, str(out_dir), *(f"{tp}:{etp}" for tp, etp in layouts),
-                     nproc=ranks, timeout_s=300)
-    return out_dir
+def launched(two_rank_launch, four_rank_launch) -> dict[int, Path]:
+    return {2: two_rank_launch / "expert_parallel", 4: four_rank_launch / "expert_parallel"}
 
 
 @pytest.mark.torchrun
@@ -38,7 +28,7 @@ def test_expert_parallel_equals_ep1(launched, tp, etp, ranks):
     """At TP=2 x EP=2 (4 ranks, sequence parallel, experts TP-sharded) against TP=2 x EP=1,
     which the TP tests hold equal to TP=1; with expert TP 1 the EP group is the TP group."""
     for rank in range(ranks):
-        r = json.loads((launched / f"rank{rank}-tp{tp}-etp{etp}.json").read_text())
+        r = json.loads((launched[ranks] / f"rank{rank}-tp{tp}-etp{etp}.json").read_text())
         assert r["expert_parallel"] == 2 and r["tensor_parallel"] == tp, r
         assert r["expert_tensor_parallel"] == etp, r
         assert r["experts"] > 0 and r["others"] > 10, r

@@ -2,30 +2,22 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
+from _launches import GRANULARITIES
+from tp_loss_worker import loss_and_grad
 
-from _torchrun import rank_records, run_torchrun
-
-WORKER = Path(__file__).with_name("tp_loss_worker.py")
-
-
-GRANULARITIES = ("selective", "full")
-
-
-def _results(nproc: int, out_dir: Path) -> list[dict]:
-    run_dir = out_dir / f"tp{nproc}"
-    run_dir.mkdir()
-    run_torchrun(WORKER, ",".join(GRANULARITIES), str(run_dir), nproc=nproc, timeout_s=150)
-    return rank_records(run_dir, nproc)
+from _tiny import tiny_dense
+from _torchrun import rank_records
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[int, list[dict]]:
-    """One TP=1 and one TP=2 launch, each building one model per granularity."""
-    out_dir = tmp_path_factory.mktemp("foundation")
-    return {nproc: _results(nproc, out_dir) for nproc in (1, 2)}
+def runs(two_rank_launch) -> dict[int, list[dict]]:
+    """TP=1 in this process (as the worker runs it) and the TP=2 ranks' records (one model per
+    granularity, in the launch conftest.py shares between modules)."""
+    geometry = tiny_dense(num_layers=2)
+    tp1 = {g: loss_and_grad(geometry, 1, g) for g in GRANULARITIES}
+    return {1: [{"tp": 1, "by_granularity": tp1}],
+            2: rank_records(two_rank_launch / "foundation", 2)}
 
 
 @pytest.mark.torchrun

@@ -4,12 +4,11 @@ and TP=2 under torchrun (sequence parallel) equals TP=1: one torchrun launch for
 from __future__ import annotations
 
 import importlib.util
-import json
 from pathlib import Path
 
 import pytest
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records
 
 WORKER = Path(__file__).with_name("hybrid_tp_worker.py")
 
@@ -23,7 +22,7 @@ def _worker_module():
 
 
 @pytest.mark.torchrun
-def test_hybrids_train_in_every_recompute_mode_and_tp2_equals_tp1(megatron_process, tmp_path):
+def test_hybrids_train_in_every_recompute_mode_and_tp2_equals_tp1(two_rank_launch):
     """tiny-qwen3_5 and tiny-qwen3_5-moe: forward + backward in each recompute mode give one
     loss per model and finite gradients; TP=2 (torchrun, sequence parallel) gives the TP=1
     loss and gradients."""
@@ -32,9 +31,8 @@ def test_hybrids_train_in_every_recompute_mode_and_tp2_equals_tp1(megatron_proce
         rows = [r for r in tp1 if r["model"] == model]
         assert len({r["loss"] for r in rows}) == 1, rows
         assert all(r["sharded_grad_sq"] > 0 and r["replicated_grad_sq"] > 0 for r in rows)
-    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=240)
-    for rank in (0, 1):
-        tp2 = json.loads((tmp_path / f"rank{rank}.json").read_text())
+    # hybrid_tp_worker.py at TP=2, in a launch shared with other modules (conftest.py).
+    for tp2 in rank_records(two_rank_launch / "hybrid"):
         assert [r["recompute"] for r in tp2] == [r["recompute"] for r in tp1]
         for one, two in zip(tp1, tp2):
             assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["recompute"]

@@ -8,11 +8,13 @@ TrainerRankPeerError naming rank 1, the phase and the exception. Every rank ends
 fault timeout of the fault: no hang, no rank carrying on alone. An OOM in packing, before any
 collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
 workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1.
-A second, 4-rank launch (TP=2 x DP=2, one scenario): an OOM on rank 1 ends both replicas'
-calls with the same error (the other replica's lockstep all-reduce reads the fault). A third,
-2-rank launch at CP=2 (every row split over the ranks, keys and values gathered in each
-attention layer): an OOM on rank 1 in a layer's forward ends both ranks' calls with the same
-error, and one in packing is agreed and recovered."""
+The same launch then runs at CP=2 (every row split over the ranks, keys and values gathered in
+each attention layer): an OOM on rank 1 in a layer's forward ends both ranks' calls with the
+same error, and one in packing is agreed and recovered; and the two faults published by hand
+(_published_fault.py), each of which must wake a peer blocked in a collective at once.
+In the 4-rank launch (TP=2 x DP=2, one scenario, shared with other modules: conftest.py): an
+OOM on rank 1 ends both replicas' calls with the same error (the other replica's lockstep
+all-reduce reads the fault)."""
 
 from __future__ import annotations
 
@@ -20,13 +22,13 @@ import json
 from pathlib import Path
 
 import pytest
+from _launches import FAULT_TIMEOUT_S
 
 from art.megatron.distributed import free_port
 
 from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("phase_faults_worker.py")
-FAULT_TIMEOUT_S = 20.0
 FATAL = {"forward layer": "in the forward of micro-batch 0",
          "heads": "in the heads of micro-batch 0",
          "caller backward": "in the caller backward of micro-batch 0"}
@@ -46,7 +48,8 @@ def ranks(tmp_path_factory) -> list[dict]:
     # The fuzz's control store (every world's store takes a port of its own).
     ports = [str(free_port())]
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=300)
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=420,
+                 env={"ART_TEST_PHASE_FAULTS_THEN": "cp2,boundary,waves"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -141,12 +144,8 @@ def test_tp2_workload_fuzz_with_faults_on_one_rank(ranks):
 
 
 @pytest.fixture(scope="module")
-def four_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("phase_faults_dp2")
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=4, timeout_s=300,
-                 env={"ART_TEST_PHASE_FAULTS_TP": "2",
-                      "ART_TEST_PHASE_FAULTS_ONLY": "forward layer"})
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+def four_ranks(four_rank_launch) -> list[dict]:
+    return rank_records(four_rank_launch / "phase_faults", 4)
 
 
 @pytest.mark.torchrun
@@ -162,13 +161,11 @@ def test_tp2_dp2_an_oom_on_one_rank_ends_both_replicas_with_the_same_error(four_
 
 
 @pytest.mark.torchrun
-def test_a_fault_read_at_a_boundary_wakes_the_peer_already_past_it(tmp_path):
+def test_a_fault_read_at_a_boundary_wakes_the_peer_already_past_it(ranks):
     # Rank 0 reads another replica's fault at its boundary; rank 1, past its own, waits in
     # the plan's collective: it ends with the same error at once (before: when the process
-    # group timed out, or rank 0 left its process; the worker keeps it 10 s).
-    run_torchrun(WORKER.with_name("boundary_fault_worker.py"), str(tmp_path),
-                 str(free_port()), nproc=2, timeout_s=120)
-    rows = rank_records(tmp_path)
+    # group timed out, or rank 0 left its world; the worker keeps it up to 10 s).
+    rows = [r["boundary"] for r in ranks]
     for row in rows:
         assert row["error"].startswith("TrainerRankMemoryError: forward_micro_batches: rank 3 "
                                        "ran out of memory in the forward"), row
@@ -177,29 +174,19 @@ def test_a_fault_read_at_a_boundary_wakes_the_peer_already_past_it(tmp_path):
 
 
 @pytest.mark.torchrun
-def test_a_fault_on_another_replica_wakes_a_rank_waiting_in_the_waves(tmp_path):
+def test_a_fault_on_another_replica_wakes_a_rank_waiting_in_the_waves(ranks):
     # Rank 0 waits in the DP waves' all-reduce; rank 1 (the other replica) publishes a fault
     # and keeps its groups open away from that collective: rank 0 ends with the fault's
     # error at once (without the watcher armed there: after rank 1's 12 s, or the groups'
     # 40 s timeout).
-    run_torchrun(WORKER.with_name("waves_fault_worker.py"), str(tmp_path),
-                 str(free_port()), nproc=2, timeout_s=120)
-    rows = rank_records(tmp_path)
+    rows = [r["waves"] for r in ranks]
     assert rows[0]["error"].startswith("TrainerRankMemoryError: forward_micro_batches: rank 1 "
                                        "ran out of memory in the forward"), rows[0]
     assert rows[0]["waited_s"] < 6, rows[0]
 
 
-@pytest.fixture(scope="module")
-def cp_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("phase_faults_cp2")
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=2, timeout_s=300,
-                 env={"ART_TEST_PHASE_FAULTS_CP": "2",
-                      "ART_TEST_PHASE_FAULTS_ONLY": "packing,forward layer"})
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
-
-
 @pytest.mark.torchrun
-def test_an_oom_on_one_cp_rank_ends_both_with_the_same_error(cp_ranks):
+def test_an_oom_on_one_cp_rank_ends_both_with_the_same_error(ranks):
+    cp_ranks = [r["cp2"] for r in ranks]
     _same_oom_ended_every_rank([r["forward layer"] for r in cp_ranks], "forward layer")
     _packing_oom_recovered([r["packing"] for r in cp_ranks])

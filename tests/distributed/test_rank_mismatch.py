@@ -3,22 +3,19 @@ hang; and the ranks still work together afterwards."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-from _torchrun import rank_records, run_torchrun
-
-WORKER = Path(__file__).with_name("rank_mismatch_worker.py")
+from _torchrun import rank_records
 
 
 @pytest.mark.torchrun
-def test_mismatched_inputs_raise_on_every_rank(tmp_path):
+def test_mismatched_inputs_raise_on_every_rank(two_rank_launch):
     # TP=2 is the case that would hang: the two ranks of one replica planning different
     # micro-batches would wait in each other's TP collectives. (DP ranks take the same check,
-    # one all_gather over the world.) The subprocess timeout is the "no hang" bound.
-    run_torchrun(WORKER, "2", str(tmp_path), nproc=2, timeout_s=240)
-    rows = rank_records(tmp_path)
+    # one all_gather over the world.) The launch's timeout is the "no hang" bound;
+    # rank_mismatch_worker.py runs after trainer_worker.py in a launch shared with other
+    # modules (conftest.py).
+    rows = rank_records(two_rank_launch / "rank_mismatch")
     assert [r["rank"] for r in rows] == [0, 1]
     for row in rows:
         for phase in ("count_mismatch", "token_mismatch"):

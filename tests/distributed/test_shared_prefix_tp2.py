@@ -5,19 +5,13 @@ Gated DeltaNet hybrid (trees of depth 1-3, up to 16 children, across 64-token ch
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 from _shared_prefix import CASES, HYBRID_CASES
-from _torchrun import run_torchrun
-
-WORKER = Path(__file__).with_name("shared_prefix_worker.py")
+from _torchrun import rank_records
 
 
-def test_shared_prefix_equals_unshared_at_tp2(tmp_path):
-    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=300)
-    for rank in (0, 1):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
+def test_shared_prefix_equals_unshared_at_tp2(two_rank_launch):
+    # shared_prefix_worker.py, in a launch shared with other modules (conftest.py).
+    for rank, results in enumerate(rank_records(two_rank_launch / "shared_prefix")):
         assert len(results) == len(CASES) + 2 + len(HYBRID_CASES) + 1
         assert {r["geometry"] for r in results} == {"tiny-dense-2x64", "tiny-qwen3_5"}
         assert any(r["shared_tokens"] > 0 for r in results)

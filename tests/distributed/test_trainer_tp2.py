@@ -6,31 +6,29 @@ ran out of memory both ranks hold the same profile, that miss included."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import pytest
 
-from _torchrun import run_torchrun
-
-WORKER = Path(__file__).with_name("trainer_worker.py")
+from _torchrun import rank_records
 
 
 @pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> list[dict]:
-    out = tmp_path_factory.mktemp("trainer_tp2")
-    run_torchrun(WORKER, str(out), nproc=2, timeout_s=150)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def two_ranks(two_rank_launch) -> list[dict]:
+    """trainer_worker.py's records, from a launch shared with other modules (conftest.py)."""
+    return rank_records(two_rank_launch / "trainer")
+
+
+@pytest.fixture(scope="module")
+def tp1(megatron_process) -> dict:
+    """The worker's "tp" run in this process: TP=1, same seed, same inputs."""
+    import trainer_worker
+
+    return trainer_worker.run("tp")
 
 
 @pytest.mark.torchrun
-def test_adaptive_at_tp2_runs_one_rung_per_micro_batch_on_every_rank(two_ranks,
-                                                                      megatron_process):
+def test_adaptive_at_tp2_runs_one_rung_per_micro_batch_on_every_rank(two_ranks, tp1):
     """Built with full recompute, adaptive runs less on both ranks alike (the rung is part
     of the plan the replica agrees on), with the outputs of the selective TP=1 reference."""
-    import trainer_worker
-
-    tp1 = trainer_worker.run("tp")
     rows = [row["tp_adaptive"] for row in two_ranks]
     assert rows[0]["recompute"] == rows[1]["recompute"]
     assert "no recompute" in rows[0]["recompute"]
@@ -46,10 +44,7 @@ def test_adaptive_at_tp2_runs_one_rung_per_micro_batch_on_every_rank(two_ranks,
 
 @pytest.mark.torchrun
 @pytest.mark.parametrize("mode", ["tp", "tp_sp"])
-def test_tp2_equals_tp1_and_ranks_agree(two_ranks, megatron_process, mode):
-    import trainer_worker
-
-    tp1 = trainer_worker.run("tp")  # in this process: TP=1, same seed, same inputs
+def test_tp2_equals_tp1_and_ranks_agree(two_ranks, tp1, mode):
     tp2 = [row[mode] for row in two_ranks]
     for row in tp2:
         assert row["tp"] == 2

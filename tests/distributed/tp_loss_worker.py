@@ -1,4 +1,5 @@
-"""torchrun worker: loss and a gradient norm of the tiny model at TP = WORLD_SIZE."""
+"""torchrun worker: loss and a gradient norm of the tiny model at TP = WORLD_SIZE;
+`loss_and_grad` also runs in-process at TP=1 for the reference."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_t
 from _tiny import tiny_dense
 
 
-def _loss_and_grad(geometry, tp: int, granularity: str) -> dict:
+def loss_and_grad(geometry, tp: int, granularity: str) -> dict:
     recompute = RecomputeConfig("full", "uniform", 1) if granularity == "full" else RecomputeConfig(
         granularity if granularity != "none" else None
     )
@@ -43,18 +44,22 @@ def _loss_and_grad(geometry, tp: int, granularity: str) -> dict:
     return {"loss": loss.item(), "sharded_grad_sq": grad_sq_t.item()}
 
 
-def main() -> None:
-    """argv: comma-separated recompute granularities (one model each, in one launch), the
-    output folder."""
-    granularities, out_dir = sys.argv[1].split(","), sys.argv[2]
+def run(granularities: list[str], out_dir: str) -> None:
+    """One model per recompute granularity at TP = WORLD_SIZE; this rank's record to out_dir."""
     tp = int(os.environ.get("WORLD_SIZE", "1"))
     initialize_distributed(tensor_parallel=tp)
     geometry = tiny_dense(num_layers=2)
     rank = int(os.environ.get("RANK", 0))
     record = {"rank": rank, "tp": tp,
-              "by_granularity": {g: _loss_and_grad(geometry, tp, g) for g in granularities}}
+              "by_granularity": {g: loss_and_grad(geometry, tp, g) for g in granularities}}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
+
+
+def main() -> None:
+    """argv: comma-separated recompute granularities (one model each, in one launch), the
+    output folder."""
+    run(sys.argv[1].split(","), sys.argv[2])
     shutdown_distributed()
 
 

@@ -2,7 +2,9 @@
 and gradients), without and with sequence parallel, then, in the same processes, TP=1 /
 DP = WORLD_SIZE (dealing, the mismatched-call error, and an OOM on rank 1 only whose miss
 every rank holds after the call). `run("tp")` is also called in-process by the test for the
-TP=1 reference."""
+TP=1 reference. argv: out_dir, then optionally a folder for rank_mismatch_worker.py's records:
+its phases then run at TP = WORLD_SIZE in the same launch, before the DP part (the suite runs
+`run_all` so in two_ranks_worker.py's launch)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import hashlib
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 from megatron.core import parallel_state
@@ -125,15 +128,24 @@ def run(mode: str) -> dict:
     return result
 
 
-def main() -> None:
-    out_dir = sys.argv[1]
+def run_all(out_dir: str, mismatch_dir: str | None = None) -> None:
+    """Every mode at TP = WORLD_SIZE, then (with `mismatch_dir`) rank_mismatch_worker.py's
+    phases there, then DP; this rank's record to out_dir."""
     rank = int(os.environ.get("RANK", "0"))
     result = {"tp": run("tp"), "tp_sp": run("tp_sp"), "tp_adaptive": run("tp_adaptive")}
+    if mismatch_dir is not None:
+        import rank_mismatch_worker
+
+        rank_mismatch_worker.run(int(os.environ["WORLD_SIZE"]), Path(mismatch_dir))
     # Same process group, new Megatron layout: TP=1, DP = WORLD_SIZE.
     parallel_state.destroy_model_parallel()
     result["dp"] = run("dp")
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def main() -> None:
+    run_all(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None)
     shutdown_distributed()
 
 

@@ -1,0 +1,59 @@
+"""torchrun worker (2 ranks, gloo): the workers of several test modules in one launch
+(conftest.py's two_rank_launch), one after the other in one process group, each writing its
+records to a folder of its own under out_dir. Megatron's parallel state is destroyed between
+them, so each builds its own as it does in a launch of its own:
+
+    trainer/, rank_mismatch/   trainer_worker.py with rank_mismatch_worker.py's phases
+    foundation/                tp_loss_worker.py at TP=2
+    shared_prefix/             shared_prefix_worker.py at TP=2
+    hybrid/                    hybrid_tp_worker.py at TP=2
+    heads/                     heads_tp_worker.py at TP=2, against the test's reference.pt
+    context_parallel/          context_parallel_worker.py at CP=2
+    expert_parallel/           expert_parallel_worker.py's 2-rank layouts
+
+argv: out_dir, the heads' reference.pt.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import context_parallel_worker
+import expert_parallel_worker
+import heads_tp_worker
+import hybrid_tp_worker
+import shared_prefix_worker
+import tp_loss_worker
+import trainer_worker
+from _launches import CP_EP_MODELS, CP_MODELS, EXPERT_LAYOUTS, GRANULARITIES
+from megatron.core import parallel_state
+
+from art.megatron.distributed import shutdown_distributed
+
+
+def main() -> None:
+    out_dir, reference = Path(sys.argv[1]), sys.argv[2]
+    jobs = {
+        "trainer": lambda out: trainer_worker.run_all(out, str(out_dir / "rank_mismatch")),
+        "foundation": lambda out: tp_loss_worker.run(list(GRANULARITIES), out),
+        "shared_prefix": shared_prefix_worker.run,
+        "hybrid": hybrid_tp_worker.run,
+        "heads": lambda out: heads_tp_worker.run_variants(reference, out),
+        "context_parallel": lambda out: context_parallel_worker.run(
+            out, 1, [*CP_MODELS, *CP_EP_MODELS]),
+        "expert_parallel": lambda out: expert_parallel_worker.run(out, list(EXPERT_LAYOUTS[2])),
+    }
+    (out_dir / "rank_mismatch").mkdir(exist_ok=True)
+    for name, job in jobs.items():
+        folder = out_dir / name
+        folder.mkdir(exist_ok=True)
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        job(str(folder))
+        print(f"two_ranks_worker: {name} done", flush=True)
+    shutdown_distributed()
+
+
+if __name__ == "__main__":
+    main()
