@@ -179,9 +179,11 @@ EP2_GEOMETRIES = ("hybrid-moe-128",)
 
 def ep2_cells(quick: bool, seed: int, build: str = "local",
               rows_per_model: int | None = None,
-              geometries: Sequence[str] | None = None) -> list:
-    """The MoE matrix at TP=1 x EP=2: each rank holds half the experts and both feed the same
-    seeded row, so every rank's experts take both ranks' tokens routed to them."""
+              geometries: Sequence[str] | None = None, tensor_parallel: int = 1) -> list:
+    """The MoE matrix at EP=2 on two ranks: each rank holds half the experts (whole: expert
+    TP 1). At TP=1 both feed the same seeded row, so every rank's experts take both ranks'
+    tokens routed to them; at TP=2 (sequence parallel) the two ranks are one TP group, each
+    holding half the row's tokens, and the experts take the pairs of both halves."""
     from dataclasses import replace
 
     from _calibration.cells import off_grid_matrix, shared_prefix_cells
@@ -194,7 +196,12 @@ def ep2_cells(quick: bool, seed: int, build: str = "local",
                             build=build)
     cells += shared_prefix_cells(seed + 3, geometries=chosen, policies=policies,
                                  rows=1, max_tokens=top, build=build)
-    return [replace(c, expert_parallel=2) for c in cells]
+    return [replace(c, expert_parallel=2, tensor_parallel=tensor_parallel) for c in cells]
+
+
+def ep_tensor_parallel(args: argparse.Namespace) -> int:
+    """The EP matrix's TP size: 2 only when asked for alone (`--ep 2 --tp 2`)."""
+    return 2 if args.ep > 1 and args.tp == [2] else 1
 
 
 def tp2_wanted(geometries: Sequence[str] | None) -> bool:
@@ -213,7 +220,7 @@ def worker(args: argparse.Namespace) -> int:
     cp, ep = args.cp, args.ep
     if ep > 1:
         cells = ep2_cells(args.quick, args.seed, args.build, args.rows_per_model,
-                          args.geometries)
+                          args.geometries, tensor_parallel=ep_tensor_parallel(args))
     elif cp > 1:
         cells = cp2_cells(args.quick, args.seed, args.build, args.rows_per_model,
                           args.geometries)
@@ -223,7 +230,8 @@ def worker(args: argparse.Namespace) -> int:
         cells = tp2_cells(args.quick, args.seed, args.build, args.geometries,
                           args.rows_per_model)
     rank = int(os.environ.get("RANK", "0"))
-    results = run_cells(cells, tensor_parallel=1 if cp > 1 or ep > 1 else 2,
+    results = run_cells(cells, tensor_parallel=(ep_tensor_parallel(args) if ep > 1 else
+                                                1 if cp > 1 else 2),
                         context_parallel=cp, expert_parallel=ep,
                         progress=(lambda m: print(m, flush=True)) if rank == 0 else None,
                         store_probe_dir=(str(Path(args.worker_probes) / f"rank{rank}")
@@ -240,9 +248,10 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
             geometries: Sequence[str] | None = None,
             rows_per_model: int | None = None, probe_dir: str | None = None,
             rungs: bool = False, max_tokens: int = 4096, context_parallel: int = 1,
-            expert_parallel: int = 1) -> list[dict]:
-    """The TP=2 cells (or with `context_parallel` 2 the TP=1 x CP=2 cells) on two torchrun
-    ranks; each rank's probes are stored under `probe_dir`/rank<R> (for `--reprice`)."""
+            expert_parallel: int = 1, tensor_parallel: int = 1) -> list[dict]:
+    """The TP=2 cells (or with `context_parallel` 2 the TP=1 x CP=2 cells, with
+    `expert_parallel` 2 the MoE cells at EP=2 and `tensor_parallel`) on two torchrun ranks;
+    each rank's probes are stored under `probe_dir`/rank<R> (for `--reprice`)."""
     from art.megatron.distributed import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -256,7 +265,8 @@ def run_tp2(quick: bool, seed: int, build: str = "local",
                    ["--worker-probes", probe_dir] if probe_dir else []) + (
                    ["--rungs", "--max-tokens", str(max_tokens)] if rungs else []) + (
                    ["--cp", str(context_parallel)] if context_parallel > 1 else []) + (
-                   ["--ep", str(expert_parallel)] if expert_parallel > 1 else [])
+                   ["--ep", str(expert_parallel), "--tp", str(tensor_parallel)]
+                   if expert_parallel > 1 else [])
         env = dict(os.environ, OMP_NUM_THREADS="1",
                    PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
@@ -414,7 +424,8 @@ def main() -> int:
     parser.add_argument("--cp", type=int, choices=(1, 2), default=1,
                         help="2: the dense matrix at TP=1 x CP=2 on two torchrun ranks only")
     parser.add_argument("--ep", type=int, choices=(1, 2), default=1,
-                        help="2: the MoE matrix at TP=1 x EP=2 on two torchrun ranks only")
+                        help="2: the MoE matrix at EP=2 on two torchrun ranks only, at TP=1, "
+                             "or with --tp 2 at TP=2 x EP=2 (expert TP 1)")
     parser.add_argument("--build", choices=("local", "local-unfused", "gpu-shaped"),
                         default="local",
                         help="local: the CPU's local spec (segmented flash attention); "
@@ -474,7 +485,8 @@ def main() -> int:
         rows = run_tp2(args.quick, args.seed, args.build, geometries=args.geometries,
                        rows_per_model=args.rows_per_model,
                        probe_dir=str(Path(probe_dir).resolve()), context_parallel=args.cp,
-                       expert_parallel=args.ep)
+                       expert_parallel=args.ep,
+                       tensor_parallel=ep_tensor_parallel(args))
         write_outputs(rows, Path(args.out), time.time() - start, args.quick)
         return 0
     if 2 in args.tp and (args.rungs or tp2_wanted(args.geometries)):

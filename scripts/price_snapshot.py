@@ -65,7 +65,8 @@ def snapshot() -> list[str]:
                 continue
             for coefficients in (None, *probes):
                 model = MemoryModel(
-                    geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1),
+                    geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1,
+                                                    expert_tensor_parallel=tp),
                     recompute=recompute, implementation=implementation,
                     lora=LoraShape(8, ("linear_qkv", "linear_fc1")), dtype="bfloat16",
                     coefficients=coefficients)

@@ -187,6 +187,9 @@ def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: 
         tensor_model_parallel_size=tensor_parallel,
         context_parallel_size=context_parallel,
         expert_model_parallel_size=expert_parallel,
+        # Whole experts on each EP rank (expert TP 1), as the what-if layout prices them: at
+        # TP=2 x EP=2 the two TP ranks are the EP group.
+        expert_tensor_parallel_size=1 if expert_parallel > 1 else None,
         sequence_parallel=calibration_sequence_parallel(geometry, tensor_parallel),
         recompute_granularity=policy.granularity,
         recompute_method=policy.method,
@@ -504,6 +507,9 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
     layout = ParallelLayout(tensor_parallel=cell.tensor_parallel,
                             context_parallel=cell.context_parallel,
                             expert_parallel=cell.expert_parallel,
+                            # As calibration_provider builds it (Megatron's default: TP).
+                            expert_tensor_parallel=(1 if cell.expert_parallel > 1
+                                                    else cell.tensor_parallel),
                             data_parallel=_world_size(cell) // (cell.tensor_parallel
                                                                 * cell.context_parallel),
                             sequence_parallel=calibration_sequence_parallel(

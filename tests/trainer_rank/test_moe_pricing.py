@@ -26,7 +26,9 @@ def _model(geometry: ModelGeometry, *, tp: int = 1, full_layers: int | None = No
         method="uniform" if full_layers else None, num_layers=full_layers, modules=None,
         moe_layers=geometry.moe_layers, layer_types=geometry.layer_types,
         norm_fused_into_linear=impl.norm_fused_into_linear)
-    layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1)
+    # Expert TP = TP, Megatron's default.
+    layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1,
+                            expert_tensor_parallel=tp)
     return MemoryModel(geometry, layout=layout, recompute=recompute, implementation=impl,
                        lora=LoraShape(8), dtype="bfloat16")
 
@@ -153,3 +155,32 @@ def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
         estimate.forward_peak_bytes, measured_forward)
     predicted = max(estimate.forward_peak_bytes, estimate.backward_peak_bytes)
     assert 1.0 <= predicted / measured <= 1.05, (predicted, measured, estimate.peak_at)
+
+
+def test_experts_are_priced_over_their_expert_tp_group_not_tp() -> None:
+    """At TP=2 with sequence parallel each rank routes its half of the rows. With expert TP 2
+    (Megatron's default, expert TP = TP) the dispatcher gathers both halves, the experts run
+    every pair on half their hidden dimension and the combine reduce-scatters back; with
+    expert TP 1 (EP over the TP ranks, whole experts) a rank's experts take the pairs both
+    ranks route to them, as many as one rank's own under balanced routing, on their whole
+    hidden dimension, and nothing is reduce-scattered."""
+    g = load_geometry("Qwen3-30B-A3B")
+    s, b = 2048, 2
+
+    def dims(etp: int) -> Dims:
+        layout = ParallelLayout(tensor_parallel=2, expert_parallel=2,
+                                expert_tensor_parallel=etp, sequence_parallel=True)
+        return replace(_dims(2), layout=layout)
+
+    def block(d: Dims, name: str):
+        return next(blk for blk in moe_blocks(d, s, worst_case=False) if blk.name == name)
+
+    ffn, k, pair = g.moe_ffn_hidden_size, g.moe_router_topk, g.hidden_size * b
+    whole, sharded = dims(1), dims(2)
+    assert block(sharded, "expert fc1").output == s * k * 2 * ffn * b / 2
+    assert block(whole, "expert fc1").output == s / 2 * k * 2 * ffn * b
+    assert block(sharded, "dispatch").output == s * k * pair
+    assert block(whole, "dispatch").output == s / 2 * k * pair
+    own = s / 2 * k * pair
+    assert block(whole, "combine").temp == own + 2 * (s / 2 * k * pair)
+    assert block(sharded, "combine").temp == own + 2 * s * k * pair + (s * k + s * k / 2) * pair

@@ -20,7 +20,7 @@ from art.trainer_rank.pricing.layer_terms import (
 )
 
 
-def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int) -> float:
+def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int, shards: int) -> float:
     """The GPU-shaped CPU build's SwiGLU stand-in (art/megatron/cpu_fused.py) computes its
     backward in row chunks with five chunk-sized temporaries live at once (sigmoid, silu,
     g * up, 1 - sigmoid, silu * (1 - sigmoid)); a fused GPU kernel has none."""
@@ -28,14 +28,17 @@ def _stand_in_swiglu_grad_temp(d: Dims, tokens: float, ffn: int) -> float:
         return 0.0
     from art.megatron.cpu_fused import CHUNK_ROWS
 
-    return 5 * min(tokens, CHUNK_ROWS) * ffn / d.tp * d.dtype_bytes
+    return 5 * min(tokens, CHUNK_ROWS) * ffn / shards * d.dtype_bytes
 
 
 def mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
-               lora_tokens: float | None = None, adapters: int = 1) -> list[Block]:
+               lora_tokens: float | None = None, adapters: int = 1,
+               shards: int | None = None) -> list[Block]:
     """fc1 (gate+up), SwiGLU, fc2 for `tokens` routed tokens (s for a dense MLP); routed
-    experts: their LoRA adapters see `lora_tokens` rows over `adapters` local experts."""
-    g, b, tp = d.geometry, d.dtype_bytes, d.tp
+    experts: their LoRA adapters see `lora_tokens` rows over `adapters` local experts, their
+    hidden dimension split over `shards` ranks (expert TP; a dense MLP's: TP)."""
+    g, b = d.geometry, d.dtype_bytes
+    tp = d.tp if shards is None else shards
     fc1_out = tokens * 2 * ffn * b / tp
     act_out = tokens * ffn * b / tp
     fc2_in_saved = linear_input_saved(d, s, "linear_fc2", column=False)
@@ -57,7 +60,7 @@ def mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
         # tensors and the incoming gradient are freed.
         Block(f"{tag}swiglu", "mlp", act_internal, act_out, fc2_in_saved,
               temp=act_out,
-              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn),
+              grad_temp=fc1_out + _stand_in_swiglu_grad_temp(d, tokens, ffn, tp),
               role=BlockRole.ACTIVATION),
         Block(f"{tag}fc2", "mlp", lora_saved(d, rows, "linear_fc2", adapters),
               d.hidden_tokens(s) * g.hidden_size * b, False,
@@ -80,13 +83,16 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     ep = d.layout.expert_parallel
     local_experts = max(1, g.num_experts // ep)
-    routed = float(s) * g.moe_router_topk  # this rank's token-expert pairs, all experts
+    # The tokens this rank routes: its own rows gathered over the expert-TP group (Megatron's
+    # dispatcher gathers over it and reduce-scatters back), all s when expert TP is TP.
+    tokens = expert_tokens(d, s)
+    routed = tokens * g.moe_router_topk  # this rank's token-expert pairs, all experts
     # This rank's experts take the pairs every rank of its EP group routes to them, each rank
     # priced with this rank's tokens. Balanced routing sends 1/EP of each rank's pairs here:
     # EP x routed / EP. The worst case sends every token of every EP rank here (capped at
     # top-k per token: each hits min(top-k, local) of this rank's experts).
     if worst_case:
-        local_pairs = ep * float(s) * min(g.moe_router_topk, local_experts)
+        local_pairs = ep * tokens * min(g.moe_router_topk, local_experts)
     else:
         local_pairs = routed
     # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
@@ -104,7 +110,8 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     # included); `moe_act` the experts' activation; `shared_experts` the shared experts.
     experts = [replace(blk, module="moe_act" if blk.role is BlockRole.ACTIVATION else "moe")
                for blk in mlp_blocks(d, s, g.moe_ffn_hidden_size, local_pairs, "expert ",
-                                     lora_tokens=local_pairs, adapters=local_experts)]
+                                     lora_tokens=local_pairs, adapters=local_experts,
+                                     shards=d.layout.expert_tensor_parallel)]
     # The routing probabilities multiply the activation before fc2 (one fp32 per pair): the
     # multiply keeps the activation and the probabilities, fc2 keeps the product. The fused
     # kernel (Megatron's `weighted_bias_swiglu_impl`) multiplies inside: it keeps its input
@@ -129,16 +136,24 @@ def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int)
     holds beside the layer's output while it hands the experts' output back: the layer's frame
     holds this rank's permuted tokens (the dispatch's input, a pair per routed token of this
     rank's rows) and the experts' output (a row per local pair); with several local experts
-    the output is sorted back by rank (a copy). Under tensor parallel the experts ran on the
-    pairs of every TP rank, and the sorted output is reduce-scattered over TP: the collective
+    the output is sorted back by rank (a copy). Under expert TP the experts ran on the
+    pairs of every expert-TP rank, and the sorted output is reduce-scattered over it: the collective
     flattens its split input into one buffer (NCCL's list reduce-scatter; the CPU stand-in's
     stack) and writes this rank's share of the pairs into a new output."""
     g, b = d.geometry, d.dtype_bytes
     pair = g.hidden_size * b
+    etp = d.layout.expert_tensor_parallel
     own_pairs = d.hidden_tokens(s) * g.moe_router_topk
     held = own_pairs * pair + local_pairs * pair
     if local_experts > 1:
         held += local_pairs * pair
-    if d.tp > 1:
-        held += local_pairs * pair + local_pairs / d.tp * pair
+    if etp > 1:
+        held += local_pairs * pair + local_pairs / etp * pair
     return held
+
+
+def expert_tokens(d: Dims, s: int) -> float:
+    """The tokens whose pairs this rank's dispatcher routes: its rows of the residual stream
+    (sequence parallel splits them over TP), gathered over its expert-TP group."""
+    return d.hidden_tokens(s) * d.layout.expert_tensor_parallel if (
+        d.layout.sequence_parallel) else float(s)
