@@ -500,7 +500,9 @@ class TrainerRank(SlotMethods, StepMethods):
         self.stats_history.append(replace(micro_batch.stats,
                                           measured_peak_bytes=caller.measured_peak_bytes))
         ladder = self.admission.ladder
-        if request.grad and ladder is not None and len(plan.sub_forwards) == 1:
+        # Timed only where the caller's backward ran inside the micro-batch (not in
+        # dp_rank_forward, whose backward comes after the call).
+        if request.grad and measure_caller and ladder is not None and len(plan.sub_forwards) == 1:
             lengths = plan.shape.sequence_lengths_tokens
             self.step_times = self.step_times.with_time(MicroBatchTime(
                 ladder.forward_flops(lengths), ladder.flops(plan.pricing.recompute, lengths),

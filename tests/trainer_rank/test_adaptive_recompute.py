@@ -280,7 +280,8 @@ def test_a_call_packs_its_waves_the_way_the_step_time_line_predicts_faster(full)
 
 def test_grad_micro_batches_time_themselves_into_the_step_time_line(full):
     """Every grad micro-batch that runs adds its work and wall time (forward through the
-    caller's backward) to the trainer's step times; no-grad ones do not."""
+    caller's backward) to the trainer's step times; no-grad ones do not, nor a
+    dp_rank_forward call, whose caller's backward runs after it returns."""
     trainer = _trainer(full, ROOMY_BYTES, recompute="adaptive")
     assert trainer.step_times.fit() is None
     _run(trainer)
@@ -297,6 +298,11 @@ def test_grad_micro_batches_time_themselves_into_the_step_time_line(full):
     with torch.no_grad():
         for _ in trainer.forward_micro_batches(_group()):
             pass
+    assert len(trainer.step_times.times) == 2
+    # dp_rank_forward returns before the caller's backward: its time would be the forward's.
+    (group,) = trainer.dp_rank_forward(_group())
+    sum(o.hidden_states.float().pow(2).mean() for o in group).backward()
+    trainer.zero_grad()
     assert len(trainer.step_times.times) == 2
 
 
