@@ -28,9 +28,13 @@ def tp1(megatron_process) -> dict:
 @pytest.mark.torchrun
 def test_adaptive_at_tp2_runs_one_rung_per_micro_batch_on_every_rank(two_ranks, tp1):
     """Built with full recompute, adaptive runs less on both ranks alike (the rung is part
-    of the plan the replica agrees on), with the outputs of the selective TP=1 reference."""
+    of the plan the replica agrees on), with the outputs of the selective TP=1 reference.
+    Both ranks hold the same step times (the slowest rank's, agreed with the peak), so they
+    fit the same step-time line and weigh adaptive's packings alike."""
     rows = [row["tp_adaptive"] for row in two_ranks]
     assert rows[0]["recompute"] == rows[1]["recompute"]
+    assert rows[0]["step_times"] and rows[0]["step_times"] == rows[1]["step_times"]
+    assert all(seconds > 0 for _, _, seconds in rows[0]["step_times"])
     assert "no recompute" in rows[0]["recompute"]
     assert not any(r.startswith("full recompute (uniform") for r in rows[0]["recompute"])
     for row in rows:

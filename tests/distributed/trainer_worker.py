@@ -124,6 +124,8 @@ def run(mode: str) -> dict:
         fired=injector.fired,
         profiles={sig: [p.observations, p.misses]
                   for sig, p in sorted(trainer.profiles.profiles.items())},
+        step_times=[[t.forward_flops, t.recomputed_flops, t.seconds]
+                    for t in trainer.step_times.times],
     )
     return result
 
