@@ -20,7 +20,12 @@ from art.megatron.layout import ParallelLayout
 from art.megatron.model_builder import RecomputeConfig, build_gpt_model, build_transformer_config
 from art.trainer_rank.compute.forward import decoder_hidden_states
 from art.trainer_rank.compute.heads import compute_heads
-from art.trainer_rank.compute.packing import next_token_targets, pack_sequences, unpack
+from art.trainer_rank.compute.packing import (
+    PackedBatch,
+    next_token_targets,
+    pack_sequences,
+    unpack,
+)
 from art.trainer_rank.measuring.meter import MemoryMeter
 
 from _tiny import tiny_dense
@@ -50,6 +55,29 @@ def needs_tp_sum(name: str, param: torch.Tensor) -> bool:
     )
 
 
+def outputs_and_loss(model: torch.nn.Module, batch: PackedBatch,
+                     chunk_tokens: int | None = None) -> tuple[dict, torch.Tensor]:
+    """The packed path's outputs per sequence and a loss that reaches every one of them (the
+    reference and each TP variant run the same)."""
+    hidden = decoder_hidden_states(model, batch)
+    heads = compute_heads(model, hidden, target_tokens=next_token_targets(batch), top_k=TOP_K,
+                          logits=True, **({"chunk_tokens": chunk_tokens} if chunk_tokens else {}))
+    outputs = {
+        "hidden": unpack(hidden, batch),
+        "logprobs": unpack(heads.target_logprobs, batch),
+        "top_k_logprobs": unpack(heads.top_k_logprobs, batch),
+        "top_k_tokens": unpack(heads.top_k_tokens, batch),
+        "logits": unpack(heads.logits, batch),
+    }
+    loss = sum(
+        lp.sum() + 0.1 * top.sum() + 0.01 * logits.pow(2).sum() + 0.1 * h.pow(2).sum()
+        for h, lp, top, logits in zip(
+            outputs["hidden"], outputs["logprobs"], outputs["top_k_logprobs"], outputs["logits"]
+        )
+    )
+    return outputs, loss
+
+
 def run(reference: dict, sequence_parallel: bool, rank: int, tp: int) -> dict:
     geometry = tiny_dense(num_layers=2)
     layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=sequence_parallel)
@@ -68,25 +96,7 @@ def run(reference: dict, sequence_parallel: bool, rank: int, tp: int) -> dict:
         reference["sequences"], implementation=Implementation.cpu_local(), layout=layout
     )
     with MemoryMeter(device="cpu") as meter:
-        hidden = decoder_hidden_states(model, batch)
-        heads = compute_heads(
-            model, hidden, target_tokens=next_token_targets(batch), top_k=TOP_K, logits=True,
-            chunk_tokens=CHUNK_TOKENS,
-        )
-        outputs = {
-            "hidden": unpack(hidden, batch),
-            "logprobs": unpack(heads.target_logprobs, batch),
-            "top_k_logprobs": unpack(heads.top_k_logprobs, batch),
-            "top_k_tokens": unpack(heads.top_k_tokens, batch),
-            "logits": unpack(heads.logits, batch),
-        }
-        loss = sum(
-            lp.sum() + 0.1 * top.sum() + 0.01 * logits.pow(2).sum() + 0.1 * h.pow(2).sum()
-            for h, lp, top, logits in zip(
-                outputs["hidden"], outputs["logprobs"], outputs["top_k_logprobs"],
-                outputs["logits"],
-            )
-        )
+        outputs, loss = outputs_and_loss(model, batch, chunk_tokens=CHUNK_TOKENS)
         loss.backward()
     result: dict = {"padded_tokens": batch.padded_tokens, "meter_peak_bytes": meter.peak_bytes}
     for key, pieces in outputs.items():
@@ -131,23 +141,7 @@ def save_reference(path: str) -> None:
     ]
     batch = pack_sequences(sequences, implementation=Implementation.cpu_local(),
                            layout=ParallelLayout())
-    hidden = decoder_hidden_states(model, batch)
-    heads = compute_heads(
-        model, hidden, target_tokens=next_token_targets(batch), top_k=TOP_K, logits=True
-    )
-    outputs = {
-        "hidden": unpack(hidden, batch),
-        "logprobs": unpack(heads.target_logprobs, batch),
-        "top_k_logprobs": unpack(heads.top_k_logprobs, batch),
-        "top_k_tokens": unpack(heads.top_k_tokens, batch),
-        "logits": unpack(heads.logits, batch),
-    }
-    loss = sum(
-        lp.sum() + 0.1 * top.sum() + 0.01 * logits.pow(2).sum() + 0.1 * h.pow(2).sum()
-        for h, lp, top, logits in zip(
-            outputs["hidden"], outputs["logprobs"], outputs["top_k_logprobs"], outputs["logits"]
-        )
-    )
+    outputs, loss = outputs_and_loss(model, batch)
     loss.backward()
     torch.save(
         {
