@@ -102,13 +102,15 @@ def quicker(admission: Admission, least_work: Plan, packed: Plan, fit: StepTimeF
     if fit is None:
         return replace(packed, note="; ".join(n for n in (
             packed.note, "packed as configured (no step times yet)") if n))
-    if packed_is_quicker(admission, least_work, packed, fit):
-        fast, slow, packing = packed, least_work, "packed as configured"
+    packed_s = seconds_per_token(admission, packed, fit)
+    least_s = seconds_per_token(admission, least_work, fit)
+    if packed_s <= least_s:
+        fast, fast_s, slow_s, packing = packed, packed_s, least_s, "packed as configured"
     else:
-        fast, slow, packing = least_work, packed, "packed under its rung"
+        fast, fast_s, slow_s, packing = least_work, least_s, packed_s, "packed under its rung"
     return replace(fast, note="; ".join(n for n in (fast.note, (
-        f"{packing}: {seconds_per_token(admission, fast, fit) * 1e6:.2f} us/token predicted "
-        f"against {seconds_per_token(admission, slow, fit) * 1e6:.2f} ({fit.summary})")) if n))
+        f"{packing}: {fast_s * 1e6:.2f} us/token predicted against {slow_s * 1e6:.2f} "
+        f"({fit.summary})")) if n))
 
 
 def quicker_of_next(admission: Admission, request: PlanRequest, least_work: Plan,

@@ -18,6 +18,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 # Observations kept (the newest): enough to average out noise, few enough to follow a change.
 KEPT_OBSERVATIONS = 32
@@ -80,6 +81,11 @@ class StepTimes:
         return StepTimes((*self.times, time)[-KEPT_OBSERVATIONS:])
 
     def fit(self) -> StepTimeFit | None:
+        """The line through these times, fitted once per record (every plan reads it)."""
+        return self._line
+
+    @cached_property
+    def _line(self) -> StepTimeFit | None:
         return fit_step_time(self.times)
 
 
