@@ -236,11 +236,11 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
     # Once the `moe` checkpoint's backward has run, its detached input and that input's
     # gradient stay referenced (`moe_checkpoint_retained`) through the rest of the layer.
     retained_moe = 0.0
+    moe_input = (next(i for i, blk in enumerate(blocks) if blk.module == "moe") - 1
+                 if moe_checkpoint else None)
     for idx in reversed(range(len(blocks))):
         blk, part, seg = blocks[idx], parts[idx], segments[idx]
-        if (moe_checkpoint and not retained_moe and idx + 1 < len(blocks)
-                and blocks[idx + 1].module == "moe" and segments[idx + 1] is not None
-                and seg != segments[idx + 1]):
+        if idx == moe_input:  # the block whose output the checkpoint took as its input
             retained_moe = moe_checkpoint_retained(blk.output)
         rebuilt = _norm_rebuilt_for(blocks, segments, idx) + retained_moe
         if seg is not None:

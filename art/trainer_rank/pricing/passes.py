@@ -134,7 +134,7 @@ def retained_by_moe_checkpoint(members: list[int], moe_layers: frozenset[int],
     (CheckpointFunction.backward), which holds that input's storage and its gradient."""
     if not any(j in moe_layers for j in members):
         return 0.0
-    return 2 * unit_input + routing_state
+    return moe_checkpoint_retained(unit_input) + routing_state
 
 
 def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
