@@ -163,10 +163,12 @@ class Worlds:
     its own process groups and Megatron's groups (a fault in a phase with collectives closes a
     world's groups; the next workload starts a new one)."""
 
-    def __init__(self, rank: int, world: int, control_port: int, tensor_parallel: int) -> None:
+    def __init__(self, rank: int, world: int, control: int | dist.Store,
+                 tensor_parallel: int) -> None:
+        """`control`: the control store, or the port rank 0 opens it on."""
         self.rank, self.world, self.tensor_parallel = rank, world, tensor_parallel
-        self.control = dist.TCPStore("127.0.0.1", control_port, world, rank == 0,
-                                     timedelta(seconds=120))
+        self.control = control if isinstance(control, dist.Store) else dist.TCPStore(
+            "127.0.0.1", control, world, rank == 0, timedelta(seconds=120))
         self.started = 0
 
     def start(self) -> None:

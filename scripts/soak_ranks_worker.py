@@ -211,13 +211,14 @@ LOCATION_PAIRS: tuple[tuple[str, str], ...] = (
     ("head", "packing"), ("caller backward", "caller backward"))
 
 
-def _fault_soak(rank: int, world: int, control_port: int, tensor_parallel: int, seed: int,
-                max_tokens: int) -> tuple[Worlds, random.Random, ReferencePool, Counter]:
+def _fault_soak(rank: int, world: int, control: int | dist.Store, tensor_parallel: int,
+                seed: int, max_tokens: int
+                ) -> tuple[Worlds, random.Random, ReferencePool, Counter]:
     """What a fault soak starts from: the ranks' worlds, one random stream every rank draws
     the same workloads and faults from, a pool of sequences (the fault-free run is the
     reference) and the zeroed counts."""
     cpu_runtime.install()  # Megatron's CUDA-only calls, on CPU
-    worlds = Worlds(rank, world, control_port, tensor_parallel=tensor_parallel)
+    worlds = Worlds(rank, world, control, tensor_parallel=tensor_parallel)
     worlds.start()
     rng = random.Random(seed)
     pool = ReferencePool(None, rng)
@@ -257,14 +258,13 @@ def soak_tp_dp(workloads: int, seed: int, control_port: int, *, max_items: int =
     return counts, round(time.perf_counter() - started, 1)
 
 
-def soak_tp(workloads: int, seed: int, control_port: int, *, max_items: int = 6,
+def soak_tp(workloads: int, seed: int, control: int | dist.Store, *, max_items: int = 6,
             max_tokens: int = 200) -> tuple[Counter, float]:
     """`workloads` TP=2 trials (tp_fault_trial), faults on rank 1 cycling through LOCATIONS;
-    returns the counts and the seconds taken. Also run by the test suite's phase-fault
-    launch (a few workloads)."""
+    returns the counts and the seconds taken. `control`: the control store, or its port.
+    Also run by the test suite's phase-fault launch (a few workloads)."""
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    worlds, rng, pool, counts = _fault_soak(rank, world, control_port, world, seed,
-                                            max_tokens)
+    worlds, rng, pool, counts = _fault_soak(rank, world, control, world, seed, max_tokens)
     make_trainer = _make_tp_trainer
     started = time.perf_counter()
     for w in range(workloads):

@@ -6,8 +6,8 @@ collectives closes them). Then, in the same launch, what ART_TEST_PHASE_FAULTS_T
 again at TP=1 x CP=2; "boundary" and "waves", the faults published by hand of
 _published_fault.py.
 
-argv: out_dir, fault_timeout_s, then the fuzz's control store port (not needed with ONLY; each
-world's store port is rank 0's, see `start_world`). Writes rank<r>.json: per
+argv: out_dir, fault_timeout_s (every world's store, and the fuzz's control store, listens on a
+port rank 0 is given by the OS: `launch_store`). Writes rank<r>.json: per
 scenario the items seen, the error (type, text), when the call ended, when the fault fired,
 the profile (observations and misses) and the decisions; under "cp2" the CP=2 scenarios' and
 under "boundary" and "waves" those scenarios' records.
@@ -122,10 +122,20 @@ class StepFault:
 
 def start_world(out_dir: str, name: str, tp: int = TP, cp: int = CP,
                 timeout_s: float = 60) -> dist.Store:
-    """A fresh job world at TP=tp x CP=cp (the rest data parallel), its store returned. Rank
-    0's store listens on a port the OS gives it at once, and the others read that port from a
-    file: a port chosen ahead of time can be taken meanwhile (by the previous world's gloo
-    connections, or torchrun's own store)."""
+    """A fresh job world at TP=tp x CP=cp (the rest data parallel), its store returned."""
+    store = launch_store(out_dir, name)
+    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
+                            timeout=timedelta(seconds=timeout_s))
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                             context_parallel_size=cp)
+    model_parallel_cuda_manual_seed(1234)
+    return store
+
+
+def launch_store(out_dir: str, name: str) -> dist.TCPStore:
+    """A store every rank of the launch shares. Rank 0's listens on a port the OS gives it at
+    once, and the others read that port from a file: a port chosen ahead of time can be
+    taken meanwhile (by an earlier world's gloo connections, or torchrun's own store)."""
     port_file = os.path.join(out_dir, f"world-{name}.port")
     if RANK == 0:
         # Not waiting for the others here: they learn the port from the file below.
@@ -143,11 +153,6 @@ def start_world(out_dir: str, name: str, tp: int = TP, cp: int = CP,
         with open(port_file) as f:
             port = int(f.read())
         store = dist.TCPStore("127.0.0.1", port, WORLD, False, timedelta(seconds=60))
-    dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
-                            timeout=timedelta(seconds=timeout_s))
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             context_parallel_size=cp)
-    model_parallel_cuda_manual_seed(1234)
     return store
 
 
@@ -291,13 +296,12 @@ def published_fault(out_dir: str, name: str) -> dict:
 
 
 def main() -> None:
-    out_dir, fault_timeout_s, ports = sys.argv[1], float(sys.argv[2]), sys.argv[3:]
+    out_dir, fault_timeout_s = sys.argv[1], float(sys.argv[2])
     cpu_runtime.install()
     results = run_scenarios(out_dir, fault_timeout_s, TP, CP, ONLY, "")
     if ONLY is None:
-        counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1,
-                            control_port=int(ports[0]), max_items=4,
-                            max_tokens=120)
+        counts, _ = soak_tp(FUZZ_WORKLOADS, seed=1, control=launch_store(out_dir, "fuzz"),
+                            max_items=4, max_tokens=120)
         results["fuzz"] = dict(counts)
     for stage in THEN:
         if stage == "cp2":

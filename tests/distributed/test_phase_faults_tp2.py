@@ -24,8 +24,6 @@ from pathlib import Path
 import pytest
 from _launches import FAULT_TIMEOUT_S
 
-from art.megatron.distributed import free_port
-
 from _torchrun import rank_records, run_torchrun
 
 WORKER = Path(__file__).with_name("phase_faults_worker.py")
@@ -45,10 +43,8 @@ ERRORS = {
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
-    # The fuzz's control store (every world's store takes a port of its own).
-    ports = [str(free_port())]
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
-    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), *ports, nproc=2, timeout_s=420,
+    run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=2, timeout_s=420,
                  env={"ART_TEST_PHASE_FAULTS_THEN": "cp2,boundary,waves"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
