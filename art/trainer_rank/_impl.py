@@ -351,13 +351,13 @@ class TrainerRank(SlotMethods, StepMethods):
         queue greedily, or a whole grad call. `held_bytes`: what the trainer holds for this
         micro-batch already (its gradient snapshot)."""
         usable = self.usable_limit_bytes(held_bytes)
-        probed = len(self.probe.probed_tails) if self.probe is not None else 0
+        probed = self.probe.probes_on_first_use if self.probe is not None else 0
         request = self._request(pending, grad, usable, mode)
         with self._probing_below(usable):
             plan = self.admission.plan(request)
-        if self.probe is not None and len(self.probe.probed_tails) != probed:
-            # A head tail was probed on first use while planning (below the limit read
-            # before it): read the limit again after it and plan with that.
+        if self.probe is not None and self.probe.probes_on_first_use != probed:
+            # A head tail or a rung's layers were probed on first use while planning (below
+            # the limit read before it): read the limit again after it and plan with that.
             release_memory()
             usable = self.usable_limit_bytes(held_bytes)
             request = self._request(pending, grad, usable, mode)

@@ -1,5 +1,6 @@
 """TrainerRank prices with coefficients its own start-up probe measured (not the default
-formulas): layers for every policy it may run, head tails per output mix on first use; the
+formulas): layers for the configured policy at start-up and for the other rungs on first
+use, head tails per output mix on first use; the
 probe leaves the caller's gradients and RNG alone; it can be turned off; it is cached on disk."""
 
 from __future__ import annotations
@@ -29,17 +30,28 @@ def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_f
     # The key TP ranks agree on before probing is the probe's own.
     assert trainer.probe._key(trainer.probe.modes, (), trainer.probe.tokens,
                               trainer.probe.grad_tokens) == trainer.probe.key
-    # The configured policy (grad and no grad) and the full-recompute escalation policy.
-    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.modes} >= {
-        (True, 0), (True, 1), (False, 0)}
+    # The configured policy (grad and no grad) now; the full-recompute escalation policy's
+    # modes wait for the first estimate that asks for one.
+    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.modes} == {
+        (True, 0), (False, 0)}
+    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.pending_modes} >= {
+        (True, 1)}
     mbs = list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=2, logits=False,
                                                          hidden_states=False), no_grad=True))
     assert trainer.probe.probed_tails == ["logprobs,top_k=2:no-grad"]
     assert all("coefficients: probe:" in mb.stats.term_table for mb in mbs)
     shape = MicroBatchShape((64,), outputs=OutputRequest(logits=True), grad_enabled=True)
+    configured = trainer.admission.memory_model.estimate(shape)
+    assert trainer.probe.probed_on_first_use == []
     escalated = trainer.admission.memory_model.with_recompute(trainer.admission.full_recompute)
     assert escalated.estimate(shape).coefficients_source.startswith("probe:")
     assert trainer.probe.probed_tails[-1] == "logits:grad"
+    assert trainer.probe.pending_modes == []
+    assert any(m.endswith(":full:1") for m in trainer.probe.probed_on_first_use)
+    full_probed = {mode for kind, mode, _ in trainer.probe.layers.layers}
+    assert "full:1" in full_probed and "none" in full_probed
+    # Probing them later changes no price the configured policy had.
+    assert trainer.admission.memory_model.estimate(shape).peak_bytes == configured.peak_bytes
 
 
 def test_probe_off_prices_with_the_default_formulas(built, monkeypatch):

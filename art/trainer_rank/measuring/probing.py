@@ -2,16 +2,21 @@
 
 Coefficients measured on the built model by the layer probe price closer to real peaks than
 the default formulas (bench/RESULTS.md, section 1, compares both on the calibration matrix).
-So the trainer probes its own model when it is built, for every recompute
-policy it may run (the configured one, with and without grad, and the full-recompute
-escalation policy).
+So the trainer probes its own model when it is built, for the configured recompute policy
+(with and without grad); the layer modes of the other rungs it may run are probed the first
+time an estimate asks for one, all of them together, since a micro-batch that needs one rung
+is priced under the others too. A job whose micro-batches all fit as configured never pays
+for them.
 
 The tail (final norm + chunked head + requested outputs + caller loss) depends on the output
 request, and which mixes a run asks for is only known when items arrive (a packed micro-batch
 requests the union of its items' outputs). `TrainerProbe.tail_cost` therefore probes a mix the
-first time an estimate asks for it. That is safe across TP ranks: admission is deterministic
-given the agreed inputs and limit, so every rank of a replica prices the same shapes in the
-same order and reaches the same probe together.
+first time an estimate asks for it. That is safe across TP and CP ranks: admission is
+deterministic given the agreed inputs and limit, so every rank of a replica prices the same
+shapes in the same order and reaches the same probe together. Layer modes are probed on first
+use under the same rule, except under expert parallel: a MoE layer's probe exchanges tokens
+with ranks of other replicas, which plan their own items (dp_rank_forward), so there every mode
+is probed when the trainer is built.
 
 Every rank of a replica uses the replica root's coefficients (broadcast), so no two ranks
 ever price the same micro-batch differently.
@@ -103,6 +108,7 @@ class TrainerProbe:
     partial_for); layers are probed up front, tails per (output mix, grad) on first use."""
 
     def __init__(self, provider: Any, model: Any, *, policies: Iterable[Any],
+                 on_first_use: Iterable[Any] = (),
                  cache_dir: str | Path | None = None,
                  tokens: tuple[int, ...] | None = None,
                  default_model: Any = None, usable_bytes: int | None = None,
@@ -112,7 +118,10 @@ class TrainerProbe:
         per output mix for the tails); the trainer updates `usable_bytes` before each plan,
         so a tail probed on first use stays under the limit read right before it. With them,
         a tail is also measured at the multiples of the head chunk (`head_chunk_tokens`, the
-        one the trainer runs) whose tail the formulas fit in half the limit."""
+        one the trainer runs) whose tail the formulas fit in half the limit.
+
+        `policies` are probed now; the layer modes only `on_first_use` policies run, the first
+        time an estimate asks for one of them (at the points the limit then admits)."""
         self.provider = provider
         self.head_chunk_tokens = int(head_chunk_tokens)
         self.model = model
@@ -123,15 +132,18 @@ class TrainerProbe:
         self.grad_tokens = self._points(LOGPROBS, True) if tokens is None else None
         lora = getattr(provider, "lora_config", None)
         self.lora_rank = int(lora.r) if lora is not None else 0
-        modes: set[LayerMode] = set()
-        for policy in policies:
-            for grad in (True, False):
-                modes.update(probe_module.modes_for(provider.geometry, policy, grad))
+        modes = _layer_modes(provider.geometry, policies)
         self.modes = sorted(modes, key=lambda m: m.sort_key)
+        # Only modes the probe can switch on a layer (not the MoE-level ones, which the
+        # formulas price) are worth waiting for.
+        self.pending_modes = sorted(
+            (m for m in _layer_modes(provider.geometry, on_first_use) - modes
+             if m.mode.modules <= probe_module.PROBED_MODULES), key=lambda m: m.sort_key)
         self.layers = self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
                                    grad_tokens=self.grad_tokens)
         self.tails: dict[tuple[str, bool], Any] = {}
         self.probed_tails: list[str] = []
+        self.probed_on_first_use: list[str] = []
 
     # -- the coefficients interface MemoryModel calls ----------------------------------------
 
@@ -141,7 +153,15 @@ class TrainerProbe:
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
                    segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
+        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
+            self._probe_pending_modes()
         return self.layers.layer_cost(kind, mode, s, padded, segments_change)
+
+    @property
+    def probes_on_first_use(self) -> int:
+        """How many probes estimates have run so far (tails and layer modes): a plan that
+        ran one reads the limit again after it."""
+        return len(self.probed_tails) + len(self.probed_on_first_use)
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
         tail = self.tails.get((outputs.key, grad))
@@ -155,6 +175,16 @@ class TrainerProbe:
 
     def partial_for(self, geometry: Any) -> bool:
         return self.layers.partial_for(geometry)
+
+    def _probe_pending_modes(self) -> None:
+        """Every pending layer mode, at the points the limit admits now, joined to the
+        layers probed so far."""
+        pending, self.pending_modes = self.pending_modes, []
+        tokens, grad_tokens = self._points(LOGPROBS, False), self._points(LOGPROBS, True)
+        probed = self._agreed(modes=pending, outputs=(), tokens=tokens, grad_tokens=grad_tokens)
+        self.layers = replace(self.layers, key=f"{self.layers.key}+{probed.key}",
+                              layers=self.layers.layers + probed.layers)
+        self.probed_on_first_use.extend(f"{m.kind}:{m.mode.key}" for m in pending)
 
     def snapshot(self) -> Any:
         """Everything probed so far as one plain `ProbeCoefficients` (JSON-able)."""
@@ -257,3 +287,10 @@ class TrainerProbe:
         """Whether the cache directory holds a probe under `key` this software measured."""
         return (self.cache_dir is not None
                 and stored_probe_text(self.cache_dir, key, self._device_type) is not None)
+
+
+def _layer_modes(geometry: Any, policies: Iterable[Any]) -> set[LayerMode]:
+    """Every (layer kind, recompute mode) an estimate under one of `policies` asks for, with
+    grad and without."""
+    return {m for policy in policies for grad in (True, False)
+            for m in probe_module.modes_for(geometry, policy, grad)}

@@ -1,6 +1,6 @@
-"""The memory models one TrainerRank prices with: its own (probe coefficients measured at
-start-up for every rung it may run; the head chunk it runs), the same
-without coefficients, and the one a doubled tensor-parallel size would have."""
+"""The memory models one TrainerRank prices with: its own (probe coefficients: the configured
+policy's measured at start-up, the other rungs' when first priced; the head chunk it runs),
+the same without coefficients, and the one a doubled tensor-parallel size would have."""
 
 from __future__ import annotations
 
@@ -43,16 +43,20 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
         coefficients = None
         if probe_layers:
             # Measured coefficients, not the default formulas: every policy this trainer
-            # may run, escalation included.
+            # may run, escalation included; the other rungs' when first priced, except
+            # under expert parallel (`probing`'s docstring says why).
             policies = [provider.effective_recompute]
+            later: list[EffectiveRecompute] = []
             if recompute_choice != RecomputeChoice.CONFIGURED:
-                policies = [rung.recompute for rung in ladder.rungs]
+                later = [rung.recompute for rung in ladder.rungs]
+            if provider.layout.expert_parallel > 1:
+                policies, later = policies + later, []
             usable = _agree.min_over_replica(device_usable_bytes(
                 next(model.parameters()).device, test_memory_limit_bytes))
             # The probe runs only at sizes whose micro-batch fits the limit (what it
             # allocates is the trainer's too), grad and no-grad separately.
             probe = coefficients = TrainerProbe(
-                provider, model, policies=policies, cache_dir=cache_dir,
+                provider, model, policies=policies, on_first_use=later, cache_dir=cache_dir,
                 default_model=replace(MemoryModel.for_provider(provider),
                                       head_chunk_tokens=head_chunk_tokens),
                 usable_bytes=usable, head_chunk_tokens=head_chunk_tokens,
