@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 import torch
 
+from art.megatron.recompute_ladder import RecomputeChoice
 from art.trainer_rank._micro_batch_run import (
     CallerPeak,
     ComputePath,
@@ -40,6 +41,7 @@ from art.trainer_rank._types import (
     TrainerRankRuntimeSupportError,
     Unset,
 )
+from art.trainer_rank.compute.filler import FillerPasses
 from art.trainer_rank.compute.forward import language_model
 from art.trainer_rank.compute.items import Item, fingerprint, make_items, validate_items
 from art.trainer_rank.decide.admission import AdmissionPolicy
@@ -70,8 +72,14 @@ from art.trainer_rank.optimizer.graphs import GraphLedger, output_tensors
 from art.trainer_rank.optimizer.methods import StepMethods
 from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
-from art.trainer_rank.ranks.lockstep import Wave, in_waves, widest_wave
-from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement
+from art.trainer_rank.ranks.lockstep import Wave, data_parallel_group, in_waves, widest_wave
+from art.trainer_rank.ranks.paired_forwards import ForwardReady, fault_scope_ranks, paired_call
+from art.trainer_rank.ranks.phases import (
+    OOM,
+    PLAN,
+    MicroBatchContext,
+    PhaseAgreement,
+)
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
@@ -119,10 +127,16 @@ class TrainerRank(SlotMethods, StepMethods):
         self.slots.builtin_optimizer = runtime.optimizer
         self.saves = SaveQueue(self.slots)
         self._grad_slots: set[str] = set()
+        # MoE layers exchanging tokens with other replicas: every forward is paired with
+        # theirs (ranks/paired_forwards.py), so every rank of a step runs the configured
+        # recompute (another rung would re-run a different set of all-to-alls in backward).
+        self.paired_forwards = _agree.experts_cross_replicas()
+        recompute_choice = (RecomputeChoice.CONFIGURED if self.paired_forwards
+                            else self.options.recompute_choice)
         pricing = trainer_pricing(
             provider, self.model, runtime.memory_model,
             probe_layers=self.options.probe_layers,
-            recompute_choice=self.options.recompute_choice,
+            recompute_choice=recompute_choice,
             test_memory_limit_bytes=self.options.test_memory_limit_bytes,
             cache_dir=self.options.resolved_probe_cache_dir(),
             head_chunk_tokens=self.options.head_chunk_tokens)
@@ -137,7 +151,7 @@ class TrainerRank(SlotMethods, StepMethods):
             provider, pricing, self.profiles,
             AdmissionPolicy(
                 escalate_to_full_recompute=self.options.escalate_to_full_recompute,
-                recompute=self.options.recompute,
+                recompute=recompute_choice,
                 cold_start_fraction=self.options.cold_start_fraction,
                 trust_window=self.options.trust_window,
             ),
@@ -150,6 +164,9 @@ class TrainerRank(SlotMethods, StepMethods):
         self.phases = PhaseAgreement(self.options.fault_timeout_s)
         self._calls = 0
         self._steps = 0
+        # Filler forwards paired with other replicas' (ranks/paired_forwards.py).
+        self._filler = FillerPasses(self.model, self.implementation, layout, self.device,
+                                    self.phases, self._forward_ranks())
         # The probe's backward ran through the adapters: start from clean gradients.
         self.zero_grad()
 
@@ -221,7 +238,7 @@ class TrainerRank(SlotMethods, StepMethods):
         dp_rank, dp_size = _agree.data_parallel_rank_and_size()
         call = CallOutcome(self._next_call())
 
-        def run_share(wave: Wave) -> Iterator[MicroBatch]:
+        def run_share(wave: Wave) -> Iterator[MicroBatch | ForwardReady]:
             share = [items[i] for i in wave.share(dp_rank, dp_size)]
             return self._by_grad_mode(share, call, wave, PlanMode.WAVE)
 
@@ -233,7 +250,8 @@ class TrainerRank(SlotMethods, StepMethods):
             len(items),
             lambda start: self._propose_wave(items, start, dp_rank, dp_size),
             run_share, self._empty_micro_batch, finish=finish,
-            guard=lambda: self.phases.between_micro_batches(dp_size))
+            guard=lambda: self.phases.between_micro_batches(dp_size),
+            filler=self._filler if self.paired_forwards else None)
         call.raise_declined()
 
     def dp_rank_forward(
@@ -250,8 +268,15 @@ class TrainerRank(SlotMethods, StepMethods):
         call = CallOutcome(self._next_call())
         results: dict[int, Any] = {}
         # With grad the caller's backward comes after this call returns: not measurable here.
-        for mb in self._by_grad_mode(items, call, Wave(0, len(items)), PlanMode.CALL,
-                                     measure_caller=False):
+        micro_batches = self._by_grad_mode(items, call, Wave(0, len(items)), PlanMode.CALL,
+                                           measure_caller=False)
+        if self.paired_forwards:
+            dp_size = _agree.data_parallel_rank_and_size()[1]
+            micro_batches = paired_call(
+                micro_batches, self._filler, data_parallel_group(), self._step_device(),
+                guard=lambda: self.phases.between_micro_batches(dp_size))
+        for mb in micro_batches:
+            assert isinstance(mb, MicroBatch)
             for index, out in zip(mb.indices, mb.outputs):
                 results[index] = out
         self._save_profiles()
@@ -298,7 +323,7 @@ class TrainerRank(SlotMethods, StepMethods):
         return widest_wave(start, len(items), dp_rank, dp_size, fitting, len(mine))
 
     def _by_grad_mode(self, local: list[Item], call: CallOutcome, wave: Wave, mode: PlanMode, *,
-                      measure_caller: bool = True) -> Iterator[MicroBatch]:
+                      measure_caller: bool = True) -> Iterator[MicroBatch | ForwardReady]:
         """Grad items first, then no-grad ones; one autograd mode per micro-batch. Declined
         items are kept in `call`, raised once the call ran everything else.
         `measure_caller` applies to grad micro-batches; without grad nothing of the caller's
@@ -308,6 +333,16 @@ class TrainerRank(SlotMethods, StepMethods):
             if queue:
                 yield from self._micro_batches(queue, grad, call, wave, mode,
                                                measure_caller=measure_caller or not grad)
+
+    def _forward_ranks(self) -> int:
+        """The ranks one forward's collectives span: its replica's, or with paired forwards
+        the job's (a fault in one then ends the call on every rank, as in a replica of
+        several: a local retry would leave its partners in an all-to-all)."""
+        return fault_scope_ranks(self.paired_forwards)
+
+    def _step_device(self) -> torch.device:
+        return (torch.device("cuda", torch.cuda.current_device())
+                if self.device.type == "cuda" else torch.device("cpu"))
 
     def _empty_micro_batch(self, wave: Wave) -> MicroBatch:
         return MicroBatch(inputs=[], outputs=[], indices=[], stats=MicroBatchStats(
@@ -330,7 +365,7 @@ class TrainerRank(SlotMethods, StepMethods):
 
     def _micro_batches(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
                        mode: PlanMode, *, measure_caller: bool = True
-                       ) -> Iterator[MicroBatch]:
+                       ) -> Iterator[MicroBatch | ForwardReady]:
         try:
             yield from self._micro_batch_loop(local, grad, call, wave, mode,
                                               measure_caller=measure_caller)
@@ -389,7 +424,8 @@ class TrainerRank(SlotMethods, StepMethods):
             self.probe.usable_bytes = before
 
     def _micro_batch_loop(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
-                          mode: PlanMode, *, measure_caller: bool) -> Iterator[MicroBatch]:
+                          mode: PlanMode, *, measure_caller: bool
+                          ) -> Iterator[MicroBatch | ForwardReady]:
         pending = list(local)
         while pending:
             self.phases.check()  # a fault on any rank of the job ends the call here
@@ -412,6 +448,9 @@ class TrainerRank(SlotMethods, StepMethods):
                 continue
             if plan.escalate:
                 logger.warning("escalating: %s", plan.note)
+            if self.paired_forwards and mode is not PlanMode.NEXT:
+                # Announced before it runs: its partners' forwards pair with it.
+                yield ForwardReady(grad, len(plan.sub_forwards))
             context = micro_batch_context(plan, call.number, call.micro_batches,
                                           request.usable_bytes)
             call.micro_batches += 1
@@ -432,7 +471,7 @@ class TrainerRank(SlotMethods, StepMethods):
         every rank). `snapshot`: the gradients as they were before the plan (grad plans of
         adapters)."""
         usable, grad = request.usable_bytes, request.grad
-        replica = _agree.replica_size()
+        replica = self._forward_ranks()
         path = self.compute_path
         with contextlib.ExitStack() as stack:
             if plan.recompute is not None:

@@ -19,7 +19,8 @@ HERE = Path(__file__).parent
 def two_rank_launch(tmp_path_factory, megatron_process) -> Path:
     """two_ranks_worker.py: trainer/ and rank_mismatch/ (test_trainer_tp2.py,
     test_rank_mismatch.py), foundation/, shared_prefix/, hybrid/, heads/ (against the TP=1
-    reference saved here first), context_parallel/ and expert_parallel/ (the 2-rank layouts)."""
+    reference saved here first), context_parallel/, expert_parallel/ (the 2-rank layouts)
+    and paired_forwards/ (test_paired_forwards.py)."""
     import heads_tp_worker
 
     out = tmp_path_factory.mktemp("two-ranks")

@@ -10,6 +10,7 @@ them, so each builds its own as it does in a launch of its own:
     heads/                     heads_tp_worker.py at TP=2, against the test's reference.pt
     context_parallel/          context_parallel_worker.py at CP=2
     expert_parallel/           expert_parallel_worker.py's 2-rank layouts
+    paired_forwards/           paired_forwards_worker.py: EP=2 across the DP ranks, unequal work
 
 argv: out_dir, the heads' reference.pt.
 """
@@ -23,6 +24,7 @@ import context_parallel_worker
 import expert_parallel_worker
 import heads_tp_worker
 import hybrid_tp_worker
+import paired_forwards_worker
 import shared_prefix_worker
 import tp_loss_worker
 import trainer_worker
@@ -43,6 +45,7 @@ def main() -> None:
         "context_parallel": lambda out: context_parallel_worker.run(
             out, 1, [*CP_MODELS, *CP_EP_MODELS]),
         "expert_parallel": lambda out: expert_parallel_worker.run(out, list(EXPERT_LAYOUTS[2])),
+        "paired_forwards": paired_forwards_worker.run,
     }
     (out_dir / "rank_mismatch").mkdir(exist_ok=True)
     for name, job in jobs.items():

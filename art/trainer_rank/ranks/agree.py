@@ -137,6 +137,22 @@ def broadcast_from_replica_root(obj: Any) -> Any:
     return box[0]
 
 
+def experts_cross_replicas() -> bool:
+    """Whether this rank's expert-parallel group holds ranks of other model replicas (EP
+    carved from the data-parallel ranks), whose MoE layers then exchange tokens with ranks
+    that plan their own items: every forward and backward of one needs its partners in one."""
+    if not _initialized():
+        return False
+    from megatron.core import parallel_state
+
+    if parallel_state.get_expert_model_parallel_world_size() == 1:
+        return False
+    experts = set(dist.get_process_group_ranks(
+        parallel_state.get_expert_model_parallel_group()))
+    replica = set(dist.get_process_group_ranks(_replica_group()))
+    return not experts <= replica
+
+
 def replica_size() -> int:
     """TP x CP ranks of this model replica (1 without Megatron's process groups)."""
     return _replica_size() if _initialized() else 1
