@@ -12,7 +12,6 @@ micro-batches' decisions, and the grad dp_rank_forward's error."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -21,18 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from upstream_driver_worker import driver_module
 
 ROOT = Path(__file__).resolve().parents[2]
 LENGTHS = (40, 38, 39, 12, 30)
 NO_GRAD_ITEM = 3
-
-
-def _driver():
-    spec = importlib.util.spec_from_file_location("upstream_driver",
-                                                  ROOT / "scripts" / "upstream_driver.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _inputs(lengths, seed: int, no_grad_item: int | None = None) -> list:
@@ -121,7 +113,7 @@ def run(out_dir: str) -> None:
     if dist.get_rank() == 0:
         save_random_checkpoint(folder, family="qwen3_moe", layers=2)
     dist.barrier()
-    driver = _driver()
+    driver = driver_module()
     saved = {k: os.environ.get(k) for k in (
         "ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE", "ART_MEGATRON_CONTEXT_PARALLEL_SIZE",
         "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE")}

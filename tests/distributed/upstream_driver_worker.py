@@ -20,7 +20,8 @@ import torch.distributed as dist
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _driver():
+def driver_module():
+    """scripts/upstream_driver.py loaded as a module (a script, not a package member)."""
     spec = importlib.util.spec_from_file_location("upstream_driver",
                                                   ROOT / "scripts" / "upstream_driver.py")
     module = importlib.util.module_from_spec(spec)
@@ -88,7 +89,7 @@ def _train(driver, args, **megatron_env: str) -> tuple[dict, object]:
 
 def main() -> None:
     out_dir = Path(sys.argv[1])
-    driver = _driver()
+    driver = driver_module()
     args = driver.parse_args(["--dtype", "float32", "--steps", "3", "--items", "6",
                               "--max-tokens", "24"])
     from megatron.core import parallel_state
