@@ -279,3 +279,43 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
                              grad=False, rule_calls=calls)
         assert 0 <= priced.forward - measured["forward"] <= 0.002 * measured["forward"], (
             calls, priced.forward, measured["forward"])
+
+
+def test_probe_priced_unit_over_a_row_with_a_tail_segment_meets_its_peak(megatron_process):
+    """A row laid out with a short tail segment of its own (as TP's sequence split and CP's
+    2 x CP chunks pad it) runs that tail as another kernel chunk, which none of the probe's
+    single sequences holds. The probe reads the row from its whole-chunk curve less its
+    within-chunk slope, and the formulas correct what that reading misses: the formulas at
+    the row less the formulas read the probe's way at the probe's points
+    (pricing/probe_reading.py). A real Gated DeltaNet full-recompute unit, probed on this
+    layer, is priced at its measured backward within 0.2% on such rows (the correction
+    against one sequence over the same chunks read 0.7% under on the 171-token row)."""
+    import torch
+
+    from art.trainer_rank.measuring import probe as probe_module
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.chunked import padded_chunk_tokens, with_points_inside_chunks
+    from art.trainer_rank.pricing.coefficients import LayerMode, RecomputeMode
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.model import MemoryModel
+
+    geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(16)
+    kind = PricedKind.LINEAR_ATTENTION
+    coefficients = probe_module.probe(
+        model, geometry=geometry, layout=provider.layout, implementation=implementation,
+        dtype="float32", lora_rank=8,
+        modes=[LayerMode(kind, RecomputeMode(grad=True)),
+               LayerMode(kind, RecomputeMode(grad=True, full_layers=1))],
+        tokens=with_points_inside_chunks((64, 128, 192, 256, 320, 384)))
+    priced_with = MemoryModel.for_provider(provider).with_coefficients(coefficients)
+    for lengths in ((170, 1), (230, 2), (103, 1)):
+        inputs = probe_runs.probe_inputs(model, list(lengths), provider.layout, implementation,
+                                         torch.device("cpu"))
+        release_score_buffer()
+        got = probe_runs.measure_layer(layer, inputs, geometry.hidden_size, torch.float32,
+                                       torch.device("cpu"), True, full_layers=1)["backward"]
+        tokens, padded = sum(lengths), padded_chunk_tokens(lengths)
+        change = priced_with._unit_segments_change(0, kind, 1, tokens, padded, 1, len(lengths))
+        price = coefficients.layer_cost(kind, "full:1", tokens, padded, change).backward
+        assert abs(price / got - 1) <= 0.002, (lengths, price, got)

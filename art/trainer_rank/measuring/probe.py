@@ -186,6 +186,15 @@ class ProbeCoefficients:
                                     measured_up_to_tokens=int(fit.forward.tokens[-1]))
         return None
 
+    def chunk_points(self, kind: PricedKind, mode: str) -> tuple[int, ...] | None:
+        """The points a chunked layer mode was measured at (its whole-chunk ones and those
+        inside a chunk below them), or None: not measured, or not a chunked kernel."""
+        for k, m, fit in self.layers:
+            if k == kind and m == mode and fit.within_chunk is not None:
+                last = fit.backward.tokens[-1]
+                return tuple(t for t in self.tokens if t <= last)
+        return None
+
     def partial_for(self, geometry: ModelGeometry) -> bool:
         kinds = {layer_kind(geometry, i) for i in range(geometry.num_layers)}
         return not kinds <= {k for k, _, _ in self.layers}

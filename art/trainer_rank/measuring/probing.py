@@ -157,6 +157,11 @@ class TrainerProbe:
             self._probe_pending_modes()
         return self.layers.layer_cost(kind, mode, s, padded, segments_change)
 
+    def chunk_points(self, kind: PricedKind, mode: str) -> tuple[int, ...] | None:
+        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
+            self._probe_pending_modes()
+        return self.layers.chunk_points(kind, mode)
+
     @property
     def probes_on_first_use(self) -> int:
         """How many probes estimates have run so far (tails and layer modes): a plan that

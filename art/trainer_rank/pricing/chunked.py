@@ -24,7 +24,7 @@ the line (`segments_change`), before the larger of the two lines is taken.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
@@ -187,3 +187,23 @@ class SparseChunks:
             at_low, at_high = first.at(whole), second.at(whole)
             return int(round(at_low + (at_high - at_low) * (tokens - low) / (high - low)))
         return None
+
+
+def interpolation_change(formulas: Callable[[int | None], Mapping[str, float]],
+                         points: Sequence[int], tokens: int, padded: int,
+                         chunk_tokens: int = GDN_CHUNK_TOKENS) -> dict[str, float]:
+    """What the probe's reading of a chunked layer misses on a row, by the formulas: the
+    formulas at the row, less the formulas read the way the probe reads its measurements at
+    its `points` (the whole-chunk curve through the whole-chunk points, less the steepest
+    within-chunk slope of the others over the row's padding: `split_points`,
+    `WithinChunk.value`). `formulas(t)`: the formulas' quantities for one sequence of `t`
+    tokens, or for the row itself at None; the row holds `tokens` in `padded` chunk
+    tokens."""
+    rows = [dict(formulas(t)) for t in points]
+    whole, whole_rows, within = split_points(points, rows, chunk_tokens,
+                                             lambda ts, vs: Fit.fit(ts, vs).at)
+    change: dict[str, float] = {}
+    for name, value in formulas(None).items():
+        curve = Fit.fit(whole, [r[name] for r in whole_rows]).at
+        change[name] = float(value) - within.value(curve, name, tokens, padded)
+    return change

@@ -34,7 +34,11 @@ from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank.pricing.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.pricing.budget import AllocatorReserve
-from art.trainer_rank.pricing.chunked import has_chunked_layers, padded_chunk_tokens, row_segments
+from art.trainer_rank.pricing.chunked import (
+    has_chunked_layers,
+    padded_chunk_tokens,
+    row_segments,
+)
 from art.trainer_rank.pricing.coefficients import Coefficients, MeasuredTail, RecomputeMode
 from art.trainer_rank.pricing.estimate import Estimate, Lifetime, Term, TermKind
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
@@ -54,6 +58,7 @@ from art.trainer_rank.pricing.passes import (
     kept_note,
     pre_decoder_terms,
 )
+from art.trainer_rank.pricing.probe_reading import PaddedRow, ProbeReading, probe_tokens
 from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
     TailCost,
@@ -184,7 +189,7 @@ class MemoryModel:
             cost = self.coefficients.layer_cost(
                 kind, RecomputeMode(grad=grad, modules=modules).key,
                 self._probe_tokens(kind, s), padded,
-                self._segments_change(kind, modules, s, grad, padded, segments))
+                self._segments_change(kind, modules, s, grad, padded, segments, sequences))
             if cost is not None:
                 result = (cost, True)
         if result is None:
@@ -215,20 +220,18 @@ class MemoryModel:
         return result
 
     def _segments_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
-                         padded: int | None, segments: int) -> dict[str, float] | None:
-        """What a Gated DeltaNet layer's backward over a row of several segments holds beside
-        one sequence's over the same padded chunks, which the probe's full-chunk line is
-        measured on (pricing/chunked.py): the formulas' difference, the rule's first gradient
-        results at the row's tokens instead of the padded ones (`cpu_rule_backward_work`)."""
-        if not grad or padded is None or segments <= 1 or not kind.linear:
+                         padded: int | None, segments: int, sequences: int = 1
+                         ) -> dict[str, float] | None:
+        """What a Gated DeltaNet layer's backward over this row holds beside the probe's
+        reading of its measurements, by the formulas (pricing/probe_reading.py)."""
+        if not grad or padded is None or not kind.linear:
             return None
-        one, row = (price_layer(self.dims, kind, modules, s, grad=True, padded=padded,
-                                worst_case_routing=self.worst_case_routing, segments=n)
-                    for n in (1, segments))
-        change = {"backward": float(row.backward - one.backward)}
-        if row.backward_held is not None and one.backward_held is not None:
-            change["backward_held"] = float(row.backward_held - one.backward_held)
-        return change
+        return self._reading().layer_change(kind, modules,
+                                            PaddedRow(s, padded, segments, sequences))
+
+    def _reading(self) -> ProbeReading:
+        return ProbeReading(self.dims, self.layout, self.coefficients, self.worst_case_routing,
+                            self.geometry.hidden_size * self.dtype_bytes)
 
     def _tree_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
                      padded: int | None, recurrent: RecurrentRow, segments: int = 1
@@ -302,29 +305,14 @@ class MemoryModel:
                               padded: int | None, sequences: int, segments: int
                               ) -> dict[str, float] | None:
         """`_segments_change` of a full-recompute unit of `n` Gated DeltaNet layers, which
-        the probe measures whole on one sequence: the formulas' unit (`full_unit_peak`) over
-        the row's segments against over one sequence. Its rebuilt layers also keep the
-        conv's input with each segment's window (`conv_sequence_padding_bytes`)."""
-        if padded is None or segments <= 1 or not kind.linear:
+        the probe measures whole on one sequence."""
+        if padded is None or not kind.linear:
             return None
-        x = self.dims.hidden_tokens(s) * self.geometry.hidden_size * self.dtype_bytes
-        peaks = []
-        for rule_segments, conv_segments in ((1, 1), (segments, sequences)):
-            layer = price_layer(self.dims, kind, frozenset(), s, grad=True, padded=padded,
-                                worst_case_routing=self.worst_case_routing,
-                                segments=rule_segments)
-            window = conv_sequence_padding_bytes(self.dims, kind, conv_segments)
-            layer = replace(layer, kept=int(layer.kept + window),
-                            forward=int(layer.forward + window))
-            peaks.append(full_unit_peak(Unit(True, index, x, x, (layer,) * n)))
-        return {"backward": peaks[1] - peaks[0]}
+        return self._reading().unit_change(index, kind, n,
+                                           PaddedRow(s, padded, segments, sequences))
 
     def _probe_tokens(self, kind: PricedKind, s: int) -> int:
-        """The tokens a probe curve is read at: this rank's, except a Gated DeltaNet layer's
-        under CP, which runs (and is probed at) the whole row."""
-        if kind.linear and self.layout.context_parallel > 1:
-            return s * self.layout.context_parallel
-        return s
+        return probe_tokens(self.layout, kind, s)
 
     def _stage_layers(self) -> list[tuple[int, LayerRecompute]]:
         """The layers of the busiest pipeline stage (all of them without PP)."""
