@@ -25,6 +25,7 @@ from art.trainer_rank._micro_batch_run import (
     ComputePath,
     Execution,
     caller_peak,
+    decoder_passes,
     execute,
     micro_batch_context,
     trained_slots,
@@ -450,7 +451,7 @@ class TrainerRank(SlotMethods, StepMethods):
                 logger.warning("escalating: %s", plan.note)
             if self.paired_forwards and mode is not PlanMode.NEXT:
                 # Announced before it runs: its partners' forwards pair with it.
-                yield ForwardReady(grad, len(plan.sub_forwards))
+                yield ForwardReady(grad, decoder_passes(plan))
             context = micro_batch_context(plan, call.number, call.micro_batches,
                                           request.usable_bytes)
             call.micro_batches += 1

@@ -73,6 +73,13 @@ def leaf_slots(plan: Plan) -> list[str | None]:
     return [c for item in plan.items for c in item.checkpoints]
 
 
+def decoder_passes(plan: Plan) -> int:
+    """How many times `execute` runs the decoder for `plan`: once per sub-forward and, within
+    one, per checkpoint slot its sequences use (each slot's adapter runs on its own)."""
+    slots = leaf_slots(plan)
+    return sum(len(adapter_groups([slots[i] for i in sub])) for sub in plan.sub_forwards)
+
+
 def leaf_no_grad(plan: Plan) -> list[bool]:
     """Whether each of the plan's sequences asked for no grad, in leaf order."""
     return [f for item in plan.items for f in item.no_grad_leaves]

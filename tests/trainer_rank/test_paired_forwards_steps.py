@@ -67,3 +67,20 @@ def test_the_fewest_grad_passes_are_agreed_too():
     assert _agree(ForwardReady(True, 2), ForwardReady(True, 1)).fewest_grad_forwards == 1
     assert _agree(ForwardReady(True, 2), None).fewest_grad_forwards == 0
     assert _agree(None, None) == StepAgreement(False, 0, 0)
+
+
+def test_a_micro_batch_announces_one_pass_per_sub_forward_and_adapter():
+    """execute runs the decoder once per sub-forward and, within one, once per checkpoint
+    slot its sequences use: the announcement counts those passes, or partners of a
+    two-adapter micro-batch would meet one of its all-to-alls with nothing."""
+    from types import SimpleNamespace
+
+    from art.trainer_rank._micro_batch_run import decoder_passes
+
+    def plan(slots_per_item, sub_forwards):
+        items = [SimpleNamespace(checkpoints=tuple(s)) for s in slots_per_item]
+        return SimpleNamespace(items=items, sub_forwards=sub_forwards)
+
+    assert decoder_passes(plan([(None, None)], ((0, 1),))) == 1
+    assert decoder_passes(plan([("a", None), ("a",)], ((0, 1, 2),))) == 2
+    assert decoder_passes(plan([("a",), ("b",), ("a",)], ((0,), (1, 2)))) == 3
