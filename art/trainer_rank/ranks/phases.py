@@ -153,7 +153,9 @@ class Fault:
             f"of micro-batch {ctx.micro_batch} (call {ctx.call}, items {list(ctx.items)}, "
             f"{ctx.packed_tokens} packed tokens, predicted {ctx.predicted_bytes} bytes, usable "
             f"{ctx.usable_bytes}{where}): {self.detail}. The other ranks of its model replica "
-            "were inside this phase's collectives, which the failing rank cannot complete, so "
+            "(or, with expert parallel across data-parallel ranks, its expert-parallel "
+            "partners) were inside this phase's collectives, which the failing rank cannot "
+            "complete, so "
             "the call ends here on every rank of the job and the process groups are closed. "
             "The miss is recorded in the profile; restart the job (the planner then admits "
             "less), or lower the usable memory, or switch to full recompute",
