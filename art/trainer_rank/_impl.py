@@ -221,7 +221,9 @@ class TrainerRank(SlotMethods, StepMethods):
         the width is the widest every rank's share fits in. `no_grad=None` inherits
         `torch.is_grad_enabled()`; an input's own `no_grad` / `checkpoint` override the call's.
         Every DP rank yields the same number of micro-batches (a rank with nothing left in a
-        wave gets an empty one), so a collective in the loop body cannot hang.
+        wave gets an empty one), so a collective in the loop body cannot hang. With expert
+        parallel across DP ranks a rank's empty micro-batch follows filler forwards that meet
+        its partners' all-to-alls (ranks/paired_forwards.py).
 
         Compute the loss and run backward before asking for the next micro-batch: that peak is
         measured and learned too. If your backward raises torch.OutOfMemoryError, catch it,
@@ -264,7 +266,9 @@ class TrainerRank(SlotMethods, StepMethods):
         else as 2, 4, ... sub-forwards of whole items priced with all their graphs held
         together (`TrainerRankPartialExecutionError` if one fails after others ran), else the
         call is declined with TrainerRankMemoryError before anything runs. Without grad the
-        items run as several micro-batches as needed."""
+        items run as several micro-batches as needed. With expert parallel across DP ranks
+        the ranks' forwards are paired; grad items that need different numbers of forwards on
+        different ranks raise TrainerRankRuntimeSupportError on every rank before any runs."""
         items = self._items(inputs, checkpoint, no_grad)
         call = CallOutcome(self._next_call())
         results: dict[int, Any] = {}
