@@ -53,7 +53,9 @@ TRAINER_RANK_ENV = EnvTable(
                "which recompute rung a grad micro-batch runs: `configured` (the configured "
                "policy, or decline), `escalate` (the configured policy when it fits, else the "
                "least-work rung above it that fits), `adaptive` (the least-work rung that fits, "
-               "below the configured one too); see \"Recompute per micro-batch\"",
+               "below the configured one too); see \"Recompute per micro-batch\". With expert "
+               "parallel across data-parallel ranks every rank runs `configured` (\"Expert "
+               "parallel\")",
                field="recompute", default=RecomputeChoice.ESCALATE, default_text="escalate"),
         EnvVar("ESCALATE_TO_FULL_RECOMPUTE", parse_bool,
                "false: never run another recompute than the configured one (the same as "
