@@ -20,7 +20,7 @@ def two_rank_launch(tmp_path_factory, megatron_process) -> Path:
     """two_ranks_worker.py: trainer/ and rank_mismatch/ (test_trainer_tp2.py,
     test_rank_mismatch.py), foundation/, shared_prefix/, hybrid/, heads/ (against the TP=1
     reference saved here first), context_parallel/, expert_parallel/ (the 2-rank layouts)
-    and paired_forwards/ (test_paired_forwards.py)."""
+    paired_forwards/ (test_paired_forwards.py) and meter/ (test_meter_tp2.py)."""
     import heads_tp_worker
 
     out = tmp_path_factory.mktemp("two-ranks")

@@ -1,4 +1,5 @@
-"""The CPU meter under real gloo collectives (torchrun, 2 ranks)."""
+"""The CPU meter under real gloo collectives (torchrun, 2 ranks: meter_collectives_worker.py in
+the shared 2-rank launch, conftest.py)."""
 
 from __future__ import annotations
 
@@ -6,15 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from _torchrun import rank_records, run_torchrun
-
-WORKER = Path(__file__).with_name("meter_collectives_worker.py")
+from _torchrun import rank_records
 
 
 @pytest.mark.torchrun
-def test_collectives_under_the_meter_keep_their_values_and_storages_die_when_dropped(tmp_path):
-    run_torchrun(WORKER, str(tmp_path), nproc=2, timeout_s=120)
-    rows = rank_records(tmp_path)
+def test_collectives_under_the_meter_keep_their_values_and_storages_die_when_dropped(
+        two_rank_launch):
+    rows = rank_records(Path(two_rank_launch) / "meter")
     for rank, row in enumerate(rows):
         assert row["summed"] == [3.0] * 4 and row["summed_async"] == [6.0] * 4
         assert row["gathered"] == row["gathered_views"] == [0.0, 0.0, 1.0, 1.0]

@@ -11,6 +11,7 @@ them, so each builds its own as it does in a launch of its own:
     context_parallel/          context_parallel_worker.py at CP=2
     expert_parallel/           expert_parallel_worker.py's 2-rank layouts
     paired_forwards/           paired_forwards_worker.py: EP=2 across the DP ranks, unequal work
+    meter/                     meter_collectives_worker.py: the CPU meter under gloo collectives
 
 argv: out_dir, the heads' reference.pt.
 """
@@ -24,6 +25,7 @@ import context_parallel_worker
 import expert_parallel_worker
 import heads_tp_worker
 import hybrid_tp_worker
+import meter_collectives_worker
 import paired_forwards_worker
 import shared_prefix_worker
 import tp_loss_worker
@@ -46,6 +48,7 @@ def main() -> None:
             out, 1, [*CP_MODELS, *CP_EP_MODELS]),
         "expert_parallel": lambda out: expert_parallel_worker.run(out, list(EXPERT_LAYOUTS[2])),
         "paired_forwards": paired_forwards_worker.run,
+        "meter": meter_collectives_worker.run,
     }
     (out_dir / "rank_mismatch").mkdir(exist_ok=True)
     for name, job in jobs.items():
