@@ -189,21 +189,35 @@ class SparseChunks:
         return None
 
 
-def interpolation_change(formulas: Callable[[int | None], Mapping[str, float]],
-                         points: Sequence[int], tokens: int, padded: int,
-                         chunk_tokens: int = GDN_CHUNK_TOKENS) -> dict[str, float]:
+@dataclass(frozen=True)
+class ChunkReading:
+    """Quantities read the way the probe reads a chunked layer's measurements: the curve
+    through their whole-chunk points, less the steepest within-chunk slope of the others
+    over a row's padding (`split_points`, `WithinChunk.value`)."""
+
+    curves: tuple[tuple[str, Fit], ...]
+    within: WithinChunk
+
+    @classmethod
+    def of(cls, quantities: Callable[[int], Mapping[str, float]], points: Sequence[int],
+           chunk_tokens: int = GDN_CHUNK_TOKENS) -> ChunkReading:
+        """`quantities(t)`: the quantities for one sequence of `t` tokens, at each point."""
+        rows = [dict(quantities(t)) for t in points]
+        whole, whole_rows, within = split_points(points, rows, chunk_tokens,
+                                                 lambda ts, vs: Fit.fit(ts, vs).at)
+        return cls(tuple((name, Fit.fit(whole, [r[name] for r in whole_rows]))
+                         for name in rows[0]), within)
+
+    def value(self, name: str, tokens: int, padded: int) -> int:
+        """Quantity `name` read at a row of `tokens` in `padded` chunk tokens."""
+        curve = dict(self.curves)[name]
+        return self.within.value(curve.at, name, tokens, padded)
+
+
+def interpolation_change(reading: ChunkReading, row: Mapping[str, float], tokens: int,
+                         padded: int) -> dict[str, float]:
     """What the probe's reading of a chunked layer misses on a row, by the formulas: the
-    formulas at the row, less the formulas read the way the probe reads its measurements at
-    its `points` (the whole-chunk curve through the whole-chunk points, less the steepest
-    within-chunk slope of the others over the row's padding: `split_points`,
-    `WithinChunk.value`). `formulas(t)`: the formulas' quantities for one sequence of `t`
-    tokens, or for the row itself at None; the row holds `tokens` in `padded` chunk
-    tokens."""
-    rows = [dict(formulas(t)) for t in points]
-    whole, whole_rows, within = split_points(points, rows, chunk_tokens,
-                                             lambda ts, vs: Fit.fit(ts, vs).at)
-    change: dict[str, float] = {}
-    for name, value in formulas(None).items():
-        curve = Fit.fit(whole, [r[name] for r in whole_rows]).at
-        change[name] = float(value) - within.value(curve, name, tokens, padded)
-    return change
+    formulas at the row (`row`: `tokens` in `padded` chunk tokens), less the formulas read
+    the way the probe reads its measurements at its points (`reading`)."""
+    return {name: float(value) - reading.value(name, tokens, padded)
+            for name, value in row.items()}

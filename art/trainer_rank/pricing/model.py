@@ -34,11 +34,7 @@ from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank.pricing.adapters import lora_params_per_rank, resident_adapter_terms
 from art.trainer_rank.pricing.budget import AllocatorReserve
-from art.trainer_rank.pricing.chunked import (
-    has_chunked_layers,
-    padded_chunk_tokens,
-    row_segments,
-)
+from art.trainer_rank.pricing.chunked import has_chunked_layers, padded_chunk_tokens, row_segments
 from art.trainer_rank.pricing.coefficients import Coefficients, MeasuredTail, RecomputeMode
 from art.trainer_rank.pricing.estimate import Estimate, Lifetime, Term, TermKind
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
@@ -107,6 +103,8 @@ class MemoryModel:
     _memo: dict[tuple[Any, ...], tuple[LayerCost, bool]] = field(
         init=False, repr=False, compare=False)
     _estimates: dict[MicroBatchShape, Estimate] = field(init=False, repr=False, compare=False)
+    # The formulas read the way the probe reads a chunked layer (pricing/probe_reading.py).
+    _readings: dict[tuple[Any, ...], Any] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_BYTES:
@@ -124,6 +122,7 @@ class MemoryModel:
                             for i in range(self.geometry.num_layers)),
             "_memo": {},
             "_estimates": {},
+            "_readings": {},
         }
         for name, value in derived.items():
             object.__setattr__(self, name, value)
@@ -158,6 +157,7 @@ class MemoryModel:
         cold, as a benchmark of decisions on new items needs)."""
         self._memo.clear()
         self._estimates.clear()
+        self._readings.clear()
 
     def allocator_reserve_bytes(self, dynamic_peak_bytes: int, largest_allocation_bytes: int
                                 ) -> int:
@@ -231,7 +231,7 @@ class MemoryModel:
 
     def _reading(self) -> ProbeReading:
         return ProbeReading(self.dims, self.layout, self.coefficients, self.worst_case_routing,
-                            self.geometry.hidden_size * self.dtype_bytes)
+                            self.geometry.hidden_size * self.dtype_bytes, self._readings)
 
     def _tree_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
                      padded: int | None, recurrent: RecurrentRow, segments: int = 1

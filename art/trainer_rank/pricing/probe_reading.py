@@ -15,11 +15,15 @@ chunks.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from art.megatron.layout import ParallelLayout
-from art.trainer_rank.pricing.chunked import interpolation_change, padded_chunk_tokens
+from art.trainer_rank.pricing.chunked import (
+    ChunkReading,
+    interpolation_change,
+    padded_chunk_tokens,
+)
 from art.trainer_rank.pricing.coefficients import RecomputeMode
 from art.trainer_rank.pricing.layer_terms import LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import price_layer
@@ -55,6 +59,9 @@ class ProbeReading:
     coefficients: Any  # the Coefficients Protocol, or None
     worst_case_routing: bool
     hidden_bytes_per_token: int  # hidden size x dtype bytes
+    # The formulas read the probe's way, by (layer kind, mode, probe points, unit start): the
+    # same for every row, so the model that owns the dict keeps them.
+    readings: dict[tuple[Any, ...], ChunkReading] = field(default_factory=dict, compare=False)
 
     def layer_change(self, kind: PricedKind, modules: frozenset[str], row: PaddedRow
                      ) -> dict[str, float] | None:
@@ -67,7 +74,7 @@ class ProbeReading:
                 out["backward_held"] = float(layer.backward_held)
             return out
 
-        return self._change(kind, RecomputeMode(grad=True, modules=modules).key, row,
+        return self._change(kind, RecomputeMode(grad=True, modules=modules).key, None, row,
                             formulas)
 
     def unit_change(self, index: int, kind: PricedKind, n: int, row: PaddedRow
@@ -85,7 +92,8 @@ class ProbeReading:
             x = self.dims.hidden_tokens(tokens) * self.hidden_bytes_per_token
             return {"backward": float(full_unit_peak(Unit(True, index, x, x, (layer,) * n)))}
 
-        return self._change(kind, RecomputeMode(grad=True, full_layers=n).key, row, formulas)
+        return self._change(kind, RecomputeMode(grad=True, full_layers=n).key, index, row,
+                            formulas)
 
     def _layer(self, kind: PricedKind, modules: frozenset[str], row: PaddedRow,
                t: int | None, one: bool) -> LayerCost:
@@ -99,7 +107,7 @@ class ProbeReading:
                            worst_case_routing=self.worst_case_routing,
                            segments=1 if one else row.segments)
 
-    def _change(self, kind: PricedKind, key: str, row: PaddedRow,
+    def _change(self, kind: PricedKind, key: str, unit: int | None, row: PaddedRow,
                 formulas: Callable[[int | None, bool], dict[str, float]]
                 ) -> dict[str, float] | None:
         points = (self.coefficients.chunk_points(kind, key)
@@ -109,7 +117,12 @@ class ProbeReading:
                 return None
             one, whole = formulas(None, True), formulas(None, False)
             return {name: whole[name] - one[name] for name in one}
-        return interpolation_change(lambda t: formulas(t, False), points,
+        cache_key = (kind, key, points, unit)
+        reading = self.readings.get(cache_key)
+        if reading is None:
+            reading = self.readings[cache_key] = ChunkReading.of(
+                lambda t: formulas(t, False), points)
+        return interpolation_change(reading, formulas(None, False),
                                     probe_tokens(self.layout, kind, row.s), row.padded)
 
     def _local(self, tokens: int) -> int:
