@@ -75,12 +75,7 @@ from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, data_parallel_group, in_waves, widest_wave
 from art.trainer_rank.ranks.paired_forwards import ForwardReady, fault_scope_ranks, paired_call
-from art.trainer_rank.ranks.phases import (
-    OOM,
-    PLAN,
-    MicroBatchContext,
-    PhaseAgreement,
-)
+from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
@@ -278,7 +273,7 @@ class TrainerRank(SlotMethods, StepMethods):
         if self.paired_forwards:
             dp_size = _agree.data_parallel_rank_and_size()[1]
             micro_batches = paired_call(
-                micro_batches, self._filler, data_parallel_group(), self._step_device(),
+                micro_batches, self._filler, data_parallel_group(), _agree.collective_device(),
                 guard=lambda: self.phases.between_micro_batches(dp_size))
         for mb in micro_batches:
             assert isinstance(mb, MicroBatch)
@@ -344,10 +339,6 @@ class TrainerRank(SlotMethods, StepMethods):
         the job's (a fault in one then ends the call on every rank, as in a replica of
         several: a local retry would leave its partners in an all-to-all)."""
         return fault_scope_ranks(self.paired_forwards)
-
-    def _step_device(self) -> torch.device:
-        return (torch.device("cuda", torch.cuda.current_device())
-                if self.device.type == "cuda" else torch.device("cpu"))
 
     def _empty_micro_batch(self, wave: Wave) -> MicroBatch:
         return MicroBatch(inputs=[], outputs=[], indices=[], stats=MicroBatchStats(

@@ -153,13 +153,11 @@ class TrainerProbe:
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
                    segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
-        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
-            self._probe_pending_modes()
+        self._probe_if_pending(kind, mode)
         return self.layers.layer_cost(kind, mode, s, padded, segments_change)
 
     def chunk_points(self, kind: PricedKind, mode: str) -> tuple[int, ...] | None:
-        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
-            self._probe_pending_modes()
+        self._probe_if_pending(kind, mode)
         return self.layers.chunk_points(kind, mode)
 
     @property
@@ -180,6 +178,11 @@ class TrainerProbe:
 
     def partial_for(self, geometry: Any) -> bool:
         return self.layers.partial_for(geometry)
+
+    def _probe_if_pending(self, kind: PricedKind, mode: str) -> None:
+        """Probe the pending layer modes when (kind, mode) is one of them."""
+        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
+            self._probe_pending_modes()
 
     def _probe_pending_modes(self) -> None:
         """Every pending layer mode, at the points the limit admits now, joined to the

@@ -19,7 +19,8 @@ def _initialized() -> bool:
     )
 
 
-def _device() -> torch.device:
+def collective_device() -> torch.device:
+    """Where this job's collectives take their tensors: the current GPU under NCCL, else CPU."""
     if dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
@@ -71,7 +72,7 @@ def check_same_call(what: str, values: tuple[int, ...]) -> None:
     rank, after the collective, so no rank waits for a peer that already left."""
     if not _initialized() or dist.get_world_size() == 1:
         return
-    mine = torch.tensor(values, dtype=torch.int64, device=_device())
+    mine = torch.tensor(values, dtype=torch.int64, device=collective_device())
     gathered = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, mine)
     rows = [tuple(int(v) for v in t.tolist()) for t in gathered]
@@ -86,7 +87,7 @@ def check_same_call(what: str, values: tuple[int, ...]) -> None:
 def _reduce(value: int, op: Any) -> int:
     if not _initialized() or _replica_size() == 1:
         return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=_device())
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=op, group=_replica_group())
     return int(t.item())
 
@@ -104,7 +105,7 @@ def max_over_replica_of(values: tuple[int, ...]) -> tuple[int, ...]:
     """Each value's maximum over the TP/CP ranks of this model replica, in one collective."""
     if not _initialized() or _replica_size() == 1:
         return tuple(int(v) for v in values)
-    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=_device())
+    t = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device())
     dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_replica_group())
     return tuple(int(v) for v in t.tolist())
 
@@ -133,7 +134,7 @@ def broadcast_from_replica_root(obj: Any) -> Any:
     group = _replica_group()
     root = dist.get_global_rank(group, 0)
     box = [obj]
-    dist.broadcast_object_list(box, src=root, group=group, device=_device())
+    dist.broadcast_object_list(box, src=root, group=group, device=collective_device())
     return box[0]
 
 

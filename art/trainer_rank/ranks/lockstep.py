@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from art.trainer_rank._types import MicroBatch
+from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.paired_forwards import (
     Filler,
     ForwardReady,
@@ -98,8 +99,7 @@ def in_waves(
     micro-batches of that wave (each announced by a ForwardReady first when `filler` pairs
     the ranks' forwards)."""
     group = data_parallel_group()
-    device = torch.device("cuda", torch.cuda.current_device()) if (
-        group is not None and dist.get_backend(group) == "nccl") else torch.device("cpu")
+    device = _agree.collective_device() if group is not None else torch.device("cpu")
     held: BaseException | None = None
     start = 0
     wave = Wave(0, 0)
