@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -77,6 +78,18 @@ def _hold(store: dist.Store, seconds: float) -> None:
         pass  # not woken: it waited the whole hold, and its record says so
 
 
+def _error_and_wait(call: Callable[[], None]) -> dict:
+    """What `call` raised (type and text; none when it returned) and how long it took."""
+    result: dict = {}
+    started = time.monotonic()
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the test checks the type and text
+        result["error"] = f"{type(exc).__name__}: {exc}"
+    result["waited_s"] = time.monotonic() - started
+    return result
+
+
 def boundary(store: dist.Store) -> dict:
     phases = _agreement()
     result: dict = {}
@@ -84,13 +97,12 @@ def boundary(store: dist.Store) -> dict:
         # The fault of a rank of another replica (rank 3 of a TP=2 x DP=2 job), published
         # after this rank passed its boundary check.
         publish_forward_oom(phases, 3, (2, 4))
-        started = time.monotonic()
-        try:
+
+        def plan_collective() -> None:
             with phases.collectives(PLAN, None):
                 _agree.min_over_replica(1)
-        except Exception as exc:  # noqa: BLE001 - the test checks the type and text
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        result["waited_s"] = time.monotonic() - started
+
+        result = _error_and_wait(plan_collective)
         store.set(DONE_KEY, "1")
     else:
         time.sleep(1.0)  # rank 1 is inside the all-reduce by now
@@ -106,15 +118,14 @@ def waves(store: dist.Store) -> dict:
     phases = _agreement()
     result: dict = {}
     if RANK == 0:
-        started = time.monotonic()
-        try:
+
+        def waves_call() -> None:
             for _ in in_waves(2, lambda start: 1, lambda wave: iter(()),
                               lambda wave: None,  # type: ignore[arg-type,return-value]
                               guard=lambda: phases.between_micro_batches(2)):
                 pass
-        except Exception as exc:  # noqa: BLE001 - the test checks the type and text
-            result["error"] = f"{type(exc).__name__}: {exc}"
-        result["waited_s"] = time.monotonic() - started
+
+        result = _error_and_wait(waves_call)
         store.set(DONE_KEY, "1")
     else:
         time.sleep(1.0)  # rank 0 is inside the all-reduce by now
