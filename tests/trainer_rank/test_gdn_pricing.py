@@ -281,15 +281,39 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
             calls, priced.forward, measured["forward"])
 
 
+def test_cp_row_with_a_tail_segment_is_read_where_the_probe_measured():
+    """Under CP a Gated DeltaNet layer runs the whole row, and a 103-token sequence at CP2
+    is padded to 104 with a 1-token tail segment: three kernel chunks for 104 tokens, 88
+    padded. Read at that padding, the probe's within-chunk slope (the steepest its points
+    give, over at most a chunk of padding) is stretched over 88 tokens and the committed
+    CP2 hybrid MoE row (measured under torchrun) priced 7% under its peak. Read at one
+    sequence of 104 tokens, with the formulas pricing the tail's chunk, it is within 2%
+    (pricing/probe_reading.py). Re-priced from the committed row and its rank probes."""
+    import csv
+
+    from _calibration.harness import reprice_rows
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe-cp2"
+    with open(folder / "calibration.csv") as f:
+        group = [r for r in csv.DictReader(f)
+                 if r["geometry"] == "hybrid-moe-128" and r["policy"] == "full uniform 1"
+                 and r["lora_rank"] == "64"]
+    priced = {r["lengths"]: r for r in reprice_rows(group, str(folder / "probes"))}
+    row = priced["103"]
+    assert row["peak_at"] == "backward: layer 1 backward"
+    assert 0.98 <= float(row["ratio"]) <= 1.05, row["ratio"]
+
+
 def test_probe_priced_unit_over_a_row_with_a_tail_segment_meets_its_peak(megatron_process):
     """A row laid out with a short tail segment of its own (as TP's sequence split and CP's
     2 x CP chunks pad it) runs that tail as another kernel chunk, which none of the probe's
     single sequences holds. The probe reads the row from its whole-chunk curve less its
     within-chunk slope, and the formulas correct what that reading misses: the formulas at
-    the row less the formulas read the probe's way at the probe's points
-    (pricing/probe_reading.py). A real Gated DeltaNet full-recompute unit, probed on this
-    layer, is priced at its measured backward within 0.2% on such rows (the correction
-    against one sequence over the same chunks read 0.7% under on the 171-token row)."""
+    the row less the formulas read the probe's way at the probe's points, both at one
+    sequence of the row's tokens (pricing/probe_reading.py). A real Gated DeltaNet
+    full-recompute unit, probed on this layer, is priced at its measured backward within
+    0.2% on such rows (the correction against one sequence over the same chunks read 0.7%
+    under on the 171-token row)."""
     import torch
 
     from art.trainer_rank.measuring import probe as probe_module

@@ -4,9 +4,12 @@ The probe measures a chunked layer on single sequences and reads a row of `token
 `padded` chunk tokens as its whole-chunk curve at `padded` less a within-chunk slope over the
 padding (pricing/chunked.py). A row laid out with a padded tail of its own (under TP's
 sequence split or CP's 2 x CP chunks) runs that tail as a segment, a kernel chunk more, which
-no single sequence the probe ran holds. So for a row of one sequence the formulas price the
-difference: the formulas at the row, less the formulas read the way the probe reads its
-measurements at the probe's own points (`interpolation_change`). Where the probe's points are
+no single sequence the probe ran holds. So a row of one sequence is read where the probe's
+reading holds, at one sequence of the row's tokens (padded under a chunk), and the formulas
+price the rest: the formulas at the row, less the formulas read the way the probe reads its
+measurements at its own points, at that one sequence (`interpolation_change`). Reading the
+probe at the row's own padding would stretch its within-chunk slope over more than a chunk
+of padding, which no point it measured spans. Where the probe's points are
 unknown, or the row holds several sequences (whose short ones the probe's sparse-chunk line
 prices), the correction is what the row's segments change against one sequence over the same
 chunks.
@@ -122,8 +125,19 @@ class ProbeReading:
         if reading is None:
             reading = self.readings[cache_key] = ChunkReading.of(
                 lambda t: formulas(t, False), points)
-        return interpolation_change(reading, formulas(None, False),
-                                    probe_tokens(self.layout, kind, row.s), row.padded)
+        tokens = probe_tokens(self.layout, kind, row.s)
+        one = padded_chunk_tokens([tokens])
+        change = interpolation_change(reading, formulas(None, False), tokens, one)
+        if one == row.padded:
+            return change
+        # The caller reads the probe at the row's padding: move that reading to `one`.
+        at_one = self.coefficients.layer_cost(kind, key, tokens, one)
+        at_row = self.coefficients.layer_cost(kind, key, tokens, row.padded)
+        for name in change:
+            probed_one, probed_row = getattr(at_one, name), getattr(at_row, name)
+            if probed_one is not None and probed_row is not None:
+                change[name] += probed_one - probed_row
+        return change
 
     def _local(self, tokens: int) -> int:
         """This rank's tokens of a probe point (`probe_tokens`' inverse)."""
