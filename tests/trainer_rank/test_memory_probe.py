@@ -553,3 +553,48 @@ def test_gdn_no_grad_forward_sets_the_gpu_shaped_peak_priced_from_measurement(
             est.peak_at)
         predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
         assert 1.0 <= predicted / measured <= 1.05, (cell.lengths, measured, predicted)
+
+
+@pytest.mark.parametrize("build", ["flash", "unfused"])
+def test_probe_runs_a_cpu_point_once_unless_it_left_allocations_behind(megatron_process,
+                                                                      build):
+    """A probe point measures the layer as the trainer meets it, with what a first run
+    allocates to keep (the LoRA grads; on the unfused build the score buffer, released
+    before each point) already in place. On CPU the point runs once and again only when its
+    run left allocations behind: a new layer's first point runs twice and reads what the
+    next does; the next runs once; a released score buffer makes a point run twice."""
+    from _calibration.cells import calibration_geometries
+    from _calibration.harness import POLICY_BY_NAME, calibration_provider
+
+    from art.megatron.implementation import Implementation
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+
+    geometry = calibration_geometries()["gqa-128"]
+    implementation = Implementation.cpu_local("unfused" if build == "unfused" else "flash")
+    provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=8,
+                                    tensor_parallel=1, dtype="float32",
+                                    implementation=implementation)
+    model = provider.build_model(seed=0)
+    layer = probe_runs.inner_model(model).decoder.layers[0]
+    runs = []
+    handle = layer.register_forward_hook(lambda *_: runs.append(1))
+    inputs = probe_runs.probe_inputs(model, [150], provider.layout, implementation,
+                                     torch.device("cpu"))
+
+    def measure() -> tuple[dict[str, float], int]:
+        runs.clear()
+        row = probe_runs.measure_layer(layer, inputs, geometry.hidden_size, torch.float32,
+                                       torch.device("cpu"), True)
+        return row, len(runs)
+
+    release_score_buffer()
+    first, first_runs = measure()
+    second, second_runs = measure()
+    assert (first_runs, second_runs) == (2, 1)
+    assert first == second
+    release_score_buffer()
+    third, third_runs = measure()
+    assert third == second
+    assert third_runs == (2 if build == "unfused" else 1)
+    handle.remove()

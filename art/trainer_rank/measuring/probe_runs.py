@@ -139,21 +139,37 @@ def _unit(layer: Any, inputs: ProbeInputs, full_layers: int) -> Callable[[torch.
 def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dtype,
                   device: torch.device, grad: bool, full_layers: int = 0,
                   hold_incoming: bool = False) -> dict[str, float]:
-    """One run of the layer (or unit). `hold_incoming`: the backward gets its incoming
-    gradient as a tensor referenced until it returns, the way a full-recompute checkpoint
-    calls torch.autograd.backward(outputs, incoming) on the layers it rebuilt."""
+    """The layer's (or unit's) run as the trainer meets it: with what a first run at this
+    size allocates to keep (the score buffer, the LoRA grads, rotary tables), which the
+    memory model prices elsewhere (buffer term, resident grads), already in place.
+    `hold_incoming`: the backward gets its incoming gradient as a tensor referenced until it
+    returns, the way a full-recompute checkpoint calls torch.autograd.backward(outputs,
+    incoming) on the layers it rebuilt.
+
+    On CUDA a run is warmed up first: a kernel's first call at a shape may tune itself with
+    scratch buffers it frees (Triton's autotuner), which no allocation left behind shows. On
+    CPU the kernels do not, so a run is repeated only when it left allocations behind."""
     run = _unit(layer, inputs, full_layers)
     x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
-    # Warm-up outside the meter: allocates the score buffer at this size and the LoRA grads,
-    # which the memory model prices elsewhere (buffer term, resident grads).
-    with torch.set_grad_enabled(grad):
-        y, _ = run(x0 * 1.0)
-        if grad:
-            (y * 1.0).sum().backward()
-    del y
-    x0.grad = None
+    if device.type != "cpu":
+        with torch.set_grad_enabled(grad):
+            y, _ = run(x0 * 1.0)
+            if grad:
+                (y * 1.0).sum().backward()
+        del y
+        x0.grad = None
+    row, left_behind = _metered_run(run, x0, device, grad, hold_incoming)
+    if left_behind:
+        row, _ = _metered_run(run, x0, device, grad, hold_incoming)
+    return row
+
+
+def _metered_run(run: Callable[[torch.Tensor], Any], x0: torch.Tensor, device: torch.device,
+                 grad: bool, hold_incoming: bool) -> tuple[dict[str, float], bool]:
+    """One metered run: its row, and whether it left allocations behind (CPU meter)."""
     meter = MemoryMeter(device=device)
     with meter, torch.set_grad_enabled(grad):
+        before_run = meter.live_bytes
         x = x0 * 1.0
         x_bytes = _storage_nbytes(x)
         x_ref = weakref.ref(x.untyped_storage())
@@ -186,10 +202,11 @@ def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dty
             _sync(device, meter)
             backward = meter.peak_bytes - before
             del z
-    del y
-    x0.grad = None
-    return {"kept": kept, "forward": forward, "backward": backward,
-            "output": y_bytes, "saves_input": saves_input}
+        del y
+        x0.grad = None
+        left_behind = meter.live_bytes > before_run
+    return ({"kept": kept, "forward": forward, "backward": backward,
+             "output": y_bytes, "saves_input": saves_input}, left_behind)
 
 
 def measure_mode(layer: Any, inputs: ProbeInputs, *, hidden: int, dtype: torch.dtype,
