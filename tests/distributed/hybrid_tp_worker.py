@@ -45,9 +45,10 @@ def hybrid_cases(tp: int) -> list[dict]:
         if tp > 1:
             # Each rank holds a partial gradient of the sequence-parallel norm weights and of
             # the q/k norms; Megatron sums them over TP (finalize_model_grads) before a step.
-            for name, p in model.named_parameters():
+            for param_name, p in model.named_parameters():
                 if p.grad is not None and (getattr(p, "sequence_parallel", False)
-                                           or "q_layernorm" in name or "k_layernorm" in name):
+                                           or "q_layernorm" in param_name
+                                           or "k_layernorm" in param_name):
                     torch.distributed.all_reduce(
                         p.grad, group=parallel_state.get_tensor_model_parallel_group())
         sharded = sum(float(p.grad.pow(2).sum()) for p in model.parameters()
@@ -60,8 +61,26 @@ def hybrid_cases(tp: int) -> list[dict]:
             torch.distributed.all_reduce(
                 sharded_t, group=parallel_state.get_tensor_model_parallel_group())
         rows.append({"model": name, "recompute": str(recompute), "loss": loss.item(),
-                     "sharded_grad_sq": sharded_t.item(), "replicated_grad_sq": replicated})
+                     "sharded_grad_sq": sharded_t.item(), "replicated_grad_sq": replicated,
+                     "dispatcher_state_bytes": dispatcher_state_bytes(model)})
     return rows
+
+
+def dispatcher_state_bytes(model) -> int | None:
+    """What the first MoE layer's token dispatcher still references after the step (the
+    routing state it keeps until its next call): its tensor attributes' storages, each once.
+    None for a model without MoE layers."""
+    for layer in model.decoder.layers:
+        dispatcher = getattr(layer.mlp, "token_dispatcher", None)
+        if dispatcher is None:
+            continue
+        storages = {}
+        for value in vars(dispatcher).values():
+            if isinstance(value, torch.Tensor):
+                storage = value.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        return sum(storages.values())
+    return None
 
 
 def run(out_dir: str) -> None:

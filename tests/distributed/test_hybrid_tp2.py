@@ -38,3 +38,29 @@ def test_hybrids_train_in_every_recompute_mode_and_tp2_equals_tp1(two_rank_launc
             assert two["loss"] == pytest.approx(one["loss"], rel=1e-5), one["recompute"]
             for key in ("sharded_grad_sq", "replicated_grad_sq"):
                 assert two[key] == pytest.approx(one[key], rel=1e-4), (key, one["recompute"])
+    _dispatcher_state_priced(tp1, 1)
+    for tp2 in rank_records(two_rank_launch / "hybrid"):
+        _dispatcher_state_priced(tp2, 2)
+
+
+def _dispatcher_state_priced(rows: list[dict], tp: int) -> None:
+    """The routing state a MoE layer's dispatcher keeps until its next call
+    (`moe_dispatcher_state`) is what the real one references, to its small per-expert index
+    arrays: at TP=2 with sequence parallel the router and the permutation run on this rank's
+    half of the row, so the state is half of TP=1's."""
+    from art.megatron.geometry import load_geometry
+    from art.megatron.implementation import Implementation
+    from art.megatron.layout import ParallelLayout
+    from art.trainer_rank.pricing.layer_terms import Dims
+    from art.trainer_rank.pricing.layers_mlp import moe_dispatcher_state
+
+    worker = _worker_module()
+    layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1)
+    dims = Dims(load_geometry("tiny-qwen3_5-moe"), layout, Implementation.cpu_local(), 4, 0,
+                frozenset())
+    priced = moe_dispatcher_state(dims, worker.TOKENS)
+    measured = [r["dispatcher_state_bytes"] for r in rows if r["model"] == "tiny-qwen3_5-moe"]
+    assert measured and all(m is not None for m in measured)
+    for got in measured:
+        assert abs(got - priced) <= 512, (tp, got, priced)
+

@@ -72,11 +72,14 @@ def mlp_blocks(d: Dims, s: int, ffn: int, tokens: float, tag: str,
 
 def moe_dispatcher_state(d: Dims, s: int) -> float:
     """What a MoE layer's token dispatcher keeps referenced after the layer returns, until
-    its next call: the routing probabilities (fp32) and map (bool) [s, experts], the
-    permutation's token indices (int64, one per routed pair) and the tokens per expert."""
+    its next call: the routing probabilities (fp32) and map (bool) [tokens, experts] and the
+    permutation's token indices (int64, one per routed pair), all of this rank's own tokens
+    (routed before the dispatcher gathers over expert TP); and the tokens per local expert
+    and the experts' restore order (int64, per expert and expert-TP rank)."""
     g = d.geometry
-    return (float(s) * g.num_experts * (FP32 + 1) + float(s) * g.moe_router_topk * INT64
-            + g.num_experts * INT64)
+    own = d.hidden_tokens(s)
+    return (own * g.num_experts * (FP32 + 1) + own * g.moe_router_topk * INT64
+            + 2 * g.num_experts * d.layout.expert_tensor_parallel * INT64)
 
 
 def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
@@ -95,15 +98,19 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
         local_pairs = ep * tokens * min(g.moe_router_topk, local_experts)
     else:
         local_pairs = routed
-    # Logits and scores [s, experts] fp32, the top-k indices (int64) besides the top-k
-    # probabilities (its output); the routing map [s, experts] (bool) and the permutation's
-    # token indices (int64 per routed pair) the dispatcher keeps for the un-permute, and its
-    # tokens per expert (int64). The permute selects the probabilities with a transposed
-    # copy of the map (`moe_utils.permute`, bool), which that selection keeps for its backward.
+    # Logits and scores [tokens, experts] fp32, the top-k indices (int64) besides the top-k
+    # probabilities (its output); the routing map [tokens, experts] (bool) and the
+    # permutation's token indices (int64 per routed pair) the dispatcher keeps for the
+    # un-permute, and its tokens per expert (int64). The permute selects the probabilities
+    # with a transposed copy of the map (`moe_utils.permute`, bool), which that selection
+    # keeps for its backward. The router runs on this rank's rows of the residual stream
+    # (Megatron's `MoELayer.route` on the sequence-parallel shard), the permutation on
+    # their pairs: both before the dispatcher gathers over expert TP.
+    own = d.hidden_tokens(s)
     router = Block("router", None,
-                   float(s) * g.num_experts * (FP32 * 2 + 2) + float(s) * g.moe_router_topk
-                   * INT64 + routed * INT64 + g.num_experts * INT64,
-                   float(s) * g.moe_router_topk * FP32, True)
+                   own * g.num_experts * (FP32 * 2 + 2) + own * g.moe_router_topk
+                   * INT64 * 2 + g.num_experts * INT64,
+                   own * g.moe_router_topk * FP32, True)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
                      temp=local_pairs * g.hidden_size * b, role=BlockRole.DISPATCH)
     # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
