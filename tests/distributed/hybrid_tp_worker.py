@@ -83,8 +83,42 @@ def dispatcher_state_bytes(model) -> int | None:
     return None
 
 
+def probe_reruns(tp: int) -> dict:
+    """A probe point on a TP layer when only one rank's run leaves allocations behind: the
+    tiny hybrid's attention layer at TP = `tp`, measured once (every rank's first run creates
+    the layer's grads), then again after this rank (the last one) drops its grads. Returns
+    how many runs each point took on this rank and whether the repeated point measured what
+    the first did."""
+    from art.megatron.implementation import Implementation
+    from art.trainer_rank.measuring import probe_runs
+
+    geometry = load_geometry("tiny-qwen3_5")
+    implementation = Implementation.cpu_local()
+    config = build_transformer_config(
+        geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1),
+        recompute=RecomputeConfig(), dtype="float32")
+    model = build_gpt_model(geometry, config, implementation=implementation, seed=0)
+    layer = model.decoder.layers[3]
+    runs: list[int] = []
+    handle = layer.register_forward_hook(lambda *_: runs.append(1))
+    inputs = probe_runs.probe_inputs(model, TOKENS, ParallelLayout(
+        tensor_parallel=tp, sequence_parallel=tp > 1), implementation, torch.device("cpu"))
+    counts, rows = [], []
+    for point in range(2):
+        if point == 1 and torch.distributed.get_rank() == tp - 1:
+            for param in layer.parameters():
+                param.grad = None
+        runs.clear()
+        torch.manual_seed(5)
+        rows.append(probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
+                                             torch.float32, torch.device("cpu"), True))
+        counts.append(len(runs))
+    handle.remove()
+    return {"runs": counts, "same_row": rows[0] == rows[1]}
+
+
 def run(out_dir: str) -> None:
-    """`hybrid_cases` at TP = WORLD_SIZE; this rank's rows to out_dir."""
+    """`hybrid_cases` and `probe_reruns` at TP = WORLD_SIZE; this rank's rows to out_dir."""
     from art.megatron.distributed import initialize_distributed
 
     tp = int(os.environ.get("WORLD_SIZE", "1"))
@@ -93,6 +127,8 @@ def run(out_dir: str) -> None:
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(rows, f)
+    with open(os.path.join(out_dir, f"probe-reruns-rank{rank}.json"), "w") as f:
+        json.dump(probe_reruns(tp), f)
 
 
 def main() -> None:

@@ -4,6 +4,7 @@ and TP=2 under torchrun (sequence parallel) equals TP=1: one torchrun launch for
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
@@ -63,4 +64,19 @@ def _dispatcher_state_priced(rows: list[dict], tp: int) -> None:
     assert measured and all(m is not None for m in measured)
     for got in measured:
         assert abs(got - priced) <= 512, (tp, got, priced)
+
+
+@pytest.mark.torchrun
+def test_a_probe_point_reruns_on_every_tp_rank_when_one_left_allocations_behind(
+        two_rank_launch):
+    """On CPU a probe point runs once, and again when its run left allocations behind
+    (measuring/probe_runs.py). A TP layer's run is collectives on every TP rank, so when
+    only one rank's run left something (here the last rank dropped its grads) every rank
+    runs the point again: each rank runs each point twice, and the repeated point measures
+    what the first did. Decided on one rank alone, the other would wait in the layer's
+    collectives and the launch would time out."""
+    for rank in range(2):
+        record = json.loads((two_rank_launch / "hybrid" / f"probe-reruns-rank{rank}.json")
+                            .read_text())
+        assert record == {"runs": [2, 2], "same_row": True}, (rank, record)
 

@@ -18,6 +18,7 @@ import torch
 
 from art.trainer_rank._request import OutputRequest, output_request_problem
 from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
+from art.trainer_rank.ranks import agree as _agree
 
 
 def inner_model(model: Any) -> Any:
@@ -148,7 +149,8 @@ def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dty
 
     On CUDA a run is warmed up first: a kernel's first call at a shape may tune itself with
     scratch buffers it frees (Triton's autotuner), which no allocation left behind shows. On
-    CPU the kernels do not, so a run is repeated only when it left allocations behind."""
+    CPU the kernels do not, so a run is repeated only when it left allocations behind, on
+    this rank or on any rank its collectives span (each runs the layer as often)."""
     run = _unit(layer, inputs, full_layers)
     x0 = torch.randn(inputs.rows, 1, hidden, dtype=dtype, device=device, requires_grad=grad)
     if device.type != "cpu":
@@ -159,7 +161,7 @@ def measure_layer(layer: Any, inputs: ProbeInputs, hidden: int, dtype: torch.dty
         del y
         x0.grad = None
     row, left_behind = _metered_run(run, x0, device, grad, hold_incoming)
-    if left_behind:
+    if _agree.any_over_layer_ranks(left_behind):
         row, _ = _metered_run(run, x0, device, grad, hold_incoming)
     return row
 

@@ -154,6 +154,22 @@ def experts_cross_replicas() -> bool:
     return not experts <= replica
 
 
+def any_over_layer_ranks(flag: bool) -> bool:
+    """Whether `flag` holds on any rank whose collectives one layer's run spans: this
+    replica's TP/CP ranks and, when expert parallel crosses replicas, its expert-parallel
+    group (the MoE layers' all-to-alls). Ranks that must run a layer the same number of times
+    decide with it."""
+    value = max_over_replica(int(flag))
+    if experts_cross_replicas():
+        from megatron.core import parallel_state
+
+        t = torch.tensor([value], dtype=torch.int64, device=collective_device())
+        dist.all_reduce(t, op=dist.ReduceOp.MAX,
+                        group=parallel_state.get_expert_model_parallel_group())
+        value = int(t.item())
+    return bool(value)
+
+
 def replica_size() -> int:
     """TP x CP ranks of this model replica (1 without Megatron's process groups)."""
     return _replica_size() if _initialized() else 1
