@@ -20,12 +20,23 @@ def two_rank_launch(tmp_path_factory, megatron_process) -> Path:
     """two_ranks_worker.py: trainer/ and rank_mismatch/ (test_trainer_tp2.py,
     test_rank_mismatch.py), foundation/, shared_prefix/, hybrid/, heads/ (against the TP=1
     reference saved here first), context_parallel/, expert_parallel/ (the 2-rank layouts)
-    paired_forwards/ (test_paired_forwards.py) and meter/ (test_meter_tp2.py)."""
+    paired_forwards/ (test_paired_forwards.py), meter/ (test_meter_tp2.py), and lora/,
+    weights/ and slots/ (test_lora_tp2.py, test_weights_tp2.py, test_slots_driver_tp2.py) on
+    the adapters, checkpoints and policy made here first (lora-adapters/, weights-cases/,
+    slots-tp1/, with the slots driver's TP=1 record)."""
     import heads_tp_worker
+    import lora_tp_worker
+    import slots_driver_worker
+    import weights_worker
 
     out = tmp_path_factory.mktemp("two-ranks")
     reference = out / "heads-reference.pt"
     heads_tp_worker.save_reference(str(reference))
+    for folder in ("lora-adapters", "weights-cases", "slots-tp1"):
+        (out / folder).mkdir()
+    lora_tp_worker.save_adapters(str(out / "lora-adapters"))
+    weights_worker.prepare_cases(out / "weights-cases")
+    slots_driver_worker.prepare(str(out / "slots-tp1"))
     run_torchrun(HERE / "two_ranks_worker.py", str(out), str(reference), nproc=2,
                  timeout_s=900)
     return out

@@ -1,5 +1,7 @@
 """torchrun worker: loss and unsharded LoRA gradients of tiny models with a given adapter, at
-TP = WORLD_SIZE (sequence parallel on by default when TP > 1, expert TP = TP)."""
+TP = WORLD_SIZE (sequence parallel on by default when TP > 1, expert TP = TP): the adapters
+`save_adapters` wrote in the test's process (TP=1) before the launch, under `ENV` with the
+launch's TP size (two_ranks_worker.py's lora/ job)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,40 @@ from art.megatron.model_builder import build_gpt_model
 from art.megatron.provider import Provider
 
 TOKENS = 16
+MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
+ENV = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "full"}
+SPECS = "specs.json"  # the adapters' "model=folder" specs, in save_adapters' folder
+
+
+def provider_for(name: str) -> Provider:
+    """The TP=1 provider of `name` the adapters are made and checked with."""
+    from peft import LoraConfig
+
+    from art.megatron.settings import load_settings
+
+    return Provider(name, settings=load_settings(ENV), dtype="float32",
+                    lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
+def save_adapters(folder: str) -> list[str]:
+    """A non-trivial adapter (B random, not zero) for each of MODELS, exported to `folder`
+    at TP=1; returns and writes (SPECS) their "model=folder" specs."""
+    from art.megatron.lora_peft import export_adapter
+
+    specs = []
+    for name in MODELS:
+        model = provider_for(name).build_model(seed=0)
+        g = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for module in lora_modules(model):
+                for b in module.lora_B.values():
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.2)
+        adapter = os.path.join(folder, f"adapter-{name}")
+        export_adapter(model, adapter)
+        specs.append(f"{name}={adapter}")
+    with open(os.path.join(folder, SPECS), "w") as f:
+        json.dump(specs, f)
+    return specs
 
 
 def run(provider: Provider, adapter_dir: str) -> dict:
@@ -42,8 +78,9 @@ def run(provider: Provider, adapter_dir: str) -> dict:
     return {"loss": loss.item(), "grads": grads}
 
 
-def main() -> None:
-    out_dir, adapters = sys.argv[1], sys.argv[2:]
+def run_specs(out_dir: str, adapters: list[str]) -> None:
+    """Every "model=folder" adapter at the layout the ART_MEGATRON_* environment sets; this
+    rank's results to out_dir/rank<R>.json."""
     results = {}
     for spec in adapters:
         model_name, adapter_dir = spec.split("=", 1)
@@ -54,6 +91,10 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+
+
+def main() -> None:
+    run_specs(sys.argv[1], sys.argv[2:])
     shutdown_distributed()
 
 

@@ -1,17 +1,67 @@
 """A reference-policy RL driver on checkpoint slots, as ART drivers write it: load the policy
 adapter, keep a frozen snapshot as the reference, then per step score the rollouts under the
 reference (and the base model), train the policy with a policy loss plus a KL-style term, and
-optim_step the policy slot only. Run in-process (TP=1) or under torchrun (TP=WORLD_SIZE)."""
+optim_step the policy slot only. Run in-process (TP=1, `prepare`) or under torchrun
+(TP=WORLD_SIZE: two_ranks_worker.py's slots/ job, or this file's main)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
+from collections.abc import Iterator
 
 import torch
 
 STEPS = 3
+ENV = {"ART_TRAINER_RANK_PROBE_LAYERS": "false", "ART_MEGATRON_RANDOM_STATE": "3",
+       "ART_MEGATRON_RECOMPUTE_GRANULARITY": "full"}
+REFERENCE = "reference.json"  # the TP=1 record, in prepare's tp1/ folder
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]) -> Iterator[None]:
+    """`values` set in os.environ, and the environment as it was afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def prepare(folder: str) -> str:
+    """The test process's part, before the launch (TP=1, under ENV): a policy adapter with
+    random B exported to folder/policy, and the driver run on it at TP=1, its record in
+    folder/tp1/REFERENCE. Returns the policy's folder."""
+    from art.megatron.lora import lora_modules
+
+    policy = os.path.join(folder, "policy")
+    tp1 = os.path.join(folder, "tp1")
+    os.makedirs(tp1, exist_ok=True)
+    with environment(ENV):
+        rank = trainer()
+        g = torch.Generator().manual_seed(8)
+        with torch.no_grad():
+            for m in lora_modules(rank.model):
+                for b in m.lora_B.values():
+                    b.copy_(torch.randn(b.shape, generator=g) * 0.3)
+        rank.export_lora(policy)
+        record = drive(rank, policy, tp1)
+    with open(os.path.join(tp1, REFERENCE), "w") as f:
+        json.dump(record, f)
+    return policy
+
+
+def run(out_dir: str, policy: str) -> None:
+    """The driver at the layout the environment sets; this rank's record to out_dir."""
+    rank = trainer()
+    result = drive(rank, policy, out_dir)
+    result["layout"] = rank.layout.summary
+    with open(os.path.join(out_dir, f"rank{int(os.environ.get('RANK', 0))}.json"), "w") as f:
+        json.dump(result, f)
 
 
 def trainer():
@@ -95,12 +145,7 @@ def drive(rank, policy: str, out_dir: str) -> dict:
 def main() -> None:
     from art.megatron.distributed import shutdown_distributed
 
-    out_dir, policy = sys.argv[1], sys.argv[2]
-    rank = trainer()
-    result = drive(rank, policy, out_dir)
-    result["layout"] = rank.layout.summary
-    with open(os.path.join(out_dir, f"rank{int(os.environ.get('RANK', 0))}.json"), "w") as f:
-        json.dump(result, f)
+    run(sys.argv[1], sys.argv[2])
     shutdown_distributed()
 
 

@@ -3,22 +3,15 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 import torch
-from peft import LoraConfig
 
-from art.megatron.lora import lora_modules
-from art.megatron.lora_peft import export_adapter
-from art.megatron.provider import Provider
-from art.megatron.settings import load_settings
-
-from _torchrun import rank_records, run_torchrun
+from _torchrun import rank_records
 
 WORKER = Path(__file__).with_name("lora_tp_worker.py")
-MODELS = ("tiny-qwen3", "tiny-qwen3-moe")
-ENV = {"ART_MEGATRON_RECOMPUTE_GRANULARITY": "full"}
 
 
 def _worker_module():
@@ -29,28 +22,18 @@ def _worker_module():
 
 
 @pytest.mark.torchrun
-def test_lora_tp2_matches_tp1(megatron_process, tmp_path):
+def test_lora_tp2_matches_tp1(megatron_process, two_rank_launch):
+    """The adapters conftest.py saved before the shared 2-rank launch (lora_tp_worker's
+    `save_adapters`, TP=1), run at TP=1 here and at TP=2 in the launch (lora/)."""
     worker = _worker_module()
-    specs, reference = [], {}
-    for name in MODELS:
-        provider = Provider(name, settings=load_settings(ENV), dtype="float32",
-                            lora=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
-        model = provider.build_model(seed=0)
-        g = torch.Generator().manual_seed(7)
-        with torch.no_grad():  # a non-trivial adapter: B random, not zero
-            for module in lora_modules(model):
-                for b in module.lora_B.values():
-                    b.copy_(torch.randn(b.shape, generator=g) * 0.2)
-        adapter = tmp_path / f"adapter-{name}"
-        export_adapter(model, adapter)
-        specs.append(f"{name}={adapter}")
-        reference[name] = worker.run(provider, str(adapter))  # TP=1, this process
-    out = tmp_path / "tp2"
-    out.mkdir()
-    run_torchrun(WORKER, str(out), *specs, nproc=2, timeout_s=150,
-                 env={"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2", **ENV})
-    ranks = rank_records(out)
-    for name in MODELS:
+    specs = json.loads((two_rank_launch / "lora-adapters" / worker.SPECS).read_text())
+    reference = {}
+    for spec in specs:
+        name, adapter = spec.split("=", 1)
+        reference[name] = worker.run(worker.provider_for(name), adapter)  # TP=1, here
+    assert sorted(reference) == sorted(worker.MODELS)
+    ranks = rank_records(two_rank_launch / "lora")
+    for name in worker.MODELS:
         ref = reference[name]
         assert any(v != 0.0 for vs in ref["grads"].values() for v in vs)
         for rank in ranks:

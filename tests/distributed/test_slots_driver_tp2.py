@@ -4,17 +4,16 @@ checked against the same driver at TP=1 in this process."""
 from __future__ import annotations
 
 import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from _torchrun import rank_records, run_torchrun
+from _torchrun import rank_records
 
 WORKER = Path(__file__).with_name("slots_driver_worker.py")
-ENV = {"ART_TRAINER_RANK_PROBE_LAYERS": "false", "ART_MEGATRON_RANDOM_STATE": "3",
-       "ART_MEGATRON_RECOMPUTE_GRANULARITY": "full"}
 
 
 def _worker():
@@ -25,27 +24,13 @@ def _worker():
 
 
 @pytest.mark.torchrun
-def test_policy_and_reference_scoring_with_steps_between_under_tp2(
-        megatron_process, tmp_path, monkeypatch):
-    from art.megatron.lora import lora_modules
-
-    for name, value in ENV.items():
-        monkeypatch.setenv(name, value)
-    worker = _worker()
-    rank = worker.trainer()
-    g = torch.Generator().manual_seed(8)
-    with torch.no_grad():
-        for m in lora_modules(rank.model):
-            for b in m.lora_B.values():
-                b.copy_(torch.randn(b.shape, generator=g) * 0.3)
-    policy = str(tmp_path / "policy")
-    rank.export_lora(policy)
-    (tmp_path / "tp1").mkdir()
-    (tmp_path / "tp2").mkdir()
-    reference = worker.drive(rank, policy, str(tmp_path / "tp1"))
-    run_torchrun(WORKER, str(tmp_path / "tp2"), policy, nproc=2, timeout_s=240,
-                 env={"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2", **ENV})
-    ranks = rank_records(tmp_path / "tp2")
+def test_policy_and_reference_scoring_with_steps_between_under_tp2(two_rank_launch):
+    """The policy and the TP=1 record conftest.py made before the shared 2-rank launch
+    (slots_driver_worker's `prepare`), against the driver at TP=2 in the launch (slots/)."""
+    folder = two_rank_launch / "slots-tp1"
+    reference = json.loads((folder / "tp1" / _worker().REFERENCE).read_text())
+    tp1, tp2 = folder / "tp1", two_rank_launch / "slots"
+    ranks = rank_records(tp2)
     for record in [reference, *ranks]:
         # The snapshot and the base model do not move while the policy trains.
         assert all(r == record["reference"][0] for r in record["reference"])
@@ -61,12 +46,11 @@ def test_policy_and_reference_scoring_with_steps_between_under_tp2(
             for got, want in zip(record[key], reference[key]):
                 torch.testing.assert_close(torch.tensor(got), torch.tensor(want),
                                            rtol=1e-4, atol=1e-5)
-    tp1 = load_file(tmp_path / "tp1" / "saved" / "adapter_model.safetensors")
-    tp2 = load_file(tmp_path / "tp2" / "saved" / "adapter_model.safetensors")
-    assert tp1.keys() == tp2.keys()
-    for key in tp1:
-        torch.testing.assert_close(tp2[key], tp1[key], rtol=1e-4, atol=1e-5, msg=key)
-    moments = [load_file(tmp_path / d / "saved" / "optimizer" / "exp_avg.safetensors")
-               for d in ("tp1", "tp2")]
+    saved = [load_file(d / "saved" / "adapter_model.safetensors") for d in (tp1, tp2)]
+    assert saved[0].keys() == saved[1].keys()
+    for key in saved[0]:
+        torch.testing.assert_close(saved[1][key], saved[0][key], rtol=1e-4, atol=1e-5, msg=key)
+    moments = [load_file(d / "saved" / "optimizer" / "exp_avg.safetensors")
+               for d in (tp1, tp2)]
     for key in moments[0]:
         torch.testing.assert_close(moments[1][key], moments[0][key], rtol=1e-3, atol=1e-7)

@@ -5,48 +5,20 @@ export bit-identical, the planner's resident weight term equals the live weights
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
-from _hf_models import hf_logprobs, save_hf_model, save_qwen3_5, token_sequences
 
-from _torchrun import run_torchrun
+from _torchrun import rank_records
 
-WORKER = Path(__file__).with_name("weights_worker.py")
 TOLERANCE = 1e-4
 
 
 @pytest.mark.torchrun
-def test_tp2_and_expert_tp_load_with_parity_and_export(tmp_path):
-    qwen3 = save_hf_model("qwen3", tmp_path / "qwen3")
-    llama = save_hf_model("llama", tmp_path / "llama", tied=True)
-    moe = save_hf_model("qwen3_moe", tmp_path / "moe")
-    qwen3_5 = save_qwen3_5(tmp_path / "qwen3_5")
-    for folder in (qwen3, llama, moe, qwen3_5):
-        # One sequence past a 64-token Gated DeltaNet chunk (the others ignore the length).
-        sequences = token_sequences(256, lengths=(70, 5, 9))
-        logprobs = hf_logprobs(folder, sequences)
-        torch.save({"sequences": sequences, "logprobs": logprobs},
-                   folder / "reference.pt")
-    tp2 = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"}
-    cases = [
-        {"name": "qwen3 TP2 SP", "folder": str(qwen3), "reference": str(qwen3 / "reference.pt"),
-         "env": tp2},
-        {"name": "llama tied TP2", "folder": str(llama), "reference": str(llama / "reference.pt"),
-         "env": {**tp2, "ART_MEGATRON_SEQUENCE_PARALLEL": "0"}},
-        {"name": "qwen3_moe TP2 ETP2", "folder": str(moe), "reference": str(moe / "reference.pt"),
-         "env": tp2},
-        {"name": "qwen3_moe TP2 ETP1", "folder": str(moe), "reference": str(moe / "reference.pt"),
-         "env": {**tp2, "ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE": "1"}},
-        # Gated DeltaNet in_proj / conv per-rank sections, gated QKV groups, packed rows
-        # split at sequence boundaries under sequence parallel.
-        {"name": "qwen3_5 TP2 SP", "folder": str(qwen3_5),
-         "reference": str(qwen3_5 / "reference.pt"), "env": tp2},
-    ]
-    (tmp_path / "cases.json").write_text(json.dumps(cases))
-    run_torchrun(WORKER, str(tmp_path / "cases.json"), str(tmp_path), nproc=2, timeout_s=240)
-    rows = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+def test_tp2_and_expert_tp_load_with_parity_and_export(two_rank_launch):
+    """The checkpoints and cases conftest.py prepared before the shared 2-rank launch
+    (weights_worker's `prepare_cases`), loaded in the launch (weights/)."""
+    cases = json.loads((two_rank_launch / "weights-cases" / "cases.json").read_text())
+    rows = rank_records(two_rank_launch / "weights")
     for rank, row in enumerate(rows):
         assert set(row) == {c["name"] for c in cases}
         for name, result in row.items():

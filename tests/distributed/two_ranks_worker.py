@@ -12,12 +12,19 @@ them, so each builds its own as it does in a launch of its own:
     expert_parallel/           expert_parallel_worker.py's 2-rank layouts
     paired_forwards/           paired_forwards_worker.py: EP=2 across the DP ranks, unequal work
     meter/                     meter_collectives_worker.py: the CPU meter under gloo collectives
+    lora/                      lora_tp_worker.py at TP=2 on the adapters in lora-adapters/
+    weights/                   weights_worker.py's cases in weights-cases/ (HF checkpoints)
+    slots/                     slots_driver_worker.py at TP=2 on the policy in slots-tp1/
+
+Each of the last three runs in the ART_MEGATRON_* environment it reads (set for the job,
+restored after it), as in a launch of its own.
 
 argv: out_dir, the heads' reference.pt.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -25,19 +32,31 @@ import context_parallel_worker
 import expert_parallel_worker
 import heads_tp_worker
 import hybrid_tp_worker
+import lora_tp_worker
 import meter_collectives_worker
 import paired_forwards_worker
 import shared_prefix_worker
+import slots_driver_worker
 import tp_loss_worker
 import trainer_worker
+import weights_worker
 from _launches import CP_EP_MODELS, CP_MODELS, EXPERT_LAYOUTS, GRANULARITIES
 from megatron.core import parallel_state
 
 from art.megatron.distributed import shutdown_distributed
 
 
+def _in(values: dict[str, str], job) -> None:
+    with slots_driver_worker.environment(values):
+        job()
+
+
 def main() -> None:
     out_dir, reference = Path(sys.argv[1]), sys.argv[2]
+    tp2 = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"}
+    lora_env = {**tp2, **lora_tp_worker.ENV}
+    weights_env = {"ART_TRAINER_RANK_PROBE_LAYERS": "false"}
+    slots_env = {**tp2, **slots_driver_worker.ENV}
     jobs = {
         "trainer": lambda out: trainer_worker.run_all(out, str(out_dir / "rank_mismatch")),
         "foundation": lambda out: tp_loss_worker.run(list(GRANULARITIES), out),
@@ -49,6 +68,12 @@ def main() -> None:
         "expert_parallel": lambda out: expert_parallel_worker.run(out, list(EXPERT_LAYOUTS[2])),
         "paired_forwards": paired_forwards_worker.run,
         "meter": meter_collectives_worker.run,
+        "lora": lambda out: _in(lora_env, lambda: lora_tp_worker.run_specs(out, json.loads(
+            (out_dir / "lora-adapters" / lora_tp_worker.SPECS).read_text()))),
+        "weights": lambda out: _in(weights_env, lambda: weights_worker.run_cases(
+            out_dir / "weights-cases" / "cases.json", Path(out))),
+        "slots": lambda out: _in(slots_env, lambda: slots_driver_worker.run(
+            out, str(out_dir / "slots-tp1" / "policy"))),
     }
     (out_dir / "rank_mismatch").mkdir(exist_ok=True)
     for name, job in jobs.items():
