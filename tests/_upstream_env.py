@@ -1,4 +1,11 @@
-"""A valid value for every ART_MEGATRON_* name upstream's provider and train.py read."""
+"""A valid value for every ART_MEGATRON_* name upstream's provider and train.py read, and a
+context that sets environment variables for a while."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator, Mapping
 
 UPSTREAM_ENV = {
     "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "1",
@@ -25,3 +32,16 @@ UPSTREAM_ENV = {
     "ART_MEGATRON_RANDOM_STATE": "3",
     "ART_MEGATRON_ENABLE_MOE_ROUTING_REPLAY": "false",
 }
+
+
+@contextlib.contextmanager
+def environment(values: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with `values` set, and as it was before (every variable) afterwards."""
+    saved = dict(os.environ)
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+

@@ -6,30 +6,18 @@ optim_step the policy slot only. Run in-process (TP=1, `prepare`) or under torch
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import sys
-from collections.abc import Iterator
 
 import torch
+
+from _upstream_env import environment
 
 STEPS = 3
 ENV = {"ART_TRAINER_RANK_PROBE_LAYERS": "false", "ART_MEGATRON_RANDOM_STATE": "3",
        "ART_MEGATRON_RECOMPUTE_GRANULARITY": "full"}
 REFERENCE = "reference.json"  # the TP=1 record, in prepare's tp1/ folder
-
-
-@contextlib.contextmanager
-def environment(values: dict[str, str]) -> Iterator[None]:
-    """`values` set in os.environ, and the environment as it was afterwards."""
-    saved = dict(os.environ)
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def prepare(folder: str) -> str:

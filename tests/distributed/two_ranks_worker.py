@@ -45,9 +45,11 @@ from megatron.core import parallel_state
 
 from art.megatron.distributed import shutdown_distributed
 
+from _upstream_env import environment
+
 
 def _in(values: dict[str, str], job) -> None:
-    with slots_driver_worker.environment(values):
+    with environment(values):
         job()
 
 

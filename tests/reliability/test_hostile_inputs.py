@@ -22,7 +22,7 @@ import shutil
 import subprocess
 import sys
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -45,6 +45,7 @@ from art.trainer_rank.decide.profiles import ProfileStore
 from art.trainer_rank.measuring.virtual_limit import ENV_TEST_MEMORY_LIMIT
 
 from _tiny import tiny_dense
+from _upstream_env import environment
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 256  # the items' trainer and the checkpoints
@@ -137,24 +138,12 @@ class World:
         return state
 
 
-@contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """os.environ with `values` set, restored afterwards (rows leave the environment as is)."""
-    saved = dict(os.environ)
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-
-
 def cli(*argv: str, env: dict[str, str] | None = None) -> None:
     """`python -m art.trainer_rank ARGV` in this process; Refused unless it exits 0."""
     from art.trainer_rank.cli.main import main
 
     out, err = io.StringIO(), io.StringIO()
-    with environment(**(env or {})), contextlib.redirect_stdout(out), \
+    with environment(env or {}), contextlib.redirect_stdout(out), \
             contextlib.redirect_stderr(err):
         try:
             status = main(list(argv))
@@ -175,7 +164,7 @@ def demo(*argv: str, env: dict[str, str] | None = None) -> None:
     def no_launch(*_args: Any) -> None:
         raise AssertionError(f"the demo would launch torchrun with {argv}")
 
-    with environment(**(env or {})), contextlib.redirect_stderr(err), \
+    with environment(env or {}), contextlib.redirect_stderr(err), \
             pytest.MonkeyPatch.context() as patch:
         patch.setattr(demo_launch.os, "execv", no_launch)
         try:
