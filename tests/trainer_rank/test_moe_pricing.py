@@ -184,3 +184,42 @@ def test_experts_are_priced_over_their_expert_tp_group_not_tp() -> None:
     own = s / 2 * k * pair
     assert block(whole, "combine").temp == own + 2 * (s / 2 * k * pair)
     assert block(sharded, "combine").temp == own + 2 * s * k * pair + (s * k + s * k / 2) * pair
+
+
+def test_the_routing_state_is_held_through_the_backward_below_the_router(megatron_process):
+    """Once a MoE layer's router has run its backward, the token dispatcher still holds the
+    routing state (probabilities, map, permutation indices: `moe_dispatcher_state`) until
+    the layer's next call, so the backward of the blocks below the router (the Gated
+    DeltaNet mixer) runs beside it. A real Gated DeltaNet + MoE layer (the calibration
+    hybrid MoE, no recompute, its incoming gradient held as a full-recompute unit holds it)
+    is priced at its measured backward at two token counts; without the routing state the
+    formulas are 0.55% under."""
+    import torch
+    from _calibration.cells import POLICY_BY_NAME, calibration_geometries, lora_targets_for
+    from _calibration.harness import calibration_provider
+
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.measuring.meter import release_score_buffer
+    from art.trainer_rank.pricing.chunked import padded_chunk_tokens
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+
+    geometry = calibration_geometries()["hybrid-moe-128"]
+    implementation = Implementation.cpu_local()
+    provider = calibration_provider(geometry, POLICY_BY_NAME["none"], lora_rank=8,
+                                    tensor_parallel=1, dtype="float32",
+                                    implementation=implementation)
+    model = provider.build_model(seed=0)
+    layer = probe_runs.inner_model(model).decoder.layers[0]
+    dims = Dims(geometry, provider.layout, implementation, 4, 8,
+                frozenset(lora_targets_for(geometry)))
+    for s in (300, 777):
+        inputs = probe_runs.probe_inputs(model, [s], provider.layout, implementation,
+                                         torch.device("cpu"))
+        release_score_buffer()
+        measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
+                                            torch.float32, torch.device("cpu"), True,
+                                            hold_incoming=True)["backward"]
+        priced = price_layer(dims, PricedKind.LINEAR_ATTENTION_MOE, frozenset(), s,
+                             grad=True, padded=padded_chunk_tokens([s])).backward_held
+        assert priced == pytest.approx(measured, rel=1e-3), (s, priced, measured)

@@ -67,8 +67,11 @@ class BlockRole(enum.Enum):
     QKV = "qkv"  # the fused QKV buffer, which core attention keeps alive (V is a view)
     OUTPUT_GATE = "output gate"  # a gated attention's gate, a copy out of the QKV buffer
     ACTIVATION = "activation"  # an MLP's SwiGLU, which `moe_act` recomputes in experts
-    # A MoE layer's token dispatch and combine: the dispatch's output is the experts' input,
-    # which the layer's frame (Megatron's `routed_experts_compute`) holds through the combine.
+    # A MoE layer's router, whose routing state the token dispatcher keeps past the layer's
+    # backward (`layers_mlp.moe_dispatcher_state`); its token dispatch and combine: the
+    # dispatch's output is the experts' input, which the layer's frame (Megatron's
+    # `routed_experts_compute`) holds through the combine.
+    ROUTER = "router"
     DISPATCH = "dispatch"
     COMBINE = "combine"
     # What a Gated DeltaNet's rule runs on without grad: views of in_proj's and the conv's

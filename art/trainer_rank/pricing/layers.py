@@ -235,14 +235,17 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
     remaining = kept - own_input
     # Once the `moe` checkpoint's backward has run, its detached input and that input's
     # gradient stay referenced (`moe_checkpoint_retained`) through the rest of the layer.
+    # Once the router's backward has run, the token dispatcher still holds the routing state
+    # (`moe_dispatcher_state`): live through the backward of the blocks below it.
     retained_moe = 0.0
+    routing_state = 0.0
     moe_input = (next(i for i, blk in enumerate(blocks) if blk.module == "moe") - 1
                  if moe_checkpoint else None)
     for idx in reversed(range(len(blocks))):
         blk, part, seg = blocks[idx], parts[idx], segments[idx]
         if idx == moe_input:  # the block whose output the checkpoint took as its input
             retained_moe = moe_checkpoint_retained(blk.output)
-        rebuilt = _norm_rebuilt_for(blocks, segments, idx) + retained_moe
+        rebuilt = _norm_rebuilt_for(blocks, segments, idx) + retained_moe + routing_state
         if seg is not None:
             for j in range(idx, -1, -1):
                 if segments[j] != seg:
@@ -266,6 +269,8 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                              + blocks[j].output + blocks[j].temp)
                 before += blocks[j].internal + _rebuilt_output(blocks, segments, j)
         remaining -= part
+        if blk.role is BlockRole.ROUTER:
+            routing_state = moe_dispatcher_state(d, s)
     backward = int(max(peak_b - kept, 0.0))
     # Every block's backward above keeps a residual-stream gradient live besides its input's
     # (the `2 * x`): the layer's incoming gradient is priced as held to the end already.

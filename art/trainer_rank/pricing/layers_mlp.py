@@ -110,7 +110,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
     router = Block("router", None,
                    own * g.num_experts * (FP32 * 2 + 2) + own * g.moe_router_topk
                    * INT64 * 2 + g.num_experts * INT64,
-                   own * g.moe_router_topk * FP32, True)
+                   own * g.moe_router_topk * FP32, True, role=BlockRole.ROUTER)
     dispatch = Block("dispatch", "moe", 0.0, local_pairs * g.hidden_size * b, True,
                      temp=local_pairs * g.hidden_size * b, role=BlockRole.DISPATCH)
     # `moe` recompute checkpoints the whole MoE layer (router to combine, shared experts
