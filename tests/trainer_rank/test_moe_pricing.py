@@ -186,14 +186,17 @@ def test_experts_are_priced_over_their_expert_tp_group_not_tp() -> None:
     assert block(sharded, "combine").temp == own + 2 * s * k * pair + (s * k + s * k / 2) * pair
 
 
-def test_the_routing_state_is_held_through_the_backward_below_the_router(megatron_process):
-    """Once a MoE layer's router has run its backward, the token dispatcher still holds the
-    routing state (probabilities, map, permutation indices: `moe_dispatcher_state`) until
-    the layer's next call, so the backward of the blocks below the router (the Gated
-    DeltaNet mixer) runs beside it. A real Gated DeltaNet + MoE layer (the calibration
-    hybrid MoE, no recompute, its incoming gradient held as a full-recompute unit holds it)
-    is priced at its measured backward at two token counts; without the routing state the
-    formulas are 0.55% under."""
+def test_a_moe_layer_s_backward_is_priced_at_its_measurement(megatron_process):
+    """A real MoE layer of each kind (the calibration hybrid MoE, no recompute, its incoming
+    gradient held as a full-recompute unit holds it) is priced at its measured backward at
+    two token counts. Two moments set it:
+    - Once the router has run its backward, the token dispatcher still holds the routing
+      state (probabilities, map, permutation indices: `moe_dispatcher_state`) until the
+      layer's next call, beside the backward of the blocks below the router (the Gated
+      DeltaNet mixer). Without it the Gated DeltaNet + MoE layer is 0.55% under.
+    - The combine's backward gathers the output's gradient back to the pairs and sorts it
+      back to the experts' order, both pair-sized gradients live at once: the attention +
+      MoE layer's peak. Without the sorted copy it is 20% under."""
     import torch
     from _calibration.cells import POLICY_BY_NAME, calibration_geometries, lora_targets_for
     from _calibration.harness import calibration_provider
@@ -210,16 +213,18 @@ def test_the_routing_state_is_held_through_the_backward_below_the_router(megatro
                                     tensor_parallel=1, dtype="float32",
                                     implementation=implementation)
     model = provider.build_model(seed=0)
-    layer = probe_runs.inner_model(model).decoder.layers[0]
+    layers = probe_runs.inner_model(model).decoder.layers
     dims = Dims(geometry, provider.layout, implementation, 4, 8,
                 frozenset(lora_targets_for(geometry)))
-    for s in (300, 777):
-        inputs = probe_runs.probe_inputs(model, [s], provider.layout, implementation,
-                                         torch.device("cpu"))
-        release_score_buffer()
-        measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
-                                            torch.float32, torch.device("cpu"), True,
-                                            hold_incoming=True)["backward"]
-        priced = price_layer(dims, PricedKind.LINEAR_ATTENTION_MOE, frozenset(), s,
-                             grad=True, padded=padded_chunk_tokens([s])).backward_held
-        assert priced == pytest.approx(measured, rel=1e-3), (s, priced, measured)
+    for index, kind in ((0, PricedKind.LINEAR_ATTENTION_MOE), (3, PricedKind.ATTENTION_MOE)):
+        for s in (300, 777):
+            inputs = probe_runs.probe_inputs(model, [s], provider.layout, implementation,
+                                             torch.device("cpu"))
+            release_score_buffer()
+            measured = probe_runs.measure_layer(layers[index], inputs, geometry.hidden_size,
+                                                torch.float32, torch.device("cpu"), True,
+                                                hold_incoming=True)["backward"]
+            priced = price_layer(dims, kind, frozenset(), s, grad=True,
+                                 padded=padded_chunk_tokens([s]) if kind.linear else None
+                                 ).backward_held
+            assert priced == pytest.approx(measured, rel=1e-3), (kind, s, priced, measured)

@@ -132,9 +132,13 @@ def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
               for blk in mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s), "shared ")
               ] if g.shared_expert_ffn_hidden_size else []
     blocks += [replace(router, module="moe"), dispatch, *experts]
+    # The combine's backward gathers the output's gradient back to the pairs and, with several
+    # local experts, sorts it back to the experts' order (a copy): both pair-sized gradients
+    # are live at once, the copy beyond what the block's gradients price.
+    sorted_gradient = local_pairs * g.hidden_size * b if local_experts > 1 else 0.0
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=combine_working_set(d, s, local_pairs, local_experts),
-                        role=BlockRole.COMBINE))
+                        grad_temp=sorted_gradient, role=BlockRole.COMBINE))
     return blocks
 
 
