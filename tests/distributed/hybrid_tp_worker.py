@@ -27,14 +27,17 @@ CASES: list[tuple[str, RecomputeConfig]] = [
 TOKENS = 150
 
 
+def layout(tp: int) -> ParallelLayout:
+    """The layout every case runs at: TP = `tp`, sequence parallel above TP=1."""
+    return ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1)
+
+
 def hybrid_cases(tp: int) -> list[dict]:
     rows = []
     for name, recompute in CASES:
         geometry = load_geometry(name)
-        config = build_transformer_config(
-            geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1),
-            recompute=recompute,
-            dtype="float32")
+        config = build_transformer_config(geometry, layout=layout(tp), recompute=recompute,
+                                          dtype="float32")
         model = build_gpt_model(geometry, config, seed=0)
         torch.manual_seed(1)
         tokens = torch.randint(0, geometry.vocab_size, (1, TOKENS))
@@ -94,15 +97,14 @@ def probe_reruns(tp: int) -> dict:
 
     geometry = load_geometry("tiny-qwen3_5")
     implementation = Implementation.cpu_local()
-    config = build_transformer_config(
-        geometry, layout=ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1),
-        recompute=RecomputeConfig(), dtype="float32")
+    config = build_transformer_config(geometry, layout=layout(tp),
+                                      recompute=RecomputeConfig(), dtype="float32")
     model = build_gpt_model(geometry, config, implementation=implementation, seed=0)
     layer = model.decoder.layers[3]
     runs: list[int] = []
     handle = layer.register_forward_hook(lambda *_: runs.append(1))
-    inputs = probe_runs.probe_inputs(model, TOKENS, ParallelLayout(
-        tensor_parallel=tp, sequence_parallel=tp > 1), implementation, torch.device("cpu"))
+    inputs = probe_runs.probe_inputs(model, TOKENS, layout(tp), implementation,
+                                     torch.device("cpu"))
     counts, rows = [], []
     for point in range(2):
         if point == 1 and torch.distributed.get_rank() == tp - 1:

@@ -51,14 +51,12 @@ def _dispatcher_state_priced(rows: list[dict], tp: int) -> None:
     half of the row, so the state is half of TP=1's."""
     from art.megatron.geometry import load_geometry
     from art.megatron.implementation import Implementation
-    from art.megatron.layout import ParallelLayout
     from art.trainer_rank.pricing.layer_terms import Dims
     from art.trainer_rank.pricing.layers_mlp import moe_dispatcher_state
 
     worker = _worker_module()
-    layout = ParallelLayout(tensor_parallel=tp, sequence_parallel=tp > 1)
-    dims = Dims(load_geometry("tiny-qwen3_5-moe"), layout, Implementation.cpu_local(), 4, 0,
-                frozenset())
+    dims = Dims(load_geometry("tiny-qwen3_5-moe"), worker.layout(tp),
+                Implementation.cpu_local(), 4, 0, frozenset())
     priced = moe_dispatcher_state(dims, worker.TOKENS)
     measured = [r["dispatcher_state_bytes"] for r in rows if r["model"] == "tiny-qwen3_5-moe"]
     assert measured and all(m is not None for m in measured)

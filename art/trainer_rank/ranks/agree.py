@@ -84,12 +84,16 @@ def check_same_call(what: str, values: tuple[int, ...]) -> None:
         )
 
 
+def _all_reduce(value: int, op: Any, group: Any) -> int:
+    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
+    dist.all_reduce(t, op=op, group=group)
+    return int(t.item())
+
+
 def _reduce(value: int, op: Any) -> int:
     if not _initialized() or _replica_size() == 1:
         return int(value)
-    t = torch.tensor([int(value)], dtype=torch.int64, device=collective_device())
-    dist.all_reduce(t, op=op, group=_replica_group())
-    return int(t.item())
+    return _all_reduce(value, op, _replica_group())
 
 
 def min_over_replica(value: int) -> int:
@@ -163,10 +167,8 @@ def any_over_layer_ranks(flag: bool) -> bool:
     if experts_cross_replicas():
         from megatron.core import parallel_state
 
-        t = torch.tensor([value], dtype=torch.int64, device=collective_device())
-        dist.all_reduce(t, op=dist.ReduceOp.MAX,
-                        group=parallel_state.get_expert_model_parallel_group())
-        value = int(t.item())
+        value = _all_reduce(value, dist.ReduceOp.MAX,
+                            parallel_state.get_expert_model_parallel_group())
     return bool(value)
 
 
