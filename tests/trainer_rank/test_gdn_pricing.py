@@ -281,6 +281,84 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
             calls, priced.forward, measured["forward"])
 
 
+@pytest.mark.parametrize("prompt, deeper, own", [
+    (3, 0, (4, 12, 4, 183, 22, 11, 4, 18, 4, 36, 4, 215, 15, 39, 5, 41)),
+    (1, 36, (58, 38, 39, 2, 160, 2, 15, 2, 2, 284, 6, 298, 2, 37, 10, 39)),
+])
+def test_full_recompute_unit_over_prefix_trees_is_priced_at_its_backward(
+        megatron_process, prompt, deeper, own):
+    """A full-recompute unit of one Gated DeltaNet layer over a row of groups sharing a
+    prompt (`deeper`: tokens the first two sequences also share, a third depth). Its forward
+    saves nothing, so it holds its continued segments' initial states only in its own
+    backward, where it rebuilds them: one layer's states, not every layer's. A call that
+    handed final states to the depth below gets their gradients back, and the CPU rule
+    rebuilds those states beside them. The unit's measured backward is priced from its
+    peak and one layer's states within 2% above."""
+    from dataclasses import replace
+
+    import torch
+    from _calibration.harness import micro_batch_shape
+
+    from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.compute.forward import _rotary, local_row
+    from art.trainer_rank.compute.packing import pack_sequences
+    from art.trainer_rank.measuring import probe_runs
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+    from art.trainer_rank.pricing.layers_gdn import prefix_tree_state_bytes
+    from art.trainer_rank.pricing.passes import Unit, full_unit_peak
+
+    geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(32)
+    generator = torch.Generator().manual_seed(0)
+    shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
+    sequences = [torch.cat([shared[:prompt + (deeper if k < 2 else 0)], torch.full((n,), 1 + k)])
+                 for k, n in enumerate(own)]
+    batch = pack_sequences(sequences, implementation=implementation, layout=provider.layout,
+                           device="cpu", groups=[len(sequences)])
+    row = local_row(inner, batch)
+    tokens = row.tokens.shape[1]
+    rotary = _rotary(inner, batch, torch.zeros(tokens, 1, geometry.hidden_size),
+                     row.positions[0])
+    inputs = probe_runs.ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
+                                    rotary, tokens)
+    recurrent = micro_batch_shape([len(s) for s in sequences], OutputRequest.parse("logprobs"),
+                                  True, provider.layout, implementation, sequences).recurrent
+    assert len(recurrent.calls) == (3 if deeper else 2)
+    measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size, torch.float32,
+                                        torch.device("cpu"), True, full_layers=1,
+                                        hold_incoming=True)["backward"]
+    priced_layer = price_layer(dims, PricedKind.LINEAR_ATTENTION, frozenset(), tokens,
+                               grad=True, rule_calls=recurrent.calls)
+    x = tokens * geometry.hidden_size * 4
+    priced = (full_unit_peak(Unit(True, 0, x, x, (priced_layer,)))
+              + prefix_tree_state_bytes(dims, recurrent.continued_segments))
+    assert 1.0 <= priced / measured <= 1.02, (recurrent.calls, priced, measured)
+
+
+def test_cp_rows_sharing_a_prompt_under_full_recompute_price_one_unit_s_states():
+    """The committed CP2 hybrid rows sharing a prompt, run with full recompute one layer a
+    unit (measured under torchrun). Two of them, 16 sequences sharing a 3- and a 12-token
+    prompt, peak at a Gated DeltaNet unit's backward, beside the states that unit rebuilt.
+    Priced with every Gated DeltaNet layer's states held through the pass, the formulas were
+    5.5% over both; with the states the layers really hold at once all three are in the
+    band. Re-priced from the committed rows."""
+    import csv
+
+    from _calibration.harness import reprice_rows
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "hybrid-cp2"
+    with open(folder / "calibration.csv") as f:
+        # The model's whole group: its probe's key covers every output its rows request.
+        group = [r for r in csv.DictReader(f)
+                 if r["policy"] == "full uniform 1" and r["lora_rank"] == "8"]
+    sharing = [r for r in reprice_rows(group, str(folder / "probes"))
+               if int(r["shared_prefix"]) > 0]
+    assert len(sharing) == 3
+    for row in sharing:
+        assert 1.0 <= float(row["default_ratio"]) <= 1.05, row
+        assert 1.0 <= float(row["ratio"]) <= 1.05, row
+
+
 def test_cp_row_with_a_tail_segment_is_read_where_the_probe_measured():
     """Under CP a Gated DeltaNet layer runs the whole row, and a 103-token sequence at CP2
     is padded to 104 with a 1-token tail segment: three kernel chunks for 104 tokens, 88

@@ -71,12 +71,17 @@ def linear_attention_blocks(d: Dims, s: int, padded: int | None = None,
         # Backward runs the calls last first; each call's input gradients stay until the
         # split's backward concatenates all of them, when they and the concatenation exist.
         # A call that started from its parents' states also returns their gradient (fp32),
-        # which flows on to the call above through the stacked copy.
+        # which flows on to the call above through the stacked copy. A call that handed its
+        # final states to the depth below gets their gradient back (one per segment of the
+        # call), and the CPU rule rebuilds those final states beside it.
         grads_per_token = vheads * (2 * dk * b + la.value_head_dim * b + FP32 + b)
         state = vheads * dk * la.value_head_dim * FP32
+        finals_held = 1 if d.implementation.delta_rule == "fla" else 2
+        last = len(rule_calls) - 1
         delta_grad = max(
             max(g + grads_per_token * sum(sum(later) for later in rule_calls[index + 1:])
                 + (2 * len(rule_calls[index]) * state if index else 0.0)
+                + (finals_held * len(rule_calls[index]) * state if index < last else 0.0)
                 for index, (_, g) in enumerate(per_call)),
             2 * grads_per_token * rows)
     return [

@@ -311,6 +311,23 @@ class MemoryModel:
         return self._reading().unit_change(index, kind, n,
                                            PaddedRow(s, padded, segments, sequences))
 
+    def _layers_holding_tree_states(self) -> int:
+        """How many Gated DeltaNet layers hold their continued segments' initial states at
+        once (what the rule saves for backward): every such layer outside a full-recompute
+        unit, which keeps them until its backward, and the linear layers of the largest unit,
+        whose forward runs without saving and which rebuilds them only for its own backward."""
+        kept = 0
+        units: dict[tuple[int, int, int], int] = {}
+        for index, lr in self._stage_layers():
+            if not self._kinds[index].linear:
+                continue
+            if lr.full_checkpoint_unit is None:
+                kept += 1
+            else:
+                unit = (lr.pipeline_stage, lr.virtual_chunk, lr.full_checkpoint_unit)
+                units[unit] = units.get(unit, 0) + 1
+        return kept + max(units.values(), default=0)
+
     def _probe_tokens(self, kind: PricedKind, s: int) -> int:
         return probe_tokens(self.layout, kind, s)
 
@@ -383,7 +400,7 @@ class MemoryModel:
                    if recurrent is not None or self.layout.context_parallel > 1
                    else row_segments(segments, self.layout))
             padded, rule_segments = padded_chunk_tokens(row), len(row)
-        layers = sum(1 for kind in self._kinds if kind.linear)
+        layers = self._layers_holding_tree_states()
         if grad and continued and layers:
             per_layer = prefix_tree_state_bytes(self.dims, continued)
             pre.append(Term(TermKind.PREFIX_TREE_STATES, "prefix-tree states handed on",
