@@ -78,9 +78,10 @@ TRAINER_RANK_ENV = EnvTable(
                field="test_memory_limit_bytes", default=None, nullable=True,
                default_text="unset"),
         EnvVar("PROBE_LAYERS", parse_bool,
-               "at start-up, measure one real layer per recompute mode (and each output mix's "
-               "head on first use) and price with those coefficients instead of the default "
-               "formulas; it measures only sizes whose micro-batch fits the usable limit",
+               "measure one real layer per recompute mode and each output mix's head, each "
+               "the first time a micro-batch needs it, and price with those coefficients "
+               "instead of the default formulas; it measures only sizes whose micro-batch "
+               "fits the usable limit",
                field="probe_layers", default=True, default_text="true"),
         EnvVar("FAULT_TIMEOUT_S", parse_number,
                "after a collective failed because a peer failed, how long a rank waits for the "

@@ -13,6 +13,7 @@ from _trainer_helpers import provider
 
 from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
+from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.measuring import probe as probe_module
 from art.trainer_rank.measuring import probe_runs, probe_store
 
@@ -37,9 +38,15 @@ def measured(monkeypatch):
 
 
 def _trainer(p, model, **options) -> TrainerRank:
+    """A new job's trainer after its first grad micro-batch was priced: the configured
+    policy's grad modes are probed then (or read from the cache)."""
     probe_module.forget_in_process_probes()
-    return TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=TrainerRankOptions(
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=TrainerRankOptions(
         test_memory_limit_bytes=LIMIT, **options)))
+    assert trainer.probe is not None and trainer.probe.layers.layers == ()
+    trainer.memory_model.estimate(MicroBatchShape(
+        (64,), outputs=OutputRequest(target_logprobs=True), grad_enabled=True))
+    return trainer
 
 
 def test_a_second_job_reuses_the_probe_from_the_user_cache_folder(built, measured, tmp_path,
@@ -48,10 +55,11 @@ def test_a_second_job_reuses_the_probe_from_the_user_cache_folder(built, measure
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     first = _trainer(p, model)
     folder = tmp_path / "cache" / "art-trainer-rank" / "probes"
-    stored = sorted(folder.glob("probe-*.json"))
-    assert [s.name for s in stored] == [f"probe-{first.probe.key}.json"]
+    stored = {s.name: s for s in folder.glob("probe-*.json")}
+    # The grad modes' layers, and the head tail of the priced output mix.
+    assert len(stored) == 2 and f"probe-{first.probe.key}.json" in stored
     assert len(measured) > 0
-    record = json.loads(stored[0].read_text())
+    record = json.loads(stored[f"probe-{first.probe.key}.json"].read_text())
     assert record["software"] == probe_store.software_fingerprint("cpu")
 
     measured.clear()
@@ -151,20 +159,34 @@ def test_a_probe_for_another_policy_measures_only_the_parts_this_process_has_not
     p, model = built
     full = provider("full", ART_MEGATRON_RECOMPUTE_METHOD="uniform",
                     ART_MEGATRON_RECOMPUTE_NUM_LAYERS="1")
-    _trainer(p, model, probe_cache=False)
+    _price(_trainer(p, model, probe_cache=False), grad=False)
     measured.clear()
     second = TrainerRank(TrainingRuntime.for_model(model, full, trainer_options=TrainerRankOptions(
         test_memory_limit_bytes=LIMIT, probe_cache=False)))
+    # Full recompute's no-grad modes are selective's: reused whole. Its grad modes are
+    # others, measured now.
+    _price(second, grad=False)
+    assert measured == []
+    _price(second, grad=True)
     reused = len(measured)
     measured.clear()
-    fresh = _trainer(full, model, probe_cache=False)
-    # Full recompute's probe shares the no-grad modes and the tails with selective's (its
-    # grad modes are others, and measured at the points its own limit allows).
+    probe_module._PARTS.clear()
+    probe_module.forget_in_process_probes()
+    fresh = TrainerRank(TrainingRuntime.for_model(model, full, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=LIMIT, probe_cache=False)))
+    _price(fresh, grad=False)
+    _price(fresh, grad=True)
     assert 0 < reused < len(measured), (reused, len(measured))
     assert second.probe.key == fresh.probe.key
     # The measured bytes are equal; the fits through them agree to the last bits a threaded
     # least-squares solve leaves.
     assert _measured(second.probe.layers.layers) == _measured(fresh.probe.layers.layers)
+
+
+def _price(trainer: TrainerRank, grad: bool) -> None:
+    """Price one micro-batch, as a call's plan does (probing what it needs first)."""
+    trainer.memory_model.estimate(MicroBatchShape(
+        (64,), outputs=OutputRequest(target_logprobs=True), grad_enabled=grad))
 
 
 def _measured(layers) -> dict:

@@ -29,14 +29,16 @@ def test_probe_and_first_use_head_tails_stay_under_the_limit(built):
     options = TrainerRankOptions(test_memory_limit_bytes=LIMIT)
     with MemoryMeter(device="cpu") as start:
         trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=options))
-    assert 0 < start.peak_bytes <= LIMIT
-    # Each call asks for a new output mix, so the head tail is probed inside it.
+    assert start.peak_bytes <= LIMIT
+    # Each call asks for a new grad mode and a new output mix, so the layers of its grad mode
+    # and the head tail are probed inside it.
     for grad, outputs in ((True, dict(top_k=4, logits=True, hidden_states=True)),
                           (False, dict(top_k=2, logits=True, hidden_states=False))):
-        before = len(trainer.probe.probed_tails)
+        before = (len(trainer.probe.probed_tails), len(trainer.probe.probed_on_first_use))
         with MemoryMeter(device="cpu") as call:
             _run(trainer, [16], grad=grad, **outputs)
-        assert len(trainer.probe.probed_tails) > before
+        assert len(trainer.probe.probed_tails) > before[0]
+        assert len(trainer.probe.probed_on_first_use) > before[1]
         assert 0 < call.peak_bytes <= LIMIT, (grad, call.peak_bytes, LIMIT)
     trainer.zero_grad()
 

@@ -13,6 +13,7 @@ from art.megatron.train import TrainingRuntime
 from art.trainer_rank import TrainerRank, TrainerRankOptions
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.measuring.probing import (
+    LOGPROBS,
     MIN_PROBE_POINTS,
     _model_state_kept,
     probe_tokens_for_limit,
@@ -27,22 +28,29 @@ def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_f
     trainer = TrainerRank(TrainingRuntime.for_model(model, p,
                           trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT)))
     assert trainer.probe is not None and trainer.probe.probed_tails == []
-    # The key TP ranks agree on before probing is the probe's own.
-    assert trainer.probe._key(trainer.probe.modes, (), trainer.probe.tokens,
-                              trainer.probe.grad_tokens) == trainer.probe.key
-    # The configured policy (grad and no grad) now; the full-recompute escalation policy's
-    # modes wait for the first estimate that asks for one.
-    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.modes} == {
-        (True, 0), (False, 0)}
-    assert {(m.mode.grad, m.mode.full_layers) for m in trainer.probe.pending_modes} >= {
-        (True, 1)}
+    # Nothing is probed when the trainer is built: the configured policy's grad modes, its
+    # no-grad modes and the full-recompute escalation policy's modes each wait for the first
+    # estimate that asks for one.
+    assert trainer.probe.layers.layers == () and trainer.probe.modes == []
+    groups = [{(m.mode.grad, m.mode.full_layers) for m in group}
+              for group in trainer.probe.pending_groups]
+    assert groups[:2] == [{(True, 0)}, {(False, 0)}]
+    assert any({(True, 1)} <= group for group in groups[2:])
+    grad_group = trainer.probe.pending_groups[0]
     mbs = list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=2, logits=False,
                                                          hidden_states=False), no_grad=True))
     assert trainer.probe.probed_tails == ["logprobs,top_k=2:no-grad"]
     assert all("coefficients: probe:" in mb.stats.term_table for mb in mbs)
+    # A scoring call probed the no-grad modes only.
+    assert {m.split(":", 1)[1] for m in trainer.probe.probed_on_first_use} == {"nograd"}
     shape = MicroBatchShape((64,), outputs=OutputRequest(logits=True), grad_enabled=True)
     configured = trainer.admission.memory_model.estimate(shape)
-    assert trainer.probe.probed_on_first_use == []
+    assert {m.split(":", 1)[1] for m in trainer.probe.probed_on_first_use} == {
+        "nograd", "sel:core_attn"}
+    # The key TP ranks agree on before probing a group is the probe's own.
+    assert trainer.probe._key(grad_group, (), trainer.probe._points(LOGPROBS, False),
+                              trainer.probe._points(LOGPROBS, True)
+                              ) in trainer.probe.key.split("+")
     escalated = trainer.admission.memory_model.with_recompute(trainer.admission.full_recompute)
     assert escalated.estimate(shape).coefficients_source.startswith("probe:")
     assert trainer.probe.probed_tails[-1] == "logits:grad"

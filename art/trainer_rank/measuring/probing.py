@@ -1,12 +1,13 @@
-"""Probe coefficients for one TrainerRank: layers at construction, head tails on first use.
+"""Probe coefficients for one TrainerRank: layers and head tails, each on first use.
 
 Coefficients measured on the built model by the layer probe price closer to real peaks than
 the default formulas (bench/RESULTS.md, section 1, compares both on the calibration matrix).
-So the trainer probes its own model when it is built, for the configured recompute policy
-(with and without grad); the layer modes of the other rungs it may run are probed the first
-time an estimate asks for one, all of them together, since a micro-batch that needs one rung
-is priced under the others too. A job whose micro-batches all fit as configured never pays
-for them.
+So the trainer probes its own model, the first time an estimate asks for a layer mode: the
+configured recompute policy's grad modes when the first grad micro-batch is priced, its
+no-grad modes when the first no-grad one is, and the layer modes of the other rungs it may
+run all of them together (with grad, or without), since a micro-batch that needs one rung is
+priced under the others too. A job whose micro-batches all fit as configured never pays for
+the rungs, and one that only scores (or only trains) never pays for the other grad mode.
 
 The tail (final norm + chunked head + requested outputs + caller loss) depends on the output
 request, and which mixes a run asks for is only known when items arrive (a packed micro-batch
@@ -105,7 +106,7 @@ def _model_state_kept(model: Any) -> Iterator[None]:
 
 class TrainerProbe:
     """Duck-types `probe.ProbeCoefficients` for `MemoryModel` (key, layer_cost, tail_cost,
-    partial_for); layers are probed up front, tails per (output mix, grad) on first use."""
+    partial_for); layer modes in groups and tails per (output mix, grad), on first use."""
 
     def __init__(self, provider: Any, model: Any, *, policies: Iterable[Any],
                  on_first_use: Iterable[Any] = (),
@@ -120,8 +121,12 @@ class TrainerProbe:
         a tail is also measured at the multiples of the head chunk (`head_chunk_tokens`, the
         one the trainer runs) whose tail the formulas fit in half the limit.
 
-        `policies` are probed now; the layer modes only `on_first_use` policies run, the first
-        time an estimate asks for one of them (at the points the limit then admits)."""
+        `policies` are probed now. The layer modes of the `on_first_use` policies are probed
+        the first time an estimate asks for one of them (at the points the limit then
+        admits), in groups: the first of those policies' modes with grad, its modes without,
+        and the rest's with and without, each group whole, since a micro-batch priced under
+        one of a group's modes is priced under the others too. A job that never runs a grad
+        mode (or a no-grad one) never probes it."""
         self.provider = provider
         self.head_chunk_tokens = int(head_chunk_tokens)
         self.model = model
@@ -134,13 +139,23 @@ class TrainerProbe:
         self.lora_rank = int(lora.r) if lora is not None else 0
         modes = _layer_modes(provider.geometry, policies)
         self.modes = sorted(modes, key=lambda m: m.sort_key)
+        later = list(on_first_use)
+        first = _layer_modes(provider.geometry, later[:1]) - modes
+        rest = _layer_modes(provider.geometry, later[1:]) - modes - first
         # Only modes the probe can switch on a layer (not the MoE-level ones, which the
         # formulas price) are worth waiting for.
-        self.pending_modes = sorted(
-            (m for m in _layer_modes(provider.geometry, on_first_use) - modes
-             if m.mode.modules <= probe_module.PROBED_MODULES), key=lambda m: m.sort_key)
-        self.layers = self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
-                                   grad_tokens=self.grad_tokens)
+        self.pending_groups: list[list[LayerMode]] = [
+            group for group in (
+                sorted((m for m in part if m.mode.grad == grad
+                        and m.mode.modules <= probe_module.PROBED_MODULES),
+                       key=lambda m: m.sort_key)
+                for part in (first, rest) for grad in (True, False))
+            if group]
+        self.layers = (self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
+                                    grad_tokens=self.grad_tokens) if self.modes else
+                       probe_module.ProbeCoefficients(
+                           self._key((), (), self.tokens, self.grad_tokens), self.tokens,
+                           (), ()))
         self.tails: dict[tuple[str, bool], Any] = {}
         self.probed_tails: list[str] = []
         self.probed_on_first_use: list[str] = []
@@ -179,20 +194,27 @@ class TrainerProbe:
     def partial_for(self, geometry: Any) -> bool:
         return self.layers.partial_for(geometry)
 
-    def _probe_if_pending(self, kind: PricedKind, mode: str) -> None:
-        """Probe the pending layer modes when (kind, mode) is one of them."""
-        if any(m.kind == kind and m.mode.key == mode for m in self.pending_modes):
-            self._probe_pending_modes()
+    @property
+    def pending_modes(self) -> list[LayerMode]:
+        """The layer modes not probed yet, waiting for an estimate that asks for them."""
+        return [m for group in self.pending_groups for m in group]
 
-    def _probe_pending_modes(self) -> None:
-        """Every pending layer mode, at the points the limit admits now, joined to the
-        layers probed so far."""
-        pending, self.pending_modes = self.pending_modes, []
+    def _probe_if_pending(self, kind: PricedKind, mode: str) -> None:
+        """Probe the pending group (kind, mode) is in, if it is in one."""
+        for group in self.pending_groups:
+            if any(m.kind == kind and m.mode.key == mode for m in group):
+                self._probe_pending_group(group)
+                return
+
+    def _probe_pending_group(self, group: list[LayerMode]) -> None:
+        """One pending group, at the points the limit admits now, joined to the layers
+        probed so far."""
+        self.pending_groups = [g for g in self.pending_groups if g is not group]
         tokens, grad_tokens = self._points(LOGPROBS, False), self._points(LOGPROBS, True)
-        probed = self._agreed(modes=pending, outputs=(), tokens=tokens, grad_tokens=grad_tokens)
-        self.layers = replace(self.layers, key=f"{self.layers.key}+{probed.key}",
-                              layers=self.layers.layers + probed.layers)
-        self.probed_on_first_use.extend(f"{m.kind}:{m.mode.key}" for m in pending)
+        probed = self._agreed(modes=group, outputs=(), tokens=tokens, grad_tokens=grad_tokens)
+        key = f"{self.layers.key}+{probed.key}" if self.layers.layers else probed.key
+        self.layers = replace(self.layers, key=key, layers=self.layers.layers + probed.layers)
+        self.probed_on_first_use.extend(f"{m.kind}:{m.mode.key}" for m in group)
 
     def snapshot(self) -> Any:
         """Everything probed so far as one plain `ProbeCoefficients` (JSON-able)."""

@@ -1,5 +1,5 @@
-"""The memory models one TrainerRank prices with: its own (probe coefficients: the configured
-policy's measured at start-up, the other rungs' when first priced; the head chunk it runs),
+"""The memory models one TrainerRank prices with: its own (probe coefficients, each policy's
+measured when first priced; the head chunk it runs),
 the same without coefficients, and the one a doubled tensor-parallel size would have."""
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
         coefficients = None
         if probe_layers:
             # Measured coefficients, not the default formulas: every policy this trainer
-            # may run, escalation included; the other rungs' when first priced, except
-            # under expert parallel (`probing`'s docstring says why).
-            policies = [provider.effective_recompute]
-            later: list[EffectiveRecompute] = []
+            # may run, escalation included, each when first priced (the configured one's
+            # grad and no-grad modes apart, then the other rungs'), except under expert
+            # parallel, where all of them are probed now (`probing`'s docstring says why).
+            policies: list[EffectiveRecompute] = []
+            later = [provider.effective_recompute]
             if recompute_choice != RecomputeChoice.CONFIGURED:
-                later = [rung.recompute for rung in ladder.rungs]
+                later += [rung.recompute for rung in ladder.rungs]
             if provider.layout.expert_parallel > 1:
-                policies, later = policies + later, []
+                policies, later = later, []
             usable = _agree.min_over_replica(device_usable_bytes(
                 next(model.parameters()).device, test_memory_limit_bytes))
             # The probe runs only at sizes whose micro-batch fits the limit (what it
