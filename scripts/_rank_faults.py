@@ -32,9 +32,10 @@ LossOf = Callable[[list[Any]], "torch.Tensor | None"]
 
 
 class Injector:
-    """Wraps MemoryMeter._grow: counts the allocations made in each place, and at the
-    `fail_nth` allocation made in `fail_location` makes that allocation fail as a real OOM
-    (or, with `raises`, raise that exception there instead: a bug at that point)."""
+    """Wraps MemoryMeter._grow: counts the allocations made in each place inside a meter with
+    a limit (the trainer's, around a micro-batch; not the probe's), and at the `fail_nth`
+    allocation made in `fail_location` makes that allocation fail as a real OOM (or, with
+    `raises`, raise that exception there instead: a bug at that point)."""
 
     def __init__(self, fail_location: str | None = None, fail_nth: int = 0,
                  raises: type[Exception] | None = None) -> None:
@@ -66,6 +67,10 @@ class Injector:
         injector, original = self, self._original
 
         def grow(meter: Any, nbytes: int, func: Any) -> None:
+            if meter.limit_bytes is None:
+                # Not the trainer's meter of a micro-batch (which has the virtual limit): the
+                # probe's, measuring a layer or a head on first use while a call plans.
+                return original(meter, nbytes, func)
             where = injector._location()
             injector.counts[where] += 1
             if (injector.fired is None and where == injector.fail_location
