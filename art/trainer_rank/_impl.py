@@ -11,6 +11,7 @@ caught an OOM in its backward and asked for the retry by iterating on.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Generator, Iterable, Iterator
@@ -408,16 +409,19 @@ class TrainerRank(SlotMethods, StepMethods):
 
     @contextlib.contextmanager
     def _probing_below(self, usable: int) -> Iterator[None]:
-        """A head tail probed on first use while planning measures below this plan's limit."""
+        """A probe on first use while planning (a layer mode or a head tail) measures below
+        this plan's limit, inside the fault protocol's guard for probes."""
         if self.probe is None:
             yield
             return
         before = self.probe.usable_bytes
         self.probe.usable_bytes = usable
+        self.probe.guard = functools.partial(self.phases.probing, _agree.replica_size())
         try:
             yield
         finally:
             self.probe.usable_bytes = before
+            self.probe.guard = contextlib.nullcontext
 
     def _micro_batch_loop(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
                           mode: PlanMode, *, measure_caller: bool

@@ -15,6 +15,7 @@ under "boundary" and "waves" those scenarios' records.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -78,6 +79,10 @@ SCENARIOS = [
     ("error in optimizer step", ValueError, "optimizer step", 0.0),
     ("error in caller loop", ValueError, "caller loop", 0.0),
     ("break on every rank", None, "break", 0.0),
+    # The layers probed on first use while the call plans (probe on, no cache): rank 1's
+    # third probe point fails, with its peer inside the probe's TP collectives.
+    ("probe", None, "probe", 0.0),
+    ("error in probe", ValueError, "probe", 0.0),
 ]
 # How long a rank that left the loop waits for its peers to leave too (the fault timeout).
 CALLER_LOOP_TIMEOUT_S = 3.0
@@ -118,6 +123,41 @@ class StepFault:
     def __exit__(self, *exc) -> None:
         if self.active:
             self._module.get_grad_norm_fp32 = self._original
+
+
+class ProbeFault:
+    """Rank 1's failure in a probe on first use: its third layer run raises (an OOM, or
+    `raises`) before the collectives its peer's run of that point then waits in."""
+
+    NTH = 3
+
+    def __init__(self, raises: type[Exception] | None, active: bool) -> None:
+        self.raises = raises
+        self.active = active
+        self.runs = 0
+        self.fired: str | None = None
+        self.fired_at: float | None = None
+
+    def __enter__(self) -> ProbeFault:
+        from art.trainer_rank.measuring import probe_runs
+
+        self._module, self._original = probe_runs, probe_runs._metered_run
+        fault = self
+
+        def metered_run(*args, **kwargs):
+            fault.runs += 1
+            if fault.active and fault.runs == self.NTH:
+                fault.fired, fault.fired_at = "probe", time.time()
+                if fault.raises is not None:
+                    raise fault.raises("injected in a probe point")
+                raise torch.OutOfMemoryError("injected: out of memory in a probe point")
+            return fault._original(*args, **kwargs)
+
+        probe_runs._metered_run = metered_run
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._module._metered_run = self._original
 
 
 def start_world(out_dir: str, name: str, tp: int = TP, cp: int = CP,
@@ -185,24 +225,28 @@ def provider(tp: int, cp: int) -> Provider:
     )
 
 
-def trainer(fault_timeout_s: float, tp: int, cp: int, *, step: bool = False) -> TrainerRank:
+def trainer(fault_timeout_s: float, tp: int, cp: int, *, step: bool = False,
+            probe: bool = False) -> TrainerRank:
     """A trainer on a fresh provider at TP=tp x CP=cp; `step`: LoRA adapters with Megatron's
-    DDP and optimizer (what optim_step steps), else the base model, forwards only."""
+    DDP and optimizer (what optim_step steps), else the base model, forwards only; `probe`:
+    the layer probe on (measured on first use, never read from a cache), else off."""
     return TrainerRank(build_runtime_for_provider(
         provider(tp, cp), build_optimizer=step, wrap_ddp=step,
         trainable_parameter_mode="lora" if step else "base_model",
         trainer_options=TrainerRankOptions(test_memory_limit_bytes=LIMIT_BYTES,
-                                           probe_layers=False, fault_timeout_s=fault_timeout_s)))
+                                           probe_layers=probe, probe_cache=False,
+                                           fault_timeout_s=fault_timeout_s)))
 
 
 def run(trainer: TrainerRank, injector: Injector, *, step: StepFault | None = None,
-        leave_loop: type[Exception] | None = None) -> dict:
+        probe: ProbeFault | None = None, leave_loop: type[Exception] | None = None) -> dict:
     """The documented training loop: an OOM in the caller's backward is caught and the loop
     iterates on; anything else ends it. `step`: an optimizer step follows, with that fault;
-    `leave_loop`: the loop body raises it at the first micro-batch."""
+    `probe`: the call's probes on first use run with that fault; `leave_loop`: the loop body
+    raises it at the first micro-batch."""
     seen: list[int] = []
     result: dict = {"error": None}
-    with injector:
+    with injector, probe or contextlib.nullcontext():
         try:
             for mb in trainer.forward_micro_batches(inputs()):
                 loss = sum(-o.target_logprobs.sum() for out in mb.outputs for o in leaves(out))
@@ -226,8 +270,9 @@ def run(trainer: TrainerRank, injector: Injector, *, step: StepFault | None = No
                                "memory_error": isinstance(exc, TrainerRankMemoryError),
                                "failing_rank": getattr(exc, "failing_rank", None),
                                "error_type": getattr(exc, "error_type", None)}
-    if step is not None and step.fired is not None:
-        injector.fired, injector.fired_at = step.fired, step.fired_at
+    for fault in (step, probe):
+        if fault is not None and fault.fired is not None:
+            injector.fired, injector.fired_at = fault.fired, fault.fired_at
     result.update(
         ended_at=time.time(), fired=injector.fired, fired_at=injector.fired_at,
         counts=dict(injector.counts), seen=seen,
@@ -266,6 +311,7 @@ def run_scenarios(out_dir: str, fault_timeout_s: float, tp: int, cp: int,
         mine = RANK == 1
         injector = Injector(location, nth, raises) if mine and fraction else Injector()
         step = StepFault(raises, mine) if location == "optimizer step" else None
+        probe = ProbeFault(raises, mine) if location == "probe" else None
         end_world()  # a fault closes the groups: every scenario gets a world of its own
         start_world(out_dir, f"{prefix}scenario-{k}", tp, cp)
         # A hang shows where each rank waits (the test's own timeout then fails it).
@@ -276,7 +322,9 @@ def run_scenarios(out_dir: str, fault_timeout_s: float, tp: int, cp: int,
             results[name] = run_break(trainer(timeout_s, tp, cp))
         else:
             results[name] = run(
-                trainer(timeout_s, tp, cp, step=step is not None), injector, step=step,
+                trainer(timeout_s, tp, cp, step=location == "optimizer step",
+                        probe=location == "probe"),
+                injector, step=step, probe=probe,
                 leave_loop=raises if mine and location == "caller loop" else None)
         faulthandler.cancel_dump_traceback_later()
         print(f"rank {RANK} {prefix}{name}: fired={results[name]['fired']} "

@@ -4,8 +4,10 @@ torchrun launch for every scenario). An OOM in a layer's forward, the heads, the
 backward or the optimizer step: both ranks leave the call with the same TrainerRankMemoryError
 naming rank 1 and the phase. Another exception (a bug in a layer's forward or in the step,
 the caller's loop body raising on rank 1 only): rank 1 raises its own exception, rank 0 a
-TrainerRankPeerError naming rank 1, the phase and the exception. Every rank ends within the
-fault timeout of the fault: no hang, no rank carrying on alone. An OOM in packing, before any
+TrainerRankPeerError naming rank 1, the phase and the exception. The same for an OOM or
+another exception in a probe on first use (the layers measured while the call plans, both
+ranks in the probe's collectives). Every rank ends within the fault timeout of the fault: no
+hang, no rank carrying on alone. An OOM in packing, before any
 collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
 workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1.
 The same launch then runs at CP=2 (every row split over the ranks, keys and values gathered in
@@ -37,6 +39,8 @@ ERRORS = {
                                 "optimizer step (step 1)", "ValueError"),
     "error in caller loop": ("rank 1 raised RuntimeError: the caller left the micro-batch loop",
                              "ValueError"),
+    "error in probe": ("rank 1 raised ValueError: injected in a probe point in the plan "
+                       "(probing the model on first use)", "ValueError"),
 }
 
 
@@ -102,6 +106,21 @@ def test_oom_in_the_optimizer_step_ends_every_rank_with_the_same_error(ranks):
         assert row["error"]["memory_error"], row["error"]
         assert "rank 1 ran out of memory in the optimizer step (step 1)" in row["error"]["text"]
         assert sorted(row["seen"]) == [0, 1, 2, 3]  # the forwards ran; the step did not end
+    assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
+
+
+@pytest.mark.torchrun
+def test_an_oom_in_a_probe_on_first_use_ends_every_rank_with_the_same_error(ranks):
+    """The layers are probed while the call plans, both TP ranks in each probe point's
+    collectives: rank 1's OOM there ends both calls at once with one error naming the probe,
+    before any micro-batch ran."""
+    rows = [r["probe"] for r in ranks]
+    _ended_in_time(rows, "probe")
+    for row in rows:
+        assert row["error"]["memory_error"], row["error"]
+        assert ("rank 1 ran out of memory while probing the model on first use"
+                in row["error"]["text"]), row["error"]["text"]
+        assert row["seen"] == []
     assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
 
 

@@ -62,6 +62,40 @@ def test_trainer_prices_with_probe_coefficients_and_probes_new_output_mixes_on_f
     assert trainer.admission.memory_model.estimate(shape).peak_bytes == configured.peak_bytes
 
 
+def test_an_oom_in_a_probe_on_first_use_is_a_memory_error_that_names_the_probe(built,
+                                                                               monkeypatch):
+    """On a replica of one rank an OOM while a call probes a layer on first use ends the
+    call with a TrainerRankMemoryError naming the probe and its remedies; the layer mode
+    stays pending, and a later call probes it and runs."""
+    from art.trainer_rank import TrainerRankMemoryError
+    from art.trainer_rank.measuring import probe as probe_module
+    from art.trainer_rank.measuring import probe_runs
+
+    p, model = built
+    # Nothing this process measured before is reused: the probe runs its points.
+    monkeypatch.setattr(probe_module, "_CACHE", {})
+    monkeypatch.setattr(probe_module, "_PARTS", {})
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=LIMIT, probe_cache=False)))
+    real = probe_runs._metered_run
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: out of memory in a probe point")
+
+    monkeypatch.setattr(probe_runs, "_metered_run", out_of_memory)
+    with pytest.raises(TrainerRankMemoryError) as caught:
+        list(trainer.forward_micro_batches(make_inputs([6, 9]), no_grad=True))
+    message = str(caught.value)
+    assert "ran out of memory while probing the model on first use" in message
+    assert "ART_TRAINER_RANK_PROBE_LAYERS=false" in message
+    assert "process groups are closed" not in message
+    assert trainer.probe.pending_groups[1][0].mode.key == "nograd"
+    monkeypatch.setattr(probe_runs, "_metered_run", real)
+    mbs = list(trainer.forward_micro_batches(make_inputs([6, 9]), no_grad=True))
+    assert sum(len(mb.outputs) for mb in mbs) == 2
+    assert any(m.endswith(":nograd") for m in trainer.probe.probed_on_first_use)
+
+
 def test_probe_off_prices_with_the_default_formulas(built, monkeypatch):
     p, model = built
     monkeypatch.setenv("ART_TRAINER_RANK_PROBE_LAYERS", "false")

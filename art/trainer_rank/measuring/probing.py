@@ -26,7 +26,8 @@ ever price the same micro-batch differently.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,10 @@ class TrainerProbe:
         self.tails: dict[tuple[str, bool], Any] = {}
         self.probed_tails: list[str] = []
         self.probed_on_first_use: list[str] = []
+        # What a probe on first use runs inside: the trainer sets its fault protocol's guard
+        # while it plans (`PhaseAgreement.probing`), so a failure on one rank of the replica
+        # ends the call on every rank instead of leaving them in the probe's collectives.
+        self.guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
 
     # -- the coefficients interface MemoryModel calls ----------------------------------------
 
@@ -208,10 +213,10 @@ class TrainerProbe:
 
     def _probe_pending_group(self, group: list[LayerMode]) -> None:
         """One pending group, at the points the limit admits now, joined to the layers
-        probed so far."""
-        self.pending_groups = [g for g in self.pending_groups if g is not group]
+        probed so far (a probe that fails leaves it pending)."""
         tokens, grad_tokens = self._points(LOGPROBS, False), self._points(LOGPROBS, True)
         probed = self._agreed(modes=group, outputs=(), tokens=tokens, grad_tokens=grad_tokens)
+        self.pending_groups = [g for g in self.pending_groups if g is not group]
         key = f"{self.layers.key}+{probed.key}" if self.layers.layers else probed.key
         self.layers = replace(self.layers, key=key, layers=self.layers.layers + probed.layers)
         self.probed_on_first_use.extend(f"{m.kind}:{m.mode.key}" for m in group)
@@ -282,6 +287,15 @@ class TrainerProbe:
                     head_chunk_tokens=self.head_chunk_tokens,
                     tail_max_tokens=tail_max_tokens, reuse_parts=reuse_parts)
 
+        with self.guard():
+            agreed = self._agreed_run(run, modes, outputs, tokens, grad_tokens,
+                                      tail_max_tokens)
+        self._write(agreed)
+        return agreed
+
+    def _agreed_run(self, run: Callable[[Path | None, bool], Any], modes: list[LayerMode],
+                    outputs: list[tuple[OutputRequest, bool]], tokens: tuple[int, ...],
+                    grad_tokens: tuple[int, ...] | None, tail_max_tokens: int | None) -> Any:
         if _agree.replica_size() == 1:
             agreed = run(self.cache_dir, reuse_parts=True)
         else:
@@ -298,7 +312,6 @@ class TrainerProbe:
                 mine = run(None, reuse_parts=False)
             agreed = _agree.broadcast_from_replica_root(mine)
             probe_module._CACHE[key] = agreed
-        self._write(agreed)
         return agreed
 
     def _write(self, coefficients: Any) -> None:

@@ -1,7 +1,9 @@
 """One agreement protocol between the ranks of a job, phase by phase of a micro-batch.
 
-Phases, in order: plan (collectives only: the agreed limit and plan), prepare (packing the
-micro-batch's first forward: this rank's own allocations, no collective), forward and heads
+Phases, in order: plan (collectives only: the agreed limit and plan, and a probe's on first
+use, which measures a layer mode or a head on the replica's ranks together), prepare
+(packing the micro-batch's first forward: this rank's own allocations, no collective),
+forward and heads
 (Megatron's tensor-parallel collectives), caller backward (the caller's `loss.backward()`:
 collectives again), optimizer step (gradient reduction over data-parallel ranks, the
 gradient norm over model-parallel ranks). An out-of-memory error is handled by where it
@@ -12,15 +14,17 @@ happened:
   The vote agrees on the failure, every rank records the same miss, and the items are
   planned again (smaller, split, escalated or declined): recovered, on every rank.
 - any phase when the model replica is one rank: no peer can be inside a collective of this
-  micro-batch, so the rank records the miss and plans the items again.
-- forward, heads, caller backward or optimizer step on a replica of several ranks: a peer may
-  be blocked in a collective the failing rank will never enter. The failing rank publishes a
-  `Fault` to the job's store (the c10d rendezvous store: a side channel that no blocked
-  collective can hold up), then closes its process groups (gloo: every pair, which fails a
-  peer's pending collective at once; NCCL: abort). A rank whose collective then fails reads
-  the `Fault` (waiting at most the fault timeout), closes its own groups (so ranks blocked on
-  it fail in turn) and raises the same `TrainerRankMemoryError`; a rank of another replica
-  sees the `Fault` at its next micro-batch boundary. No rank carries on alone: the process
+  micro-batch, so the rank records the miss and plans the items again (an OOM in a probe
+  ends the call with a TrainerRankMemoryError naming the probe, nothing closed).
+- forward, heads, caller backward, optimizer step or a probe in the plan on a replica of
+  several ranks: a peer may be blocked in a collective the failing rank will never enter.
+  The failing rank publishes a `Fault` to the job's store (the c10d rendezvous store: a side
+  channel that no blocked collective can hold up), then closes its process groups (gloo:
+  every pair, which fails a peer's pending collective at once; NCCL: abort). A rank whose
+  collective then fails reads the `Fault` (waiting at most the fault timeout), closes its
+  own groups (so ranks blocked on it fail in turn) and raises the same
+  `TrainerRankMemoryError`; a rank of another replica sees the `Fault` at its next
+  micro-batch boundary. No rank carries on alone: the process
   groups are closed, and every rank of the job ends with that one error.
 
 A collective waiting on a peer that neither finishes nor fails ends when the process group's
@@ -144,6 +148,8 @@ class Fault:
         """The error every rank but the failing one raises (for an OOM, the failing one too)."""
         if self.kind == ERROR:
             return self._peer_error()
+        if self.context is None and self.phase == PLAN:
+            return probe_memory_error(self.rank, self.detail, closed=True)
         if self.context is None:
             return self._step_error()
         ctx = self.context
@@ -195,6 +201,27 @@ class Fault:
             failing_rank=self.rank, phase=self.phase, error_type=self.error_type,
             error_message=message,
         )
+
+
+PROBING = "probing the model on first use"
+
+
+def probe_memory_error(rank: int, detail: str, *, closed: bool) -> TrainerRankMemoryError:
+    """An out-of-memory error in a probe on first use (a layer mode or a head measured while a
+    call plans, before any of its micro-batches ran). `closed`: on a replica of several ranks,
+    where the others were inside the probe's collectives and the process groups are closed."""
+    others = (" The other ranks of its model replica were inside the probe's collectives, "
+              "which the failing rank cannot complete, so the call ends here on every rank "
+              "of the job and the process groups are closed." if closed else "")
+    return TrainerRankMemoryError(
+        f"forward_micro_batches: rank {rank} ran out of memory while {PROBING} (in the plan, "
+        f"before any micro-batch of the call ran): {detail}. The probe measures one layer, or "
+        "the head, at token counts the default formulas fit in the usable limit, and this "
+        f"one did not fit.{others} Restart the job with more free memory on that rank's "
+        "device, or with the probe off (ART_TRAINER_RANK_PROBE_LAYERS=false: the default "
+        "formulas price every micro-batch)",
+        suggestion="free memory on the device, or set ART_TRAINER_RANK_PROBE_LAYERS=false",
+    )
 
 
 def is_communication_error(exc: BaseException) -> bool:
@@ -385,6 +412,25 @@ class PhaseAgreement:
         timeout, even when its closed pairs did not reach this collective."""
         with self.collectives(PLAN, None), self.watching(group_size):
             yield
+
+    @contextlib.contextmanager
+    def probing(self, replica_size: int) -> Iterator[None]:
+        """A probe on first use while a call plans: a layer or a head measured on the
+        replica's ranks together (their TP/CP collectives). A failure on one rank is
+        published as in the forward, so every rank ends the call with it: an OOM as one
+        TrainerRankMemoryError naming the probe, anything else as the failing rank's own
+        error and a TrainerRankPeerError on the others. On a replica of one rank an OOM
+        becomes that error, with nothing closed."""
+        with self.watching(replica_size):
+            try:
+                yield
+            except Exception as exc:
+                if self.publishes(exc, replica_size):
+                    raise self.abandon(exc, PLAN, PROBING, None) from None
+                if isinstance(exc, torch.OutOfMemoryError):
+                    raise probe_memory_error(self.rank, _first_line(exc),
+                                             closed=False) from exc
+                raise
 
     @contextlib.contextmanager
     def compute(self, context: MicroBatchContext, replica_size: int) -> Iterator[None]:
