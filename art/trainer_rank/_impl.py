@@ -76,7 +76,13 @@ from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
 from art.trainer_rank.ranks.lockstep import Wave, data_parallel_group, in_waves, widest_wave
 from art.trainer_rank.ranks.paired_forwards import ForwardReady, fault_scope_ranks, paired_call
-from art.trainer_rank.ranks.phases import OOM, PLAN, MicroBatchContext, PhaseAgreement
+from art.trainer_rank.ranks.phases import (
+    OOM,
+    PLAN,
+    MicroBatchContext,
+    PhaseAgreement,
+    Probing,
+)
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore
@@ -130,13 +136,18 @@ class TrainerRank(SlotMethods, StepMethods):
         self.paired_forwards = _agree.experts_cross_replicas()
         recompute_choice = (RecomputeChoice.CONFIGURED if self.paired_forwards
                             else self.options.recompute_choice)
+        # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
+        # Made first: a probe run now (under expert parallel) runs inside its guard.
+        self.phases = PhaseAgreement(self.options.fault_timeout_s)
         pricing = trainer_pricing(
             provider, self.model, runtime.memory_model,
             probe_layers=self.options.probe_layers,
             recompute_choice=recompute_choice,
             test_memory_limit_bytes=self.options.test_memory_limit_bytes,
             cache_dir=self.options.resolved_probe_cache_dir(),
-            head_chunk_tokens=self.options.head_chunk_tokens)
+            head_chunk_tokens=self.options.head_chunk_tokens,
+            probe_guard=functools.partial(self.phases.probing, self._forward_ranks(),
+                                          Probing.AT_START_UP))
         self.probe = pricing.probe
         self.memory_model = pricing.memory_model
         self.layout = layout
@@ -157,8 +168,6 @@ class TrainerRank(SlotMethods, StepMethods):
         # How long grad micro-batches took, agreed over the replica (adaptive weighs its
         # packings with it: decide/step_time.py).
         self.step_times = StepTimes()
-        # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
-        self.phases = PhaseAgreement(self.options.fault_timeout_s)
         self._calls = 0
         self._steps = 0
         # Filler forwards paired with other replicas' (ranks/paired_forwards.py).

@@ -4,7 +4,8 @@ in a fresh job world (its own store and process groups, since a fault in a phase
 collectives closes them). Then, in the same launch, what ART_TEST_PHASE_FAULTS_THEN names
 (comma-separated), each in worlds of its own: "cp2", the packing and forward-layer scenarios
 again at TP=1 x CP=2; "boundary" and "waves", the faults published by hand of
-_published_fault.py.
+_published_fault.py; "ep-probe", an OOM in the probe a MoE model's TrainerRank runs when it is
+built at EP=2.
 
 argv: out_dir, fault_timeout_s (every world's store, and the fuzz's control store, listens on a
 port rank 0 is given by the OS: `launch_store`). Writes rank<r>.json: per
@@ -46,7 +47,7 @@ from _faults import Injector  # noqa: E402
 from _published_fault import GROUP_TIMEOUT_S, TENSOR_PARALLEL  # noqa: E402
 from _published_fault import SCENARIOS as BY_HAND  # noqa: E402
 
-from _tiny import tiny_dense  # noqa: E402
+from _tiny import tiny_dense, tiny_moe  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "scripts"))
 from soak_ranks_worker import soak_tp  # noqa: E402
@@ -161,13 +162,15 @@ class ProbeFault:
 
 
 def start_world(out_dir: str, name: str, tp: int = TP, cp: int = CP,
-                timeout_s: float = 60) -> dist.Store:
-    """A fresh job world at TP=tp x CP=cp (the rest data parallel), its store returned."""
+                timeout_s: float = 60, ep: int = 1) -> dist.Store:
+    """A fresh job world at TP=tp x CP=cp (the rest data parallel; experts over `ep` ranks),
+    its store returned."""
     store = launch_store(out_dir, name)
     dist.init_process_group("gloo", store=store, rank=RANK, world_size=WORLD,
                             timeout=timedelta(seconds=timeout_s))
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                             context_parallel_size=cp)
+                                             context_parallel_size=cp,
+                                             expert_model_parallel_size=ep)
     model_parallel_cuda_manual_seed(1234)
     return store
 
@@ -333,6 +336,35 @@ def run_scenarios(out_dir: str, fault_timeout_s: float, tp: int, cp: int,
     return results
 
 
+def start_up_probe_fault(out_dir: str, fault_timeout_s: float) -> dict:
+    """A MoE model at TP=1 x EP=2 (experts across the two data-parallel ranks), whose
+    TrainerRank probes every layer mode when it is built: rank 1's third probe point runs
+    out of memory while its peer waits in the probe's all-to-alls. The record: the error
+    each rank's constructor raised, when it ended and when the fault fired."""
+    start_world(out_dir, "ep-probe", 1, 1, ep=WORLD)
+    fault = ProbeFault(None, RANK == 1)
+    faulthandler.dump_traceback_later(3 * fault_timeout_s)
+    result: dict = {"error": None}
+    with fault:
+        try:
+            TrainerRank(build_runtime_for_provider(
+                Provider(tiny_moe(num_layers=2), settings=load_settings({
+                    "ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": str(WORLD),
+                    "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective"}),
+                    dtype="float32", implementation=Implementation.cpu_local()),
+                build_optimizer=False, wrap_ddp=False, trainable_parameter_mode="base_model",
+                trainer_options=TrainerRankOptions(
+                    test_memory_limit_bytes=LIMIT_BYTES, probe_cache=False,
+                    fault_timeout_s=fault_timeout_s)))
+        except Exception as exc:  # noqa: BLE001 - the test checks the type
+            result["error"] = {"type": type(exc).__name__, "text": str(exc),
+                               "memory_error": isinstance(exc, TrainerRankMemoryError)}
+    faulthandler.cancel_dump_traceback_later()
+    result.update(ended_at=time.time(), fired=fault.fired, fired_at=fault.fired_at)
+    end_world()
+    return result
+
+
 def published_fault(out_dir: str, name: str) -> dict:
     """One scenario of _published_fault.py in a world of its own."""
     store = start_world(out_dir, name, TENSOR_PARALLEL[name], 1, timeout_s=GROUP_TIMEOUT_S)
@@ -354,6 +386,8 @@ def main() -> None:
     for stage in THEN:
         if stage == "cp2":
             results[stage] = run_scenarios(out_dir, fault_timeout_s, 1, 2, CP2_ONLY, "cp2-")
+        elif stage == "ep-probe":
+            results[stage] = start_up_probe_fault(out_dir, fault_timeout_s)
         else:
             results[stage] = published_fault(out_dir, stage)
     with open(os.path.join(out_dir, f"rank{RANK}.json"), "w") as f:

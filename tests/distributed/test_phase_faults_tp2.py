@@ -6,8 +6,9 @@ naming rank 1 and the phase. Another exception (a bug in a layer's forward or in
 the caller's loop body raising on rank 1 only): rank 1 raises its own exception, rank 0 a
 TrainerRankPeerError naming rank 1, the phase and the exception. The same for an OOM or
 another exception in a probe on first use (the layers measured while the call plans, both
-ranks in the probe's collectives). Every rank ends within the fault timeout of the fault: no
-hang, no rank carrying on alone. An OOM in packing, before any
+ranks in the probe's collectives), and for an OOM in the probe a MoE model's TrainerRank runs
+when it is built at EP=2. Every rank ends within the fault timeout of the fault: no hang, no
+rank carrying on alone. An OOM in packing, before any
 collective of the micro-batch, is agreed and recovered on both ranks. Then a bounded TP=2
 workload fuzz (the rank soak's trial, scripts/soak_ranks_worker.py) with faults on rank 1.
 The same launch then runs at CP=2 (every row split over the ranks, keys and values gathered in
@@ -49,7 +50,7 @@ def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("phase_faults")
     # Its own hard timeout: a hang fails the test instead of stalling the suite.
     run_torchrun(WORKER, str(out), str(FAULT_TIMEOUT_S), nproc=2, timeout_s=420,
-                 env={"ART_TEST_PHASE_FAULTS_THEN": "cp2,boundary,waves"})
+                 env={"ART_TEST_PHASE_FAULTS_THEN": "cp2,boundary,waves,ep-probe"})
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
@@ -121,6 +122,20 @@ def test_an_oom_in_a_probe_on_first_use_ends_every_rank_with_the_same_error(rank
         assert ("rank 1 ran out of memory while probing the model on first use"
                 in row["error"]["text"]), row["error"]["text"]
         assert row["seen"] == []
+    assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
+
+
+@pytest.mark.torchrun
+def test_an_oom_in_the_start_up_probe_under_expert_parallel_ends_every_rank(ranks):
+    """Under expert parallel across the data-parallel ranks every layer mode is probed when
+    TrainerRank is built, the ranks in each probe point's all-to-alls: rank 1's OOM there
+    ends both constructors at once with one error naming the start-up probe."""
+    rows = [r["ep-probe"] for r in ranks]
+    _ended_in_time(rows, "ep-probe")
+    for row in rows:
+        assert row["error"]["memory_error"], row["error"]
+        assert ("TrainerRank(runtime): rank 1 ran out of memory while probing the model at "
+                "start-up" in row["error"]["text"]), row["error"]["text"]
     assert rows[0]["error"]["text"] == rows[1]["error"]["text"]
 
 

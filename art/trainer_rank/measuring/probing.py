@@ -114,7 +114,9 @@ class TrainerProbe:
                  cache_dir: str | Path | None = None,
                  tokens: tuple[int, ...] | None = None,
                  default_model: Any = None, usable_bytes: int | None = None,
-                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS) -> None:
+                 head_chunk_tokens: int = HEAD_CHUNK_TOKENS,
+                 guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
+                 ) -> None:
         """`default_model` and `usable_bytes` (both or neither): probe only at points whose
         micro-batch the default formulas fit in the limit (grad and no-grad separately, and
         per output mix for the tails); the trainer updates `usable_bytes` before each plan,
@@ -152,18 +154,20 @@ class TrainerProbe:
                        key=lambda m: m.sort_key)
                 for part in (first, rest) for grad in (True, False))
             if group]
+        # What a probe runs inside: the fault protocol's guard (`PhaseAgreement.probing`),
+        # `guard` for the policies probed now, and the one the trainer sets while it plans
+        # for those probed on first use; so a failure on one rank of the ranks a probe's
+        # collectives span ends every rank's call instead of leaving them in a collective.
+        self.guard = guard
         self.layers = (self._agreed(modes=self.modes, outputs=(), tokens=self.tokens,
                                     grad_tokens=self.grad_tokens) if self.modes else
                        probe_module.ProbeCoefficients(
                            self._key((), (), self.tokens, self.grad_tokens), self.tokens,
                            (), ()))
+        self.guard = contextlib.nullcontext
         self.tails: dict[tuple[str, bool], Any] = {}
         self.probed_tails: list[str] = []
         self.probed_on_first_use: list[str] = []
-        # What a probe on first use runs inside: the trainer sets its fault protocol's guard
-        # while it plans (`PhaseAgreement.probing`), so a failure on one rank of the replica
-        # ends the call on every rank instead of leaving them in the probe's collectives.
-        self.guard: Callable[[], AbstractContextManager[None]] = contextlib.nullcontext
 
     # -- the coefficients interface MemoryModel calls ----------------------------------------
 

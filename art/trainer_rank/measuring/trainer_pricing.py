@@ -4,6 +4,9 @@ the same without coefficients, and the one a doubled tensor-parallel size would 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,9 +31,13 @@ class TrainerPricing:
 
 def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_layers: bool,
                     recompute_choice: RecomputeChoice, test_memory_limit_bytes: int | None,
-                    cache_dir: str | None, head_chunk_tokens: int) -> TrainerPricing:
+                    cache_dir: str | None, head_chunk_tokens: int,
+                    probe_guard: Callable[[], AbstractContextManager[None]] | None = None
+                    ) -> TrainerPricing:
     """The runtime's own memory model when it brings one; else MemoryModel with probe
-    coefficients (when `probe_layers`), priced with the head chunk this trainer runs."""
+    coefficients (when `probe_layers`), priced with the head chunk this trainer runs.
+    `probe_guard`: what a probe run now (under expert parallel) runs inside (the fault
+    protocol's, `PhaseAgreement.probing`)."""
     try:
         full = provider.recompute_as("full", "uniform", 1)
     except ValueError:
@@ -61,6 +68,7 @@ def trainer_pricing(provider: Any, model: torch.nn.Module, given: Any, *, probe_
                 default_model=replace(MemoryModel.for_provider(provider),
                                       head_chunk_tokens=head_chunk_tokens),
                 usable_bytes=usable, head_chunk_tokens=head_chunk_tokens,
+                guard=probe_guard or contextlib.nullcontext,
             )
         memory_model = replace(MemoryModel.for_provider(provider, coefficients=coefficients),
                                head_chunk_tokens=head_chunk_tokens)

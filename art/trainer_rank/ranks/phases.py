@@ -149,7 +149,7 @@ class Fault:
         if self.kind == ERROR:
             return self._peer_error()
         if self.context is None and self.phase == PLAN:
-            return probe_memory_error(self.rank, self.detail, closed=True)
+            return probe_memory_error(self.rank, self.detail, Probing(self.where), closed=True)
         if self.context is None:
             return self._step_error()
         ctx = self.context
@@ -203,23 +203,32 @@ class Fault:
         )
 
 
-PROBING = "probing the model on first use"
+class Probing(enum.StrEnum):
+    """When a probe runs (a fault record's `where` for a failure in one)."""
+
+    ON_FIRST_USE = "probing the model on first use"
+    AT_START_UP = "probing the model at start-up"
 
 
-def probe_memory_error(rank: int, detail: str, *, closed: bool) -> TrainerRankMemoryError:
-    """An out-of-memory error in a probe on first use (a layer mode or a head measured while a
-    call plans, before any of its micro-batches ran). `closed`: on a replica of several ranks,
-    where the others were inside the probe's collectives and the process groups are closed."""
-    others = (" The other ranks of its model replica were inside the probe's collectives, "
-              "which the failing rank cannot complete, so the call ends here on every rank "
-              "of the job and the process groups are closed." if closed else "")
+def probe_memory_error(rank: int, detail: str, when: Probing, *,
+                       closed: bool) -> TrainerRankMemoryError:
+    """An out-of-memory error in a probe: on first use, a layer mode or a head measured while
+    a call plans, before any of its micro-batches ran; at start-up, every mode measured when
+    the trainer is built (expert parallel). `closed`: on several ranks, where the others
+    were inside the probe's collectives and the process groups are closed."""
+    others = (" The other ranks its collectives span were inside them, which the failing "
+              "rank cannot complete, so it ends here on every rank of the job and the "
+              "process groups are closed." if closed else "")
+    what, before = (("forward_micro_batches", "in the plan, before any micro-batch of the "
+                     "call ran") if when == Probing.ON_FIRST_USE else
+                    ("TrainerRank(runtime)", "expert parallel measures every layer mode "
+                     "when the trainer is built"))
     return TrainerRankMemoryError(
-        f"forward_micro_batches: rank {rank} ran out of memory while {PROBING} (in the plan, "
-        f"before any micro-batch of the call ran): {detail}. The probe measures one layer, or "
-        "the head, at token counts the default formulas fit in the usable limit, and this "
-        f"one did not fit.{others} Restart the job with more free memory on that rank's "
-        "device, or with the probe off (ART_TRAINER_RANK_PROBE_LAYERS=false: the default "
-        "formulas price every micro-batch)",
+        f"{what}: rank {rank} ran out of memory while {when} ({before}): {detail}. The probe "
+        "measures one layer, or the head, at token counts the default formulas fit in the "
+        f"usable limit, and this one did not fit.{others} Restart the job with more free "
+        "memory on that rank's device, or with the probe off "
+        "(ART_TRAINER_RANK_PROBE_LAYERS=false: the default formulas price every micro-batch)",
         suggestion="free memory on the device, or set ART_TRAINER_RANK_PROBE_LAYERS=false",
     )
 
@@ -414,21 +423,21 @@ class PhaseAgreement:
             yield
 
     @contextlib.contextmanager
-    def probing(self, replica_size: int) -> Iterator[None]:
-        """A probe on first use while a call plans: a layer or a head measured on the
-        replica's ranks together (their TP/CP collectives). A failure on one rank is
-        published as in the forward, so every rank ends the call with it: an OOM as one
+    def probing(self, size: int, when: Probing = Probing.ON_FIRST_USE) -> Iterator[None]:
+        """A probe: a layer or a head measured on `size` ranks together (the replica's TP/CP
+        collectives; under expert parallel at start-up, the job's all-to-alls). A failure on
+        one rank is published as in the forward, so every rank ends with it: an OOM as one
         TrainerRankMemoryError naming the probe, anything else as the failing rank's own
-        error and a TrainerRankPeerError on the others. On a replica of one rank an OOM
-        becomes that error, with nothing closed."""
-        with self.watching(replica_size):
+        error and a TrainerRankPeerError on the others. On one rank an OOM becomes that
+        error, with nothing closed."""
+        with self.collectives(PLAN, None), self.watching(size):
             try:
                 yield
             except Exception as exc:
-                if self.publishes(exc, replica_size):
-                    raise self.abandon(exc, PLAN, PROBING, None) from None
+                if self.publishes(exc, size):
+                    raise self.abandon(exc, PLAN, when, None) from None
                 if isinstance(exc, torch.OutOfMemoryError):
-                    raise probe_memory_error(self.rank, _first_line(exc),
+                    raise probe_memory_error(self.rank, _first_line(exc), when,
                                              closed=False) from exc
                 raise
 
