@@ -115,6 +115,38 @@ def _hybrid_layer_0(head_dim: int):
     return geometry, implementation, provider, model, inner, dims, layer
 
 
+def _tree_row(geometry, implementation, provider, inner, prompt: int, deeper: int,
+              own: tuple[int, ...], generator, grad: bool):
+    """A row of one group sharing a `prompt` (the first two sequences also share `deeper`
+    tokens after it, a third depth), each sequence's `own` tokens after: the layer's probe
+    inputs over it and the row's recurrent calls (segment lengths per depth)."""
+    from dataclasses import replace
+
+    import torch
+    from _calibration.harness import micro_batch_shape
+
+    from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.compute.forward import _rotary, local_row
+    from art.trainer_rank.compute.packing import pack_sequences
+    from art.trainer_rank.measuring import probe_runs
+
+    shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
+    sequences = [torch.cat([shared[:prompt + (deeper if k < 2 else 0)], torch.full((n,), 1 + k)])
+                 for k, n in enumerate(own)]
+    batch = pack_sequences(sequences, implementation=implementation, layout=provider.layout,
+                           device="cpu", groups=[len(sequences)])
+    row = local_row(inner, batch)
+    tokens = row.tokens.shape[1]
+    rotary = _rotary(inner, batch, torch.zeros(tokens, 1, geometry.hidden_size),
+                     row.positions[0])
+    inputs = probe_runs.ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
+                                    rotary, tokens)
+    recurrent = micro_batch_shape([len(s) for s in sequences], OutputRequest.parse("logprobs"),
+                                  grad, provider.layout, implementation, sequences).recurrent
+    assert sum(map(sum, recurrent.calls)) == tokens
+    return inputs, recurrent
+
+
 @pytest.mark.parametrize("head_dim, rows",
                          [(16, ((700,),)), (32, ((20,),)), (128, ((20,), (300,)))])
 def test_rule_is_priced_at_its_highest_moments_whatever_the_head_dims(
@@ -241,14 +273,8 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
     earlier calls' outputs, its stacked initial states and, from the chunk loop on, the final
     states it hands on; which moment is highest depends on the head dims. The layer's no-grad
     forward is priced at the measured peak or up to 0.2% above."""
-    from dataclasses import replace
-
     import torch
-    from _calibration.harness import micro_batch_shape
 
-    from art.trainer_rank._request import OutputRequest
-    from art.trainer_rank.compute.forward import _rotary, local_row
-    from art.trainer_rank.compute.packing import pack_sequences
     from art.trainer_rank.measuring import probe_runs
     from art.trainer_rank.measuring.meter import release_score_buffer
     from art.trainer_rank.pricing.layer_terms import PricedKind
@@ -257,21 +283,10 @@ def test_no_grad_layer_over_prefix_trees_is_priced_at_its_highest_call(
     geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(head_dim)
     generator = torch.Generator().manual_seed(0)
     for prompt, deeper, own in rows:
-        shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
-        sequences = [torch.cat([shared[:prompt + (deeper if k < 2 else 0)],
-                                torch.full((n,), 1 + k)]) for k, n in enumerate(own)]
-        batch = pack_sequences(sequences, implementation=implementation,
-                               layout=provider.layout, device="cpu", groups=[len(sequences)])
-        row = local_row(inner, batch)
-        tokens = row.tokens.shape[1]
-        rotary = _rotary(inner, batch, torch.zeros(tokens, 1, geometry.hidden_size),
-                         row.positions[0])
-        inputs = probe_runs.ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
-                                        rotary, tokens)
-        calls = micro_batch_shape([len(s) for s in sequences], OutputRequest.parse("logprobs"),
-                                  False, provider.layout, implementation,
-                                  sequences).recurrent.calls
-        assert len(calls) == (3 if deeper else 2) and sum(map(sum, calls)) == tokens
+        inputs, recurrent = _tree_row(geometry, implementation, provider, inner, prompt,
+                                      deeper, own, generator, grad=False)
+        calls, tokens = recurrent.calls, inputs.rows
+        assert len(calls) == (3 if deeper else 2)
         release_score_buffer()
         measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size,
                                             torch.float32, torch.device("cpu"), False)
@@ -294,14 +309,8 @@ def test_full_recompute_unit_over_prefix_trees_is_priced_at_its_backward(
     handed final states to the depth below gets their gradients back, and the CPU rule
     rebuilds those states beside them. The unit's measured backward is priced from its
     peak and one layer's states within 2% above."""
-    from dataclasses import replace
-
     import torch
-    from _calibration.harness import micro_batch_shape
 
-    from art.trainer_rank._request import OutputRequest
-    from art.trainer_rank.compute.forward import _rotary, local_row
-    from art.trainer_rank.compute.packing import pack_sequences
     from art.trainer_rank.measuring import probe_runs
     from art.trainer_rank.pricing.layer_terms import PricedKind
     from art.trainer_rank.pricing.layers import price_layer
@@ -309,20 +318,9 @@ def test_full_recompute_unit_over_prefix_trees_is_priced_at_its_backward(
     from art.trainer_rank.pricing.passes import Unit, full_unit_peak
 
     geometry, implementation, provider, model, inner, dims, layer = _hybrid_layer_0(32)
-    generator = torch.Generator().manual_seed(0)
-    shared = torch.randint(1, geometry.vocab_size, (prompt + deeper,), generator=generator)
-    sequences = [torch.cat([shared[:prompt + (deeper if k < 2 else 0)], torch.full((n,), 1 + k)])
-                 for k, n in enumerate(own)]
-    batch = pack_sequences(sequences, implementation=implementation, layout=provider.layout,
-                           device="cpu", groups=[len(sequences)])
-    row = local_row(inner, batch)
-    tokens = row.tokens.shape[1]
-    rotary = _rotary(inner, batch, torch.zeros(tokens, 1, geometry.hidden_size),
-                     row.positions[0])
-    inputs = probe_runs.ProbeInputs(replace(batch, packed_seq_params=row.packed_seq_params),
-                                    rotary, tokens)
-    recurrent = micro_batch_shape([len(s) for s in sequences], OutputRequest.parse("logprobs"),
-                                  True, provider.layout, implementation, sequences).recurrent
+    inputs, recurrent = _tree_row(geometry, implementation, provider, inner, prompt, deeper,
+                                  own, torch.Generator().manual_seed(0), grad=True)
+    tokens = inputs.rows
     assert len(recurrent.calls) == (3 if deeper else 2)
     measured = probe_runs.measure_layer(layer, inputs, geometry.hidden_size, torch.float32,
                                         torch.device("cpu"), True, full_layers=1,
