@@ -74,15 +74,10 @@ from art.trainer_rank.optimizer.graphs import GraphLedger, output_tensors
 from art.trainer_rank.optimizer.methods import StepMethods
 from art.trainer_rank.pricing.model import MemoryModel
 from art.trainer_rank.ranks import agree as _agree
+from art.trainer_rank.ranks.faults import OOM, PLAN, MicroBatchContext, Probing
 from art.trainer_rank.ranks.lockstep import Wave, data_parallel_group, in_waves, widest_wave
 from art.trainer_rank.ranks.paired_forwards import ForwardReady, fault_scope_ranks, paired_call
-from art.trainer_rank.ranks.phases import (
-    OOM,
-    PLAN,
-    MicroBatchContext,
-    PhaseAgreement,
-    Probing,
-)
+from art.trainer_rank.ranks.phases import PhaseAgreement
 from art.trainer_rank.slots.api import SlotMethods
 from art.trainer_rank.slots.saving import SaveQueue
 from art.trainer_rank.slots.store import SlotStore

@@ -21,7 +21,8 @@ from art.trainer_rank.decide.plan import Plan
 from art.trainer_rank.measuring.device import cuda_oom_count
 from art.trainer_rank.measuring.meter import MemoryMeter
 from art.trainer_rank.ranks import agree as _agree
-from art.trainer_rank.ranks.phases import CALLER_BACKWARD, MicroBatchContext, PhaseAgreement
+from art.trainer_rank.ranks.faults import CALLER_BACKWARD, MicroBatchContext
+from art.trainer_rank.ranks.phases import PhaseAgreement
 from art.trainer_rank.slots.routing import adapter_groups, run_by_adapter
 
 

@@ -32,15 +32,9 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from art.trainer_rank.ranks import agree as _agree
+from art.trainer_rank.ranks.faults import PLAN, Fault, MicroBatchContext
 from art.trainer_rank.ranks.lockstep import in_waves
-from art.trainer_rank.ranks.phases import (
-    FAULT_COUNT_KEY,
-    FAULT_KEY,
-    PLAN,
-    Fault,
-    MicroBatchContext,
-    PhaseAgreement,
-)
+from art.trainer_rank.ranks.phases import FAULT_COUNT_KEY, FAULT_KEY, PhaseAgreement
 
 RANK = int(os.environ["RANK"])
 # Long enough that waiting it out fails the test's bound.

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from art.trainer_rank import TrainerRankMemoryError, TrainerRankPeerError
-from art.trainer_rank.ranks.phases import (
+from art.trainer_rank.ranks.faults import (
     ERROR,
     FORWARD,
     HEADS,
@@ -21,10 +21,10 @@ from art.trainer_rank.ranks.phases import (
     FaultKind,
     MicroBatchContext,
     Phase,
-    PhaseAgreement,
     is_communication_error,
     where_in_model,
 )
+from art.trainer_rank.ranks.phases import PhaseAgreement
 
 CONTEXT = MicroBatchContext(call=2, micro_batch=3, items=(4, 7), signature="sig",
                             packed_tokens=640, usable_bytes=2**30, predicted_bytes=2**29,

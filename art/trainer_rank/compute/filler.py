@@ -16,7 +16,8 @@ from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank.compute.forward import decoder_hidden_states
 from art.trainer_rank.compute.packing import pack_sequences
-from art.trainer_rank.ranks.phases import CALLER_BACKWARD, FORWARD, Phase, PhaseAgreement
+from art.trainer_rank.ranks.faults import CALLER_BACKWARD, FORWARD, Phase
+from art.trainer_rank.ranks.phases import PhaseAgreement
 
 FILLER_TOKENS = 1
 
