@@ -1,6 +1,6 @@
-"""What TrainerRank allocates for itself stays inside the limit it plans with: the start-up
-probe and the head tails probed on first use (measured by an outer meter, which counts
-everything the trainer allocates), and the gradient snapshot kept for a caller-backward OOM
+"""What TrainerRank allocates for itself stays inside the limit it plans with: the layers and
+head tails probed on first use (measured by an outer meter, which counts everything the
+trainer allocates), and the gradient snapshot kept for a caller-backward OOM
 (taken before the limit is read, and subtracted from a fixed limit)."""
 
 from __future__ import annotations
