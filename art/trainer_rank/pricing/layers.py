@@ -251,8 +251,10 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                 if segments[j] != seg:
                     break
                 rebuilt += blocks[j].internal + _rebuilt_output(blocks, segments, j)
-        stream = x if blk.stream is None else blk.stream
-        grads = 2 * stream + blk.output + blk.grad_temp
+        # The residual stream's gradient and the one flowing to the block's input: the
+        # layer's own rows, also for a Gated DeltaNet mixer under CP, whose whole-row input
+        # gradient appears only at the gather's backward (its `grad_temp`).
+        grads = 2 * x + blk.output + blk.grad_temp
         # The block's output, kept by the block after it, was freed when that block's
         # backward ran (before this one's): only its internal storages are still held.
         held = remaining - (blk.output if blk.output_saved and part >= blk.output else 0.0)
