@@ -25,7 +25,7 @@ from _tiny import tiny_dense
 CHUNK = 64
 OUTPUTS = OutputRequest(target_logprobs=True, hidden_states=True)
 LOGITS = OutputRequest(logits=True)
-# Off the chunk's multiples and past the largest one measured (4 chunks), up to 23 chunks.
+# Off the chunk's multiples and past the largest one measured (8 chunks), up to 23 chunks.
 ROWS = (211, 397, 611, 1500)
 
 

@@ -143,11 +143,8 @@ PROBE_FORMAT_VERSION = 4
 
 # Tail points past the probe's own, as multiples of the head chunk: past one chunk the tail
 # grows by what a token adds (its outputs, its gradient rows), not by the chunk's working set,
-# which a curve fitted below the chunk would carry on per token. From two chunks on every
-# row holds one whole chunk's working set and grows linearly, so the curve through the last
-# three multiples is that line and longer rows are extrapolated on it exactly: measuring
-# further multiples would cost the probe most of its time and change no price.
-CHUNK_MULTIPLES: tuple[float, ...] = (1, 1.5, 2, 3, 4)
+# which a curve fitted below the chunk would carry on per token.
+CHUNK_MULTIPLES: tuple[float, ...] = (1, 1.5, 2, 3, 4, 6, 8)
 
 
 def tail_points(points: Iterable[int], head_chunk_tokens: int, max_tokens: int | None
