@@ -91,8 +91,9 @@ class Block:
     temp: float = 0.0
     grad_temp: float = 0.0
     role: BlockRole | None = None
-    # The residual-stream bytes live beside this block (None: the layer's input row); a
-    # Gated DeltaNet mixer under CP runs beside its whole-row gathered input too.
+    # The residual-stream bytes live beside this block's forward (None: the layer's input
+    # row); a Gated DeltaNet mixer under CP runs beside its whole-row gathered input too. Its
+    # backward holds the layer's own rows' gradients only (`layers.price_layer`).
     stream: float | None = None
     # Without grad, what the block holds at its highest moment in place of `temp + internal`
     # (None: those two): a Gated DeltaNet rule over a row of prefix trees runs one call at a

@@ -41,6 +41,7 @@ CALLER_BACKWARD, OPTIMIZER_STEP = Phase.CALLER_BACKWARD, Phase.OPTIMIZER_STEP
 CALLER_LOOP = Phase.CALLER_LOOP
 OOM, ERROR = FaultKind.OOM, FaultKind.ERROR
 
+
 @dataclass(frozen=True)
 class MicroBatchContext:
     """What every rank of the replica knows about the micro-batch in flight (same plan)."""

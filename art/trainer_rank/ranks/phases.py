@@ -24,8 +24,8 @@ happened:
   collective then fails reads the `Fault` (waiting at most the fault timeout), closes its
   own groups (so ranks blocked on it fail in turn) and raises the same
   `TrainerRankMemoryError`; a rank of another replica sees the `Fault` at its next
-  micro-batch boundary. No rank carries on alone: the process
-  groups are closed, and every rank of the job ends with that one error.
+  micro-batch boundary. No rank carries on alone: the process groups are closed, and every
+  rank of the job ends with that one error.
 
 A collective waiting on a peer that neither finishes nor fails ends when the process group's
 own timeout fires (`init_process_group(timeout=...)`; gloo raises, NCCL's watchdog aborts);
