@@ -52,6 +52,60 @@ def test_full_chunk_line_takes_the_slope_of_rows_the_tokens_dominate():
     assert within.forward == pytest.approx(20.0)
 
 
+def test_sparse_rows_past_the_second_fill_are_read_on_the_chord_to_the_full_chunk():
+    """On rows of one short segment per chunk a quantity is convex in the fill. Where the
+    kernel's padded work stops setting the peak between the two measured fills (1 and 8
+    tokens a chunk), the line through them falls ever further under the truth past the
+    second fill; the chord to the full chunk bounds it and is exact where the rest is one
+    line. A row with a segment longer than a chunk keeps the line: its partly filled chunks
+    are fewer than the sparse rows'."""
+    from art.trainer_rank.pricing.chunked import SparseChunks
+    from art.trainer_rank.pricing.fit import Fit
+
+    def truth(tokens: float, padded: int) -> float:
+        # Padded work falling steeply with the fill up to about 4 tokens a chunk, then one
+        # line (a quantity measured above the kept state, which grows with the tokens).
+        chunks = padded / 64
+        fill = tokens / chunks
+        return chunks * max(20000.0 - 2000 * fill, 12000.0 - 100 * fill)
+
+    pads = (128, 256, 448, 512)
+    sparse = SparseChunks(64, (1, 8), (("backward",
+                                        Fit.fit(pads, [truth(p / 64, p) for p in pads]),
+                                        Fit.fit(pads, [truth(8 * p / 64, p) for p in pads])),))
+
+    def full_chunks(padded: int) -> float:
+        return truth(padded, padded)
+
+    # 7 segments of 16 tokens in 7 chunks: the chord is exact, the line far under.
+    assert sparse.value("backward", 112, 448, full_chunks, segments=7) == round(truth(112, 448))
+    assert sparse.value("backward", 112, 448) < 0.5 * truth(112, 448)
+    # One sequence of 112 tokens in 2 chunks is not a sparse row: the line, as before.
+    assert sparse.value("backward", 112, 128, full_chunks, segments=1) == sparse.value(
+        "backward", 112, 128)
+
+
+def test_cp_row_of_short_segments_is_read_on_the_sparse_chord():
+    """The committed CP2 row of six short sequences (113 tokens, 7 segments with the padded
+    tail, 7 kernel chunks; measured under torchrun) peaks in a Gated DeltaNet layer's
+    backward, whose sparse-row value falls steeply from 1 to 8 tokens a chunk and then along
+    one line to the full chunk. Read on the line through the two fills it was under its peak
+    on both hybrids (0.9997); on the chord, in the band. Re-priced from the committed rows."""
+    import csv
+
+    from _calibration.harness import reprice_rows
+
+    for matrix in ("hybrid-cp2", "moe-cp2"):
+        folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
+        with open(folder / "calibration.csv") as f:
+            group = [r for r in csv.DictReader(f)
+                     if r["policy"] == "none" and r["lora_rank"] == "8"]
+        priced = {r["lengths"]: r for r in reprice_rows(group, str(folder / "probes"))}
+        row = priced["13+9+16+55+9+11"]
+        assert row["peak_at"] == "backward: layer 3 backward", row["peak_at"]
+        assert 1.0 <= float(row["ratio"]) <= 1.05, (matrix, row["ratio"])
+
+
 def test_chunked_models_get_probe_points_inside_a_chunk_on_every_device():
     """A hybrid's probe fits its Gated DeltaNet layers over whole-chunk points and needs one
     inside a chunk for the within-chunk slope: the CUDA grids are all whole chunks, so a

@@ -101,10 +101,12 @@ class ProbedLayer:
     sparse_chunks: SparseChunks | None = None
 
     def cost(self, s: int, padded: int | None = None,
-             segments_change: Mapping[str, float] | None = None) -> LayerCost:
+             segments_change: Mapping[str, float] | None = None,
+             segments: int = 1) -> LayerCost:
         """At `s` tokens; `padded`: the row's tokens padded to whole kernel chunks (None: one
         sequence of `s`); `segments_change`: per quantity, what the row's segments change on
-        the full-chunk line (pricing/chunked.py)."""
+        the full-chunk line; `segments`: the row's segments as its kernel runs them
+        (pricing/chunked.py)."""
         chunk = self.within_chunk
         change = segments_change or {}
 
@@ -113,7 +115,7 @@ class ProbedLayer:
             if chunk is None:
                 return max(0, fit.at(s))
             value = chunk.value(fit.at, name, s, padded, change.get(name, 0.0))
-            sparse = (self.sparse_chunks.value(name, s, padded)
+            sparse = (self.sparse_chunks.value(name, s, padded, fit.at, segments)
                       if self.sparse_chunks is not None else None)
             return max(0, value if sparse is None else max(value, sparse))
 
@@ -168,10 +170,11 @@ class ProbeCoefficients:
     format: int = PROBE_FORMAT_VERSION
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
-                   segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
+                   segments_change: Mapping[str, float] | None = None, segments: int = 1
+                   ) -> LayerCost | None:
         for k, m, fit in self.layers:
             if k == kind and m == mode:
-                return fit.cost(s, padded, segments_change)
+                return fit.cost(s, padded, segments_change, segments)
         return None
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:

@@ -176,9 +176,10 @@ class TrainerProbe:
         return self.layers.key
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
-                   segments_change: Mapping[str, float] | None = None) -> LayerCost | None:
+                   segments_change: Mapping[str, float] | None = None, segments: int = 1
+                   ) -> LayerCost | None:
         self._probe_if_pending(kind, mode)
-        return self.layers.layer_cost(kind, mode, s, padded, segments_change)
+        return self.layers.layer_cost(kind, mode, s, padded, segments_change, segments)
 
     def chunk_points(self, kind: PricedKind, mode: str) -> tuple[int, ...] | None:
         self._probe_if_pending(kind, mode)

@@ -13,7 +13,8 @@ A row of many short sequences leaves most of each chunk as padding, which one se
 does (its padding is under one chunk). There the kernel's per-chunk working set can outgrow
 the rest of the layer, which follows the tokens, and a quantity becomes the larger of two
 lines in the tokens at a fixed padded length: the full-chunk line above and a sparse-chunk
-line, measured on rows of one short sequence per chunk (`SparseChunks`).
+line, measured on rows of one short sequence per chunk at two fills (`SparseChunks`); past
+the second fill, on rows laid out like those, the chord from it to the full chunk.
 
 The full-chunk line is measured on single sequences, and a row of several segments holds
 less on it: the CPU rule's backward makes its first gradient's results at the row's tokens,
@@ -169,15 +170,24 @@ def sparse_row_lengths(padded_tokens: int, tokens_per_chunk: int,
 @dataclass(frozen=True)
 class SparseChunks:
     """Each quantity on rows of one short sequence per chunk, at two fills, as curves over
-    the padded length: between and beyond the two fills, the line through them."""
+    the padded length. Between the two fills: the line through them. Past the second fill on
+    a row laid out like the sparse rows (no segment longer than a chunk): the larger of that
+    line and the chord to the full chunk (the full-chunk curve at the same padded length). On
+    that layout a quantity is a maximum of ops linear in the tokens, so it is convex in the
+    fill: the chord bounds it from above where the kernel's padded work stops setting the
+    peak between the two fills, the line where it does not. A row with longer segments holds
+    fewer partly filled chunks than the sparse rows, and the full-chunk line prices it."""
 
     chunk_tokens: int
     tokens_per_chunk: tuple[int, int]
     quantities: tuple[tuple[str, Fit, Fit], ...]  # (name, at the first fill, at the second)
 
-    def value(self, name: str, tokens: int, padded: int | None) -> int | None:
+    def value(self, name: str, tokens: int, padded: int | None,
+              full_chunks: Callable[[int], float] | None = None, segments: int = 1
+              ) -> int | None:
         """Quantity `name` (None: not measured) at `tokens` in the `padded` row (None: one
-        sequence of `tokens`)."""
+        sequence of `tokens`) of `segments`; `full_chunks`: the quantity's curve over rows of
+        whole chunks (None: the line alone)."""
         whole = _row_padded(tokens, padded, self.chunk_tokens)
         for quantity, first, second in self.quantities:
             if quantity != name:
@@ -185,7 +195,12 @@ class SparseChunks:
             chunks = whole / self.chunk_tokens
             low, high = (chunks * n for n in self.tokens_per_chunk)
             at_low, at_high = first.at(whole), second.at(whole)
-            return int(round(at_low + (at_high - at_low) * (tokens - low) / (high - low)))
+            line = at_low + (at_high - at_low) * (tokens - low) / (high - low)
+            if (full_chunks is not None and segments * self.chunk_tokens >= whole
+                    and high < tokens < whole):
+                chord = at_high + (full_chunks(whole) - at_high) * (tokens - high) / (whole - high)
+                line = max(line, chord)
+            return int(round(line))
         return None
 
 

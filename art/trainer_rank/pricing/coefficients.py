@@ -71,7 +71,7 @@ class Coefficients(Protocol):
     def key(self) -> str: ...
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
-                   segments_change: Mapping[str, float] | None = None
+                   segments_change: Mapping[str, float] | None = None, segments: int = 1
                    ) -> LayerCost | None: ...
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int

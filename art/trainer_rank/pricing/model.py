@@ -189,7 +189,8 @@ class MemoryModel:
             cost = self.coefficients.layer_cost(
                 kind, RecomputeMode(grad=grad, modules=modules).key,
                 self._probe_tokens(kind, s), padded,
-                self._segments_change(kind, modules, s, grad, padded, segments, sequences))
+                self._segments_change(kind, modules, s, grad, padded, segments, sequences),
+                segments)
             if cost is not None:
                 result = (cost, True)
         if result is None:
@@ -299,7 +300,7 @@ class MemoryModel:
                   if grad else None)
         return self.coefficients.layer_cost(
             kind, RecomputeMode(grad=grad, full_layers=n).key, self._probe_tokens(kind, s),
-            padded, change)
+            padded, change, segments)
 
     def _unit_segments_change(self, index: int, kind: PricedKind, n: int, s: int,
                               padded: int | None, sequences: int, segments: int

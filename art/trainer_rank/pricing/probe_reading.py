@@ -132,7 +132,8 @@ class ProbeReading:
             return change
         # The caller reads the probe at the row's padding: move that reading to `one`.
         at_one = self.coefficients.layer_cost(kind, key, tokens, one)
-        at_row = self.coefficients.layer_cost(kind, key, tokens, row.padded)
+        at_row = self.coefficients.layer_cost(kind, key, tokens, row.padded,
+                                              segments=row.segments)
         for name in change:
             probed_one, probed_row = getattr(at_one, name), getattr(at_row, name)
             if probed_one is not None and probed_row is not None:
