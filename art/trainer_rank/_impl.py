@@ -14,7 +14,7 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeAlias
 
@@ -46,8 +46,9 @@ from art.trainer_rank._types import (
 from art.trainer_rank.compute.filler import FillerPasses
 from art.trainer_rank.compute.forward import language_model
 from art.trainer_rank.compute.items import Item, fingerprint, make_items, validate_items
-from art.trainer_rank.decide.admission import AdmissionPolicy
+from art.trainer_rank.decide.admission import Admission, AdmissionPolicy
 from art.trainer_rank.decide.escalation import running_recompute
+from art.trainer_rank.decide.expert_partners import ExpertPartners
 from art.trainer_rank.decide.outcome import (
     CallOutcome,
     caller_oom_not_retried,
@@ -129,6 +130,9 @@ class TrainerRank(SlotMethods, StepMethods):
         # theirs (ranks/paired_forwards.py), so every rank of a step runs the configured
         # recompute (another rung would re-run a different set of all-to-alls in backward).
         self.paired_forwards = _agree.experts_cross_replicas()
+        # Their rows' routed tokens reach this rank's experts: micro-batches are priced
+        # beside the longest one (decide/expert_partners.py).
+        self.expert_partners = ExpertPartners.of_this_rank() if self.paired_forwards else None
         recompute_choice = (RecomputeChoice.CONFIGURED if self.paired_forwards
                             else self.options.recompute_choice)
         # The per-phase agreement between ranks (OOMs, failed collectives): ranks/phases.py.
@@ -243,7 +247,10 @@ class TrainerRank(SlotMethods, StepMethods):
 
         def run_share(wave: Wave) -> Iterator[MicroBatch | ForwardReady]:
             share = [items[i] for i in wave.share(dp_rank, dp_size)]
-            return self._by_grad_mode(share, call, wave, PlanMode.WAVE)
+            partners = self.expert_partners and functools.partial(
+                self.expert_partners.in_wave, items, wave.start, wave.stop,
+                packed_length=self.admission.packed_length)
+            return self._by_grad_mode(share, call, wave, PlanMode.WAVE, partners=partners)
 
         def finish() -> None:
             self._merge_profiles_over_data_parallel()
@@ -272,9 +279,14 @@ class TrainerRank(SlotMethods, StepMethods):
         items = self._items(inputs, checkpoint, no_grad)
         call = CallOutcome(self._next_call())
         results: dict[int, Any] = {}
+        partners = None
+        if self.expert_partners is not None:
+            usable = self.usable_limit_bytes()
+            with self.phases.collectives(PLAN, None), self._probing_below(usable):
+                partners = self.expert_partners.in_call(items, self.admission, usable)
         # With grad the caller's backward comes after this call returns: not measurable here.
         micro_batches = self._by_grad_mode(items, call, Wave(0, len(items)), PlanMode.CALL,
-                                           measure_caller=False)
+                                           measure_caller=False, partners=partners)
         if self.paired_forwards:
             dp_size = _agree.data_parallel_rank_and_size()[1]
             micro_batches = paired_call(
@@ -322,21 +334,28 @@ class TrainerRank(SlotMethods, StepMethods):
                       for grad in {item.grad for item in mine}}
             gradients = self._unallocated_gradients() if True in usable else None
             # A tail probed on first use measures below the lower limit (the grad one).
+            partners = self.expert_partners and self.expert_partners.for_proposal(
+                items, start, self.admission.packed_length)
             with self._probing_below(usable[True] if True in usable else usable[False]):
                 fitting = self.admission.fitting_prefix(
-                    mine, usable, gradients, self.step_times.fit() if True in usable else None)
+                    mine, usable, gradients, self.step_times.fit() if True in usable else None,
+                    expert_partner_tokens=partners)
         return widest_wave(start, len(items), dp_rank, dp_size, fitting, len(mine))
 
     def _by_grad_mode(self, local: list[Item], call: CallOutcome, wave: Wave, mode: PlanMode, *,
-                      measure_caller: bool = True) -> Iterator[MicroBatch | ForwardReady]:
+                      measure_caller: bool = True,
+                      partners: Callable[[bool], int] | None = None
+                      ) -> Iterator[MicroBatch | ForwardReady]:
         """Grad items first, then no-grad ones; one autograd mode per micro-batch. Declined
         items are kept in `call`, raised once the call ran everything else.
         `measure_caller` applies to grad micro-batches; without grad nothing of the caller's
-        can add to the peak, so those are always measured."""
+        can add to the peak, so those are always measured. `partners(grad)`: the longest row
+        an EP partner runs beside them (decide/expert_partners.py)."""
         for grad in (True, False):
             queue = [item for item in local if item.grad == grad]
             if queue:
-                yield from self._micro_batches(queue, grad, call, wave, mode,
+                admission = self.admission.with_expert_partners(partners(grad) if partners else 0)
+                yield from self._micro_batches(queue, grad, call, wave, mode, admission,
                                                measure_caller=measure_caller or not grad)
 
     def _forward_ranks(self) -> int:
@@ -365,10 +384,10 @@ class TrainerRank(SlotMethods, StepMethods):
     # -- the loop -----------------------------------------------------------------------------
 
     def _micro_batches(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
-                       mode: PlanMode, *, measure_caller: bool = True
+                       mode: PlanMode, admission: Admission, *, measure_caller: bool = True
                        ) -> Iterator[MicroBatch | ForwardReady]:
         try:
-            yield from self._micro_batch_loop(local, grad, call, wave, mode,
+            yield from self._micro_batch_loop(local, grad, call, wave, mode, admission,
                                               measure_caller=measure_caller)
         except TrainerRankMemoryError:
             fault = self.phases.fault
@@ -380,8 +399,8 @@ class TrainerRank(SlotMethods, StepMethods):
                 self._save_profiles()
             raise
 
-    def _plan(self, pending: list[Item], grad: bool, held_bytes: int, mode: PlanMode
-              ) -> tuple[PlanRequest, Plan]:
+    def _plan(self, pending: list[Item], grad: bool, held_bytes: int, mode: PlanMode,
+              admission: Admission) -> tuple[PlanRequest, Plan]:
         """The next plan for `pending`, agreed over the replica: a wave's share as one
         micro-batch when it fits (else as admission takes it, e.g. after a run-time OOM), a
         queue greedily, or a whole grad call. `held_bytes`: what the trainer holds for this
@@ -390,7 +409,7 @@ class TrainerRank(SlotMethods, StepMethods):
         probed = self.probe.probes_on_first_use if self.probe is not None else 0
         request = self._request(pending, grad, usable, mode)
         with self._probing_below(usable):
-            plan = self.admission.plan(request)
+            plan = admission.plan(request)
         if self.probe is not None and self.probe.probes_on_first_use != probed:
             # A head tail or a rung's layers were probed on first use while planning (below
             # the limit read before it): read the limit again after it and plan with that.
@@ -398,7 +417,7 @@ class TrainerRank(SlotMethods, StepMethods):
             usable = self.usable_limit_bytes(held_bytes)
             request = self._request(pending, grad, usable, mode)
             with self._probing_below(usable):
-                plan = self.admission.plan(request)
+                plan = admission.plan(request)
         _agree.check_same_plan(plan.agreement_key(usable))
         return request, plan
 
@@ -428,7 +447,7 @@ class TrainerRank(SlotMethods, StepMethods):
             self.probe.guard = contextlib.nullcontext
 
     def _micro_batch_loop(self, local: list[Item], grad: bool, call: CallOutcome, wave: Wave,
-                          mode: PlanMode, *, measure_caller: bool
+                          mode: PlanMode, admission: Admission, *, measure_caller: bool
                           ) -> Iterator[MicroBatch | ForwardReady]:
         pending = list(local)
         while pending:
@@ -443,7 +462,8 @@ class TrainerRank(SlotMethods, StepMethods):
             )
             with self.phases.collectives(PLAN, None):
                 request, plan = self._plan(pending, grad,
-                                           0 if snapshot is None else snapshot.nbytes, mode)
+                                           0 if snapshot is None else snapshot.nbytes, mode,
+                                           admission)
             chosen = {item.index for item in plan.items}
             pending = [item for item in pending if item.index not in chosen]
             if plan.decision == DECLINED:

@@ -172,6 +172,10 @@ class MicroBatchShape:
     # With shared prefixes: the row's segments as a recurrent layer runs them; None: one
     # segment per sequence.
     recurrent: RecurrentRow | None = None
+    # With expert parallel across model replicas: the most packed tokens the row of another
+    # rank of this rank's expert-parallel group holds beside this micro-batch (its experts
+    # take their routed tokens too); 0: every rank of the group runs this row's size.
+    expert_partner_tokens: int = 0
 
     def __post_init__(self) -> None:
         if not self.sequence_lengths_tokens or min(self.sequence_lengths_tokens) < 1:
@@ -181,6 +185,10 @@ class MicroBatchShape:
         if self.padded_tokens < 0:
             raise FieldError("MicroBatchShape", "padded_tokens", self.padded_tokens,
                              "a packed row holds >= 0 tokens (0: the sum of the sequences)")
+        if self.expert_partner_tokens < 0:
+            raise FieldError("MicroBatchShape", "expert_partner_tokens",
+                             self.expert_partner_tokens,
+                             "a partner's row holds >= 0 tokens (0: as many as this one)")
 
     @property
     def logical_tokens(self) -> int:

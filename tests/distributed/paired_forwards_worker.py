@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -35,6 +36,19 @@ def _inputs(lengths, seed: int, no_grad_item: int | None = None) -> list:
                          target_tokens=torch.randint(0, 256, (n,), generator=g),
                          no_grad=True if i == no_grad_item else None)
             for i, n in enumerate(lengths)]
+
+
+def _partners(stats) -> list[list]:
+    """Each micro-batch's (wave start, grad, packed tokens, the EP partners' rows it was
+    priced beside: None when priced beside rows of its own size)."""
+    records = []
+    for s in stats:
+        if not s.local_count:
+            continue
+        found = re.search(r"beside EP partners' rows of (\d+) packed tokens", s.term_table)
+        records.append([s.global_start, s.grad_enabled, s.packed_tokens,
+                        int(found[1]) if found else None])
+    return records
 
 
 def _gathered(mine: dict) -> dict:
@@ -69,6 +83,7 @@ def _phase(driver, folder: Path, ep: int) -> dict:
     trainer.options = replace(trainer.options, test_memory_limit_bytes=int(price * 1.6))
 
     inputs = _inputs(LENGTHS, 1, NO_GRAD_ITEM)
+    history = len(trainer.stats_history)
     logprobs: dict[int, float] = {}
     decisions = []
     trainer.zero_grad()
@@ -83,11 +98,14 @@ def _phase(driver, folder: Path, ep: int) -> dict:
         if loss is not None:
             loss.backward()
     grad_norm = trainer.optim_step(params=AdamParams(learning_rate=1e-3))["grad_norm"]
+    wave_partners = _partners(trainer.stats_history[history:])
 
     rank = dist.get_rank()
     mine = _inputs([30, 20, 25] if rank == 0 else [35], 2 + rank)
+    history = len(trainer.stats_history)
     with torch.no_grad():
         scored = trainer.dp_rank_forward(mine)
+    call_partners = _partners(trainer.stats_history[history:])
     nograd = {f"{rank}:{i}": float(out.target_logprobs.sum()) for i, out in enumerate(scored)}
 
     grad_error = None
@@ -101,6 +119,7 @@ def _phase(driver, folder: Path, ep: int) -> dict:
             "logprobs": {str(k): v for k, v in _gathered(logprobs).items()},
             "grad_norm": float(grad_norm), "decisions": decisions,
             "nograd_dp_rank_forward": _gathered(nograd), "grad_error": grad_error,
+            "wave_partners": wave_partners, "call_partners": call_partners,
             "recompute_choice": str(trainer.admission.policy.choice)}
 
 

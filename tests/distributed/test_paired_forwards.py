@@ -57,3 +57,25 @@ def test_unequal_dp_rank_forward_under_expert_parallel_across_ranks(records):
         error = ep2["grad_error"]
         assert error is not None and error.startswith("TrainerRankRuntimeSupportError")
         assert "range from 1 to 2" in error and "forward_micro_batches" in error
+
+
+@pytest.mark.torchrun
+def test_micro_batches_are_priced_beside_their_partners_rows(records):
+    """Each rank's experts take the tokens its partner routes to them: a micro-batch is
+    priced beside the longest row the partner runs in the same step. In the waves that is the
+    partner's share of the wave in the same autograd mode (a one-token filler where it has
+    none); in dp_rank_forward without grad, the partner's items of the call (35 tokens beside
+    rank 0's three items, 75 beside rank 1's one)."""
+    runs = {rank: records[(rank, 2)]["wave_partners"] for rank in (0, 1)}
+    assert runs[0] and runs[1]
+    for rank in (0, 1):
+        theirs: dict[tuple[int, bool], int] = {}
+        for start, grad, packed, _ in runs[1 - rank]:
+            theirs[(start, grad)] = theirs.get((start, grad), 0) + packed
+        for start, grad, _, partner in runs[rank]:
+            assert partner == max(1, theirs.get((start, grad), 0)), (rank, start, grad)
+        # EP=1 has no partners.
+        assert all(p is None for *_, p in records[(rank, 1)]["wave_partners"])
+    calls = {rank: records[(rank, 2)]["call_partners"] for rank in (0, 1)}
+    assert {p for *_, p in calls[0]} == {35}
+    assert {p for *_, p in calls[1]} == {75}

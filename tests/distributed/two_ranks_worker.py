@@ -11,6 +11,7 @@ them, so each builds its own as it does in a launch of its own:
     context_parallel/          context_parallel_worker.py at CP=2
     expert_parallel/           expert_parallel_worker.py's 2-rank layouts
     paired_forwards/           paired_forwards_worker.py: EP=2 across the DP ranks, unequal work
+    expert_partners/           expert_partners_worker.py: EP partners' rows of other sizes, priced
     meter/                     meter_collectives_worker.py: the CPU meter under gloo collectives
     lora/                      lora_tp_worker.py at TP=2 on the adapters in lora-adapters/
     weights/                   weights_worker.py's cases in weights-cases/ (HF checkpoints)
@@ -30,6 +31,7 @@ from pathlib import Path
 
 import context_parallel_worker
 import expert_parallel_worker
+import expert_partners_worker
 import heads_tp_worker
 import hybrid_tp_worker
 import lora_tp_worker
@@ -69,6 +71,7 @@ def main() -> None:
             out, 1, [*CP_MODELS, *CP_EP_MODELS]),
         "expert_parallel": lambda out: expert_parallel_worker.run(out, list(EXPERT_LAYOUTS[2])),
         "paired_forwards": paired_forwards_worker.run,
+        "expert_partners": expert_partners_worker.run,
         "meter": meter_collectives_worker.run,
         "lora": lambda out: _in(lora_env, lambda: lora_tp_worker.run_specs(out, json.loads(
             (out_dir / "lora-adapters" / lora_tp_worker.SPECS).read_text()))),

@@ -163,7 +163,8 @@ def test_experts_are_priced_over_their_expert_tp_group_not_tp() -> None:
     every pair on half their hidden dimension and the combine reduce-scatters back; with
     expert TP 1 (EP over the TP ranks, whole experts) a rank's experts take the pairs both
     ranks route to them, as many as one rank's own under balanced routing, on their whole
-    hidden dimension, and nothing is reduce-scattered."""
+    hidden dimension, and nothing is reduce-scattered. Both hold the all-to-all's output
+    beside the permuted tokens through the combine."""
     g = load_geometry("Qwen3-30B-A3B")
     s, b = 2048, 2
 
@@ -182,8 +183,10 @@ def test_experts_are_priced_over_their_expert_tp_group_not_tp() -> None:
     assert block(sharded, "dispatch").output == s * k * pair
     assert block(whole, "dispatch").output == s / 2 * k * pair
     own = s / 2 * k * pair
-    assert block(whole, "combine").temp == own + 2 * (s / 2 * k * pair)
-    assert block(sharded, "combine").temp == own + 2 * s * k * pair + (s * k + s * k / 2) * pair
+    # Permuted tokens, the experts' output and its sorted copy, and at EP > 1 the
+    # all-to-all's output beside the permuted tokens.
+    assert block(whole, "combine").temp == own + 3 * (s / 2 * k * pair)
+    assert block(sharded, "combine").temp == own + 3 * s * k * pair + (s * k + s * k / 2) * pair
 
 
 def test_a_moe_layer_s_backward_is_priced_at_its_measurement(megatron_process):
@@ -228,3 +231,39 @@ def test_a_moe_layer_s_backward_is_priced_at_its_measurement(megatron_process):
                                  padded=padded_chunk_tokens([s]) if kind.linear else None
                                  ).backward_held
             assert priced == pytest.approx(measured, rel=1e-3), (kind, s, priced, measured)
+
+
+@pytest.mark.parametrize("worst_case", [False, True])
+def test_experts_take_the_ep_partners_rows_tokens(worst_case: bool) -> None:
+    """With expert parallel across model replicas each EP partner runs a row of its own: this
+    rank's experts take 1/EP of every partner's routed tokens (balanced), or all of them (the
+    worst case), so the dispatch's received tokens follow the partners' rows, not this one's."""
+    g = load_geometry("Qwen3-30B-A3B")
+    d = replace(_dims(), layout=ParallelLayout(expert_parallel=4))
+    s, partner, ep, k = 512, 4096, 4, g.moe_router_topk
+    per_pair = g.hidden_size * d.dtype_bytes
+
+    def received(partner_s: int | None) -> float:
+        dispatch = next(b for b in moe_blocks(d, s, worst_case, partner_s)
+                        if b.name == "dispatch")
+        return dispatch.output / per_pair
+
+    hits = min(k, g.num_experts // ep) if worst_case else k / ep
+    assert received(partner) == pytest.approx((s + (ep - 1) * partner) * hits)
+    # Partners of this row's size price as before.
+    assert received(s) == received(None) == pytest.approx(ep * s * hits)
+
+
+def test_estimate_prices_the_partners_rows_only_where_experts_exchange_tokens() -> None:
+    """`MicroBatchShape.expert_partner_tokens` raises a MoE model's price at EP > 1 and says
+    so in the table's first line; a dense model, or EP = 1, prices the same row as before."""
+    g = load_geometry("Qwen3-30B-A3B")
+    model = replace(_model(g), layout=ParallelLayout(expert_parallel=4))
+    row = MicroBatchShape((1024,), outputs=OutputRequest(target_logprobs=True))
+    beside = replace(row, expert_partner_tokens=8192)
+    assert model.estimate(beside).dynamic_bytes > 1.5 * model.estimate(row).dynamic_bytes
+    assert "beside EP partners' rows of 8192 packed tokens" in model.estimate(beside).table()
+    for other in (_model(g), _model(load_geometry("Qwen3-8B"))):
+        assert other.estimate(beside).dynamic_bytes == other.estimate(row).dynamic_bytes
+    with pytest.raises(ValueError, match="expert_partner_tokens"):
+        MicroBatchShape((8,), expert_partner_tokens=-1)

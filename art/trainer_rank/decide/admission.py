@@ -10,7 +10,7 @@ Pure logic: no model, no tensors; the runtime hands it a memory model and a usab
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
@@ -93,6 +93,10 @@ class Admission:
     # The rungs a micro-batch may run instead of the configured policy (recompute_ladder.py);
     # None: full recompute (`full_recompute`) is the only other one.
     ladder: RecomputeLadder | None = None
+    # With expert parallel across model replicas: the most packed tokens an EP partner's row
+    # holds beside the micro-batches priced (`MicroBatchShape.expert_partner_tokens`; 0: as
+    # many as each one). Set per wave and autograd mode by `with_expert_partners`.
+    expert_partner_tokens: int = 0
     # Memos of pure functions of the fields above and their arguments (never of a request's
     # limit or gradients, which come with each call): see `clear_caches`.
     _caches: _PriceCaches = field(default_factory=lambda: _PriceCaches(), init=False,
@@ -101,6 +105,16 @@ class Admission:
     def clear_caches(self) -> None:
         """Forget every cached price, signature and cap (benchmarks time cold decisions)."""
         self._caches.clear()
+
+    def with_expert_partners(self, tokens: int) -> Admission:
+        """This admission pricing every micro-batch beside EP partners' rows of at most
+        `tokens` packed tokens (0: of the micro-batch's own size); the memos are shared
+        (their keys hold the partners' tokens)."""
+        if tokens == self.expert_partner_tokens:
+            return self
+        other = replace(self, expert_partner_tokens=tokens)
+        object.__setattr__(other, "_caches", self._caches)
+        return other
 
     def signature(self, recompute: EffectiveRecompute, grad: bool, outputs: OutputRequest) -> str:
         caches = self._caches
@@ -126,6 +140,7 @@ class Admission:
             grad_enabled=grad,
             padded_tokens=self.packed_length(lengths, shared),
             recurrent=self._recurrent([self._tree(leaves, shared)]),
+            expert_partner_tokens=self.expert_partner_tokens,
         )
 
     def _tree(self, leaves: Sequence[ForwardInput], shared: int) -> TreeShape:
@@ -187,14 +202,16 @@ class Admission:
                       ) -> tuple[Pricing, MicroBatchShape, str]:
         recompute = recompute or self.recompute
         priced = self._caches.priced
-        key = (id(recompute), grad, lengths, outputs, shared_tokens, recurrent)
+        key = (id(recompute), grad, lengths, outputs, shared_tokens, recurrent,
+               self.expert_partner_tokens)
         hit = priced.get(key)
         if hit is None:
             model = self.model_for(recompute)
             shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
                                     grad_enabled=grad,
                                     padded_tokens=self.packed_length(lengths, shared_tokens),
-                                    recurrent=recurrent)
+                                    recurrent=recurrent,
+                                    expert_partner_tokens=self.expert_partner_tokens)
             if len(priced) > 8192:  # an Estimate holds its terms: bound the memory
                 priced.clear()
             hit = priced[key] = (model.estimate(shape), shape,
@@ -231,7 +248,7 @@ class Admission:
         recompute = recompute or self.recompute
         model_max = self._caches.model_max
         held = gradients.total_bytes if grad and gradients is not None else 0
-        key = (outputs, grad, usable_bytes, held, id(recompute))
+        key = (outputs, grad, usable_bytes, held, id(recompute), self.expert_partner_tokens)
         hit = model_max.get(key)
         if hit is not None:
             return hit
@@ -426,19 +443,24 @@ class Admission:
 
     def fitting_prefix(self, items: Sequence[Item], usable_bytes: Mapping[bool, int],
                        unallocated_gradients: UnallocatedGradients | None = None,
-                       step_time: StepTimeFit | None = None) -> int:
+                       step_time: StepTimeFit | None = None,
+                       expert_partner_tokens: Callable[[int, bool], int] | None = None) -> int:
         """How many leading `items` run together: their grad items as one micro-batch and
         their no-grad items as another, each fitting its limit (`usable_bytes[grad]`).
-        Adaptive weighs its two packings of the grad items by `step_time` (adaptive.py)."""
+        Adaptive weighs its two packings of the grad items by `step_time` (adaptive.py).
+        `expert_partner_tokens(count, grad)`: the EP partners' rows beside the first `count`
+        items' micro-batch of that autograd mode (None: partners of its own size)."""
         def fits(count: int, as_configured: bool = False) -> bool | None:
             head = items[:count]
 
             def together(grad: bool) -> bool:
                 request = PlanRequest(tuple(it for it in head if it.grad == grad), grad,
                                       usable_bytes[grad], PlanMode.WAVE, unallocated_gradients)
+                admission = (self if expert_partner_tokens is None else
+                             self.with_expert_partners(expert_partner_tokens(count, grad)))
                 if as_configured and grad:
-                    return self.fits_together(request, as_configured=True)
-                return self.fits_together(request)
+                    return admission.fits_together(request, as_configured=True)
+                return admission.fits_together(request)
 
             return all(together(grad) for grad in {it.grad for it in head}) or None
 
@@ -556,12 +578,13 @@ class _PriceCaches:
     """Admission's memos. `recomputes` keeps every recompute whose id keys an entry alive, so
     an id is never reused while it is cached."""
 
-    # (recompute id, grad, lengths, outputs, shared, recurrent) -> (estimate, shape,
-    # signature); the profile's part is read fresh on every price.
+    # (recompute id, grad, lengths, outputs, shared, recurrent, EP partners' tokens) ->
+    # (estimate, shape, signature); the profile's part is read fresh on every price.
     priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = field(default_factory=dict)
     signatures: dict[tuple[int, bool, OutputRequest], str] = field(default_factory=dict)
-    # (outputs, grad, usable, gradient bytes, recompute id) -> the largest admissible row
-    model_max: dict[tuple[OutputRequest, bool, int, int, int], int] = field(
+    # (outputs, grad, usable, gradient bytes, recompute id, EP partners' tokens) -> the
+    # largest admissible row
+    model_max: dict[tuple[OutputRequest, bool, int, int, int, int], int] = field(
         default_factory=dict)
     recomputes: dict[int, EffectiveRecompute] = field(default_factory=dict)
     models: dict[int, MemoryModelLike] = field(default_factory=dict)

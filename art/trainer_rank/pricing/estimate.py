@@ -125,8 +125,10 @@ class Estimate:
         lines = [
             f"{self.recompute_summary}; {len(self.batch.sequence_lengths_tokens)} sequence(s), "
             f"{self.batch.packed_tokens} packed tokens, outputs {self.batch.outputs.key}, "
-            f"{'grad' if self.batch.grad_enabled else 'no grad'}; coefficients: "
-            f"{self.coefficients_source}",
+            f"{'grad' if self.batch.grad_enabled else 'no grad'}"
+            + (f", beside EP partners' rows of {self.batch.expert_partner_tokens} packed tokens"
+               if self.batch.expert_partner_tokens else "")
+            + f"; coefficients: {self.coefficients_source}",
             f"{'phase':<9} {'term':<44} {unit:>10}  note",
         ]
         for term in self.terms:

@@ -82,22 +82,27 @@ def moe_dispatcher_state(d: Dims, s: int) -> float:
             + 2 * g.num_experts * d.layout.expert_tensor_parallel * INT64)
 
 
-def moe_blocks(d: Dims, s: int, worst_case: bool) -> list[Block]:
+def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None
+               ) -> list[Block]:
+    """`partner_s`: the tokens (as `s` counts them) of the other ranks of this rank's EP
+    group, when they run rows of their own (expert parallel across model replicas); None:
+    `s`, every rank of the group runs this row."""
     g, b = d.geometry, d.dtype_bytes
     ep = d.layout.expert_parallel
     local_experts = max(1, g.num_experts // ep)
     # The tokens this rank routes: its own rows gathered over the expert-TP group (Megatron's
     # dispatcher gathers over it and reduce-scatters back), all s when expert TP is TP.
     tokens = expert_tokens(d, s)
-    routed = tokens * g.moe_router_topk  # this rank's token-expert pairs, all experts
-    # This rank's experts take the pairs every rank of its EP group routes to them, each rank
-    # priced with this rank's tokens. Balanced routing sends 1/EP of each rank's pairs here:
-    # EP x routed / EP. The worst case sends every token of every EP rank here (capped at
-    # top-k per token: each hits min(top-k, local) of this rank's experts).
+    partners = tokens if partner_s is None else expert_tokens(d, partner_s)
+    # This rank's experts take the pairs every rank of its EP group routes to them: its own
+    # and the EP - 1 others'. Balanced routing sends 1/EP of each rank's pairs here. The
+    # worst case sends every token of every EP rank here (capped at top-k per token: each
+    # hits min(top-k, local) of this rank's experts).
+    group_tokens = tokens + (ep - 1) * partners
     if worst_case:
-        local_pairs = ep * tokens * min(g.moe_router_topk, local_experts)
+        local_pairs = group_tokens * min(g.moe_router_topk, local_experts)
     else:
-        local_pairs = routed
+        local_pairs = group_tokens * g.moe_router_topk / ep
     # Logits and scores [tokens, experts] fp32, the top-k indices (int64) besides the top-k
     # probabilities (its output); the routing map [tokens, experts] (bool) and the
     # permutation's token indices (int64 per routed pair) the dispatcher keeps for the
@@ -157,6 +162,11 @@ def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int)
     own_pairs = d.hidden_tokens(s) * g.moe_router_topk
     held = own_pairs * pair + local_pairs * pair
     if local_experts > 1:
+        held += local_pairs * pair
+    if d.layout.expert_parallel > 1:
+        # The all-to-all's output (the pairs every EP rank sent here), which the layer's
+        # frame holds through the combine beside this rank's permuted tokens (at EP = 1 they
+        # are one tensor).
         held += local_pairs * pair
     if etp > 1:
         held += local_pairs * pair + local_pairs / etp * pair

@@ -41,7 +41,6 @@ from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import layer_kind, price_layer
 from art.trainer_rank.pricing.layers_gdn import (
     conv_sequence_padding_bytes,
-    prefix_tree_extra_forward_bytes,
     prefix_tree_state_bytes,
 )
 from art.trainer_rank.pricing.passes import (
@@ -55,6 +54,7 @@ from art.trainer_rank.pricing.passes import (
     pre_decoder_terms,
 )
 from art.trainer_rank.pricing.probe_reading import PaddedRow, ProbeReading, probe_tokens
+from art.trainer_rank.pricing.row_changes import expert_partner_s, partner_change, tree_change
 from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
     TailCost,
@@ -173,14 +173,17 @@ class MemoryModel:
 
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
                     padded: int | None = None, sequences: int = 1,
-                    recurrent: RecurrentRow | None = None, segments: int = 1
-                    ) -> tuple[LayerCost, bool]:
+                    recurrent: RecurrentRow | None = None, segments: int = 1,
+                    expert_partner_s: int | None = None) -> tuple[LayerCost, bool]:
         """`padded`: the row's tokens padded to whole kernel chunks (pricing/chunked.py);
         `sequences`: how many segments (sequences, or prefix-tree nodes) a recurrent layer
         runs the row as; `recurrent`: the row's calls when it holds prefix trees;
-        `segments`: the row's segments as its delta rule runs them (its padded tail too)."""
+        `segments`: the row's segments as its delta rule runs them (its padded tail too);
+        `expert_partner_s`: the EP partners' rows (`row_changes.expert_partner_s`), whose
+        routed tokens a MoE layer's experts take beside this row's (`partner_change`)."""
         kind = self._kinds[index]
-        memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments)
+        memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments,
+                    expert_partner_s)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
@@ -204,14 +207,25 @@ class MemoryModel:
         forward_change = backward_change = 0.0
         held_change: float | None = 0.0
         if recurrent is not None and len(recurrent.calls) > 1 and kind.linear:
-            forward_change, backward_change, held_change = self._tree_change(
-                kind, modules, s, grad, padded, recurrent, segments)
-        if padding or forward_change or backward_change or held_change:
+            forward_change, backward_change, held_change = tree_change(
+                self.dims, kind, modules, s, grad, padded, recurrent, segments,
+                self.worst_case_routing, self._probe_tokens(kind, s))
+        kept_change = 0.0
+        if expert_partner_s is not None and kind.moe:
+            partners = partner_change(self.dims, kind, modules, s, grad, padded, segments,
+                                      self.worst_case_routing, expert_partner_s)
+            kept_change = partners.kept
+            forward_change += partners.forward
+            backward_change += partners.backward
+            if held_change is not None:
+                held_change = (None if partners.backward_held is None
+                               else held_change + partners.backward_held)
+        if padding or kept_change or forward_change or backward_change or held_change:
             cost, used = result
             held = cost.backward_held
             if held is not None and held_change is not None:
                 held = int(held + held_change)
-            result = (replace(cost, kept=int(cost.kept + padding),
+            result = (replace(cost, kept=int(cost.kept + padding + kept_change),
                               forward=int(cost.forward + padding + forward_change),
                               backward=int(cost.backward + backward_change),
                               backward_held=held), used)
@@ -234,37 +248,20 @@ class MemoryModel:
         return ProbeReading(self.dims, self.layout, self.coefficients, self.worst_case_routing,
                             self.geometry.hidden_size * self.dtype_bytes, self._readings)
 
-    def _tree_change(self, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
-                     padded: int | None, recurrent: RecurrentRow, segments: int = 1
-                     ) -> tuple[float, float, float | None]:
-        """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
-        prefix trees from its price over the same row as plain sequences: the formulas'
-        layer with the rule at its largest call's working sets (one call per depth; without
-        grad, the calls one at a time) against the formulas' layer over the row, plus, with
-        grad, what the calls' outputs and states hold (`prefix_tree_extra_forward_bytes`).
-        Applied to the probe's layer as to the formulas'."""
-        plain = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
-                            worst_case_routing=self.worst_case_routing, segments=segments)
-        tree = price_layer(self.dims, kind, modules, s, grad=grad, padded=padded,
-                           worst_case_routing=self.worst_case_routing,
-                           rule_calls=recurrent.calls)
-        extra = (prefix_tree_extra_forward_bytes(self.dims, kind, self._probe_tokens(kind, s),
-                                                 recurrent.calls) if grad else 0.0)
-        held = (None if plain.backward_held is None or tree.backward_held is None
-                else float(tree.backward_held - plain.backward_held))
-        return (float(tree.forward - plain.forward) + extra,
-                float(tree.backward - plain.backward) if grad else 0.0, held)
-
     def _probed_unit(self, index: int, n: int, s: int, grad: bool = True,
                      padded: int | None = None, recurrent: RecurrentRow | None = None,
-                     sequences: int = 1, segments: int = 1) -> LayerCost | None:
+                     sequences: int = 1, segments: int = 1,
+                     expert_partner_s: int | None = None) -> LayerCost | None:
         """The probe's cost of a full-recompute unit of `n` layers of one kind. Over a row of
         prefix trees a Gated DeltaNet unit's no-grad run changes as its layer's forward does,
         and its backward (the layer rebuilt with grad, then its backward) as the formulas'
-        unit does (`full_unit_peak`) with the rule at its largest call. `sequences` and
-        `segments` as in `_layer_cost`."""
-        cost = self._probed_unit_cost(index, n, s, grad, padded, sequences, segments)
+        unit does (`full_unit_peak`) with the rule at its largest call. `sequences`,
+        `segments` and `expert_partner_s` as in `_layer_cost`: a MoE unit beside partners'
+        rows of another size is composed from its layers (None), which carry the change."""
         kind = self._kinds[index]
+        if expert_partner_s is not None and kind.moe:
+            return None
+        cost = self._probed_unit_cost(index, n, s, grad, padded, sequences, segments)
         if (cost is None or recurrent is None or len(recurrent.calls) < 2
                 or not kind.linear):
             return cost
@@ -275,7 +272,8 @@ class MemoryModel:
                                 worst_case_routing=self.worst_case_routing, rule_calls=calls,
                                 segments=segments)
             peaks.append(full_unit_peak(Unit(True, index, x, x, (layer,))))
-        no_grad = self._tree_change(kind, frozenset(), s, False, padded, recurrent)[0]
+        no_grad = tree_change(self.dims, kind, frozenset(), s, False, padded, recurrent, 1,
+                              self.worst_case_routing, self._probe_tokens(kind, s))[0]
         return replace(cost, forward=int(cost.forward + no_grad),
                        backward=int(cost.backward + peaks[1] - peaks[0]))
 
@@ -401,6 +399,7 @@ class MemoryModel:
                    if recurrent is not None or self.layout.context_parallel > 1
                    else row_segments(segments, self.layout))
             padded, rule_segments = padded_chunk_tokens(row), len(row)
+        partner = expert_partner_s(batch, s, g, self.layout)
         layers = self._layers_holding_tree_states()
         if grad and continued and layers:
             per_layer = prefix_tree_state_bytes(self.dims, continued)
@@ -411,10 +410,10 @@ class MemoryModel:
         fp = forward_pass(self._stage_layers(), s, grad, hidden_local,
                           functools.partial(self._layer_cost, padded=padded,
                                             sequences=len(segments), recurrent=recurrent,
-                                            segments=rule_segments),
+                                            segments=rule_segments, expert_partner_s=partner),
                           functools.partial(self._probed_unit, padded=padded,
                                             recurrent=recurrent, sequences=len(segments),
-                                            segments=rule_segments),
+                                            segments=rule_segments, expert_partner_s=partner),
                           attention_layers=frozenset(
                               i for i, kind in enumerate(self._kinds) if not kind.linear),
                           attention_buffers=sum(t.bytes for t in pre
@@ -426,6 +425,9 @@ class MemoryModel:
         if g.is_moe:
             routing = "worst-case" if self.worst_case_routing else "balanced"
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
+            if partner is not None:
+                layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
+                                    " tokens")
         fwd_terms, forward_where = forward_terms(pre, fp, tail, layer_kept_note, grad)
         forward_peak = sum(t.bytes for t in fwd_terms)
         bwd_terms, backward_where, backward_layer = (

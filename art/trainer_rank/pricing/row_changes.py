@@ -1,0 +1,70 @@
+"""What a row changes in a layer's price beside the plain row the probe measured: its prefix
+trees' recurrent calls, and its EP partners' rows.
+
+The probe measures a layer on plain rows with every rank of its group running the same row;
+the formulas price the same, and each change here is the formulas' layer over this row less
+the formulas' layer over the plain one, added to the probe's layer as to the formulas'.
+"""
+
+from __future__ import annotations
+
+import math
+
+from art.megatron.geometry import ModelGeometry
+from art.megatron.layout import ParallelLayout
+from art.trainer_rank._request import MicroBatchShape, RecurrentRow
+from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
+from art.trainer_rank.pricing.layers import price_layer
+from art.trainer_rank.pricing.layers_gdn import prefix_tree_extra_forward_bytes
+
+
+def tree_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
+                padded: int | None, recurrent: RecurrentRow, segments: int,
+                worst_case_routing: bool, probe_tokens: int
+                ) -> tuple[float, float, float | None]:
+    """(forward, backward, held backward) change of a Gated DeltaNet layer over a row of
+    prefix trees from its price over the same row as plain sequences: the formulas' layer
+    with the rule at its largest call's working sets (one call per depth; without grad, the
+    calls one at a time) against the formulas' layer over the row, plus, with grad, what the
+    calls' outputs and states hold (`prefix_tree_extra_forward_bytes` at the `probe_tokens`
+    the layer's curves are read at)."""
+    plain = price_layer(d, kind, modules, s, grad=grad, padded=padded,
+                        worst_case_routing=worst_case_routing, segments=segments)
+    tree = price_layer(d, kind, modules, s, grad=grad, padded=padded,
+                       worst_case_routing=worst_case_routing, rule_calls=recurrent.calls)
+    extra = (prefix_tree_extra_forward_bytes(d, kind, probe_tokens, recurrent.calls)
+             if grad else 0.0)
+    held = (None if plain.backward_held is None or tree.backward_held is None
+            else float(tree.backward_held - plain.backward_held))
+    return (float(tree.forward - plain.forward) + extra,
+            float(tree.backward - plain.backward) if grad else 0.0, held)
+
+
+def expert_partner_s(batch: MicroBatchShape, s: int, geometry: ModelGeometry,
+                     layout: ParallelLayout) -> int | None:
+    """The EP partners' rows (`MicroBatchShape.expert_partner_tokens`) in this rank's tokens
+    as `s` counts them; None: they run this row's size, or no layer exchanges tokens."""
+    if not batch.expert_partner_tokens or not geometry.is_moe or layout.expert_parallel == 1:
+        return None
+    partner = math.ceil(batch.expert_partner_tokens / layout.context_parallel)
+    return None if partner == s else partner
+
+
+def partner_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
+                   padded: int | None, segments: int, worst_case_routing: bool,
+                   partner_s: int) -> LayerCost:
+    """A MoE layer's price beside EP partners' rows of `partner_s` tokens less its price
+    beside partners of this row's size, quantity by quantity (its experts take the partners'
+    routed tokens too)."""
+    def layer(partner: int | None) -> LayerCost:
+        return price_layer(d, kind, modules, s, grad=grad, padded=padded,
+                           worst_case_routing=worst_case_routing, segments=segments,
+                           expert_partner_s=partner)
+
+    there, here = layer(partner_s), layer(None)
+    held = (None if there.backward_held is None or here.backward_held is None
+            else there.backward_held - here.backward_held)
+    return LayerCost(kept=there.kept - here.kept, forward=there.forward - here.forward,
+                     backward=there.backward - here.backward,
+                     output=there.output - here.output, saves_input=there.saves_input,
+                     backward_held=held)
