@@ -7,9 +7,9 @@ priced beside the longest row a partner can run in the same step
 (`MicroBatchShape.expert_partner_tokens`), which bounds what the partners' rows add here:
 - in `forward_micro_batches` a partner runs at most its share of the same wave and autograd
   mode, and every rank deals every share from the same items (`in_wave`);
-- in `dp_rank_forward` at most its call's items of that mode, exchanged when the call starts;
-  without grad also no longer than one row this rank's limit admits, the partners' limits
-  taken to be this rank's (`in_call`);
+- in `dp_rank_forward` at most its call's items of that mode, exchanged when the call starts
+  with the ranks' limits; without grad also no longer than one row the largest partner's
+  limit admits (`in_call`);
 - a partner without a micro-batch of the step's mode runs a one-token filler
   (ranks/paired_forwards.py), and a rank of this replica in the group runs this rank's rows.
 """
@@ -43,7 +43,7 @@ def share_tokens(items: Sequence[Item], grad: bool, packed_length: PackedLength)
 def longest_no_grad_row(admission: Any, usable_bytes: int) -> int:
     """The longest no-grad row `admission` admits in `usable_bytes` beside one-token EP
     partners, with the cheapest outputs (log-probs, or hidden states without the head): no
-    partner runs a longer one, its limit taken to be this rank's."""
+    partner with that limit runs a longer one (each prices its rows as this rank does)."""
     alone = admission.with_expert_partners(1)
     return max(alone.model_max_tokens(usable_bytes, OutputRequest(**{output: True}), False)
                for output in ("target_logprobs", "hidden_states"))
@@ -101,12 +101,14 @@ class ExpertPartners:
     def in_call(self, items: Sequence[Item], admission: Any, usable_bytes: int
                 ) -> Callable[[bool], int]:
         """The longest row a partner runs in a `dp_rank_forward` call whose items on this
-        rank are `items` (exchanged over the data-parallel ranks: every rank calls this);
-        a partner's no-grad rows no longer than `longest_no_grad_row`."""
-        mine = tuple(share_tokens(items, grad, admission.packed_length) for grad in (True, False))
+        rank are `items`, this rank's limit `usable_bytes` (both exchanged over the
+        data-parallel ranks: every rank calls this); a partner's no-grad rows no longer than
+        `longest_no_grad_row` at the largest partner's limit."""
+        mine = (*(share_tokens(items, grad, admission.packed_length) for grad in (True, False)),
+                int(usable_bytes))
         every = _agree.all_gather_over_data_parallel(mine)
-        cap = (longest_no_grad_row(admission, usable_bytes)
-               if any(shares[1] for shares in every) else 0)
+        cap = (longest_no_grad_row(admission, max(every[q][2] for q in self.dp_ranks))
+               if self.dp_ranks and any(every[q][1] for q in self.dp_ranks) else 0)
 
         def tokens(grad: bool) -> int:
             def tokens_of(q: int) -> int:
