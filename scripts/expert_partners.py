@@ -10,11 +10,11 @@ packing, decoder, head, caller loss, backward) against the default formulas' pri
 partner's row (`MicroBatchShape.expert_partner_tokens`, as TrainerRank prices under paired
 forwards) and beside a partner of its own size (what was priced before).
 
-The router is replaced by a round-robin one (token t's experts are 2t and 2t + 1 modulo 8),
-which sends each rank's tokens half to each rank's experts exactly: the figures measure what
-the partners' rows add, not how far this tiny random router strays from the even share, which
-the formulas do not price (README, "Expert parallel"). tests/distributed/test_expert_partners.py
-runs the same measurement.
+The router routes evenly, round-robin (`measuring/routing.py`: token t's experts are 2t and
+2t + 1 modulo 8), which sends each rank's tokens half to each rank's experts exactly: the
+figures measure what the partners' rows add, not how far this tiny random router strays from
+the even share (the probe measures that apart: README, "Expert parallel").
+tests/distributed/test_expert_partners.py runs the same measurement.
 """
 
 from __future__ import annotations
@@ -38,18 +38,6 @@ ROWS = ((48, 720), (600, 96), (256, 256))
 POLICIES = ("none", "selective default")
 
 
-def balanced_routing(self: Any, logits: torch.Tensor, padding_mask: Any = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """TopKRouter.routing's stand-in: each token to `topk` consecutive experts, round-robin."""
-    logits = logits.view(-1, self.config.num_moe_experts)
-    tokens, experts = logits.shape
-    index = (torch.arange(tokens, device=logits.device).unsqueeze(1) * self.topk
-             + torch.arange(self.topk, device=logits.device)) % experts
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, True)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32) * routing_map
-    return probs.type_as(logits), routing_map
-
-
 def measure() -> list[dict[str, Any]]:
     """This rank's records (every rank of the two calls it): {own, partner, grad, policy,
     measured, priced, priced_as_own} in bytes. Builds its own parallel state per policy."""
@@ -68,13 +56,14 @@ def measure() -> list[dict[str, Any]]:
 
     from art.megatron.implementation import Implementation
     from art.trainer_rank._request import OutputRequest
+    from art.trainer_rank.measuring.routing import even_routing_map
 
     geometry = calibration_geometries()["hybrid-moe-128"]
     impl = Implementation.cpu_local("flash")
     outputs = OutputRequest.parse("logprobs")
     records = []
     original = TopKRouter.routing
-    TopKRouter.routing = balanced_routing
+    TopKRouter.routing = even_routing_map
     try:
         for policy in POLICIES:
             if parallel_state.model_parallel_is_initialized():

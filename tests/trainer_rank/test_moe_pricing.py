@@ -267,3 +267,74 @@ def test_estimate_prices_the_partners_rows_only_where_experts_exchange_tokens() 
         assert other.estimate(beside).dynamic_bytes == other.estimate(row).dynamic_bytes
     with pytest.raises(ValueError, match="expert_partner_tokens"):
         MicroBatchShape((8,), expert_partner_tokens=-1)
+
+
+def test_a_row_is_priced_at_the_router_s_share_measured_at_its_length_or_longer() -> None:
+    """The probe measures the router's share of the even share per row length; its spread
+    shrinks as rows grow, so a row takes the largest measured at its length or longer."""
+    from art.trainer_rank.pricing.row_changes import share_at
+
+    shares = ((32, 1.125), (128, 1.05), (512, 1.08), (2048, 1.04))
+    assert share_at(shares, 16) == share_at(shares, 32) == 1.125
+    assert share_at(shares, 100) == share_at(shares, 512) == 1.08
+    assert share_at(shares, 513) == 1.04
+    assert share_at(shares, 4096) == 1.04  # past the longest: the longest's
+    assert share_at((), 512) == 1.0
+
+
+def test_experts_pairs_follow_the_router_s_measured_share() -> None:
+    """Under expert parallel the experts' pairs are priced at the router's measured share of
+    the even share (balanced routing only: the worst case already sends every pair)."""
+    d = replace(_dims(), layout=ParallelLayout(expert_parallel=4))
+
+    def received(share: float, worst_case: bool = False) -> float:
+        return next(b for b in moe_blocks(d, 512, worst_case, routing_share=share)
+                    if b.name == "dispatch").output
+
+    assert received(1.06) == pytest.approx(1.06 * received(1.0))
+    assert received(1.06, worst_case=True) == received(1.0, worst_case=True)
+
+
+def test_even_routing_sends_each_rank_its_share_of_every_row() -> None:
+    """The routing a probe measures MoE layers under: token t to experts t*k .. t*k+k-1
+    modulo the experts, so each EP rank's experts take exactly 1/EP of the pairs of any row
+    whose length is a multiple of experts / k, and the router's scores stay the
+    probabilities of the chosen experts."""
+    import types
+
+    import torch
+
+    from art.trainer_rank.measuring.routing import even_routing_map
+
+    router = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=8), topk=2)
+    logits = torch.randn(64, 8)
+    probs, routing_map = even_routing_map(router, logits)
+    assert routing_map.sum(dim=1).eq(2).all()
+    per_rank = routing_map.sum(dim=0).view(2, 4).sum(dim=1)  # EP=2: experts 0-3, 4-7
+    assert per_rank.tolist() == [64, 64]
+    assert torch.equal(probs > 0, routing_map)
+
+
+@pytest.mark.parametrize("matrix", ["ep2", "tp2-ep2", "unfused/ep2"])
+def test_committed_ep_rows_are_priced_at_their_router_s_share(matrix, monkeypatch):
+    """The committed EP=2 matrices (measured on two torchrun ranks, the tiny model's random
+    router) re-priced with their rank probes, which measured the MoE layers under even
+    routing and the router's share per row length: every probe cell is in the band. Priced
+    at the even share instead, rows whose MoE layers set the peak fall under it (the busier
+    rank's experts take more than the even share)."""
+    import csv
+    from pathlib import Path
+
+    from _calibration.harness import reprice_rows
+
+    import art.trainer_rank.pricing.model as model_module
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
+    with open(folder / "calibration.csv") as f:
+        rows = list(csv.DictReader(f))
+    priced = reprice_rows(rows, str(folder / "probes"))
+    assert all(1.0 <= float(r["ratio"]) <= 1.05 for r in priced), [
+        (r["lengths"], r["ratio"]) for r in priced if not 1.0 <= float(r["ratio"]) <= 1.05]
+    monkeypatch.setattr(model_module, "share_at", lambda shares, tokens: 1.0)
+    even = reprice_rows(rows, str(folder / "probes"))
+    assert min(float(r["ratio"]) for r in even) < 1.0

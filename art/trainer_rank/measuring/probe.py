@@ -35,6 +35,7 @@ the meter are in `probe_runs.py`.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -57,6 +58,7 @@ from art.trainer_rank.measuring.probe_runs import (
     tail_inputs,
 )
 from art.trainer_rank.measuring.probe_store import store_probe, stored_probe_text
+from art.trainer_rank.measuring.routing import even_routing, routing_shares
 from art.trainer_rank.pricing.chunked import (
     GDN_CHUNK_TOKENS,
     QUANTITIES,
@@ -168,6 +170,11 @@ class ProbeCoefficients:
     layers: tuple[tuple[PricedKind, str, ProbedLayer], ...]  # (layer kind, mode key, fit)
     tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
     format: int = PROBE_FORMAT_VERSION
+    # Under expert parallel: the MoE layers were measured under even routing, and these are
+    # (row length, the largest share of the even share the model's router gave any rank's
+    # experts) at the no-grad points (measuring/routing.py), which the memory model prices
+    # the experts' pairs at.
+    expert_routing_shares: tuple[tuple[int, float], ...] = ()
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
                    segments_change: Mapping[str, float] | None = None, segments: int = 1
@@ -241,7 +248,8 @@ class ProbeCoefficients:
                                                poly(f["caller_backward"]),
                                                poly(f["head_backward"])))
                       for k, g, f in raw["tails"])
-        return cls(raw["key"], tuple(raw["tokens"]), layers, tails, found)
+        return cls(raw["key"], tuple(raw["tokens"]), layers, tails, found,
+                   tuple((int(n), float(v)) for n, v in raw.get("expert_routing_shares", ())))
 
 
 _CACHE: dict[str, ProbeCoefficients] = {}
@@ -249,6 +257,8 @@ _CACHE: dict[str, ProbeCoefficients] = {}
 # another policy of the same model, layout and build measures only the parts this process has
 # not measured yet (the ladder's rungs make most of them common to every policy).
 _PARTS: dict[str, Any] = {}
+# The router's share (routing.py) of a model, layout and build at a probe's no-grad points.
+_SHARES: dict[str, tuple[tuple[int, float], ...]] = {}
 
 
 def forget_in_process_probes() -> None:
@@ -256,6 +266,7 @@ def forget_in_process_probes() -> None:
     the cache folder is untouched."""
     _CACHE.clear()
     _PARTS.clear()
+    _SHARES.clear()
 
 
 def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
@@ -281,6 +292,9 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
     if has_chunked_layers(geometry):
         # Fitted by chunks, with sparse-chunk rows: other coefficients.
         fields["chunked_fit"] = [GDN_CHUNK_TOKENS, list(SPARSE_TOKENS_PER_CHUNK)]
+    if geometry.is_moe and layout.expert_parallel > 1:
+        # MoE layers measured under even routing, the router's share measured apart.
+        fields["moe_routing"] = "even; router's share"
     payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
@@ -447,13 +461,18 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                                           whole_row=True) for t in at}
                          if whole else per_tokens)
             old = set_modes(layer, mods)
+            # Under expert parallel, the experts' share the formulas price (routing.py).
+            routed_evenly = (even_routing(layer) if kind.moe and layout.expert_parallel > 1
+                             else contextlib.nullcontext())
             try:
-                rows = [measure(inputs_at[t]) for t in at]
-                sparse_rows = {
-                    (t, n): measure(probe_inputs(model, sparse_row_lengths(t, n, chunk),
-                                                 layout, implementation, device,
-                                                 whole_row=whole))
-                    for t in at if chunk and t % chunk == 0 for n in SPARSE_TOKENS_PER_CHUNK}
+                with routed_evenly:
+                    rows = [measure(inputs_at[t]) for t in at]
+                    sparse_rows = {
+                        (t, n): measure(probe_inputs(model, sparse_row_lengths(t, n, chunk),
+                                                     layout, implementation, device,
+                                                     whole_row=whole))
+                        for t in at if chunk and t % chunk == 0
+                        for n in SPARSE_TOKENS_PER_CHUNK}
             finally:
                 restore_modes(layer, old)
             within = sparse = None
@@ -500,11 +519,18 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
                 caller_backward=Fit.fit(row_tokens, [r["caller_backward"] for r in rows]),
                 head_backward=Fit.fit(row_tokens, [r["head_backward"] for r in rows]))))
             _PARTS[tail_key] = fitted_tails[-1]
+        shares: tuple[tuple[int, float], ...] = ()
+        if layout.expert_parallel > 1 and any(k.moe for k, _, _ in fitted_layers):
+            share_key = part_key([], [], False)
+            if not (reuse_parts and share_key in _SHARES):
+                _SHARES[share_key] = routing_shares(model, points[False], layout,
+                                                    implementation, device)
+            shares = _SHARES[share_key]
     finally:
         release_score_buffer()
         inner.train(was_training)
     coefficients = ProbeCoefficients(key, tuple(tokens), tuple(fitted_layers),
-                                     tuple(fitted_tails))
+                                     tuple(fitted_tails), expert_routing_shares=shares)
     _CACHE[key] = coefficients
     if cache_dir:
         store_probe(coefficients, cache_dir, device.type)

@@ -175,6 +175,10 @@ class TrainerProbe:
     def key(self) -> str:
         return self.layers.key
 
+    @property
+    def expert_routing_shares(self) -> tuple[tuple[int, float], ...]:
+        return tuple(self.layers.expert_routing_shares)
+
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
                    segments_change: Mapping[str, float] | None = None, segments: int = 1
                    ) -> LayerCost | None:
@@ -223,7 +227,9 @@ class TrainerProbe:
         probed = self._agreed(modes=group, outputs=(), tokens=tokens, grad_tokens=grad_tokens)
         self.pending_groups = [g for g in self.pending_groups if g is not group]
         key = f"{self.layers.key}+{probed.key}" if self.layers.layers else probed.key
-        self.layers = replace(self.layers, key=key, layers=self.layers.layers + probed.layers)
+        self.layers = replace(self.layers, key=key, layers=self.layers.layers + probed.layers,
+                              expert_routing_shares=(self.layers.expert_routing_shares
+                                                     or probed.expert_routing_shares))
         self.probed_on_first_use.extend(f"{m.kind}:{m.mode.key}" for m in group)
 
     def snapshot(self) -> Any:

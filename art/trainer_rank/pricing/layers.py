@@ -68,7 +68,8 @@ def keeps_layer_input(d: Dims, kind: PricedKind) -> bool:
 def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = False,
                  padded: int | None = None,
                  rule_calls: tuple[tuple[int, ...], ...] | None = None,
-                 segments: int = 1, expert_partner_s: int | None = None) -> list[Block]:
+                 segments: int = 1, expert_partner_s: int | None = None,
+                 expert_routing_share: float = 1.0) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
     cp = d.layout.context_parallel
@@ -88,7 +89,7 @@ def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = F
     mlp_norm = norm_block(d, s, "pre-MLP norm", fused_norm,
                           linear_input_saved(d, s, "linear_fc1", True) or kind.moe)
     if kind.moe:
-        mlp = moe_blocks(d, s, worst_case_routing, expert_partner_s)
+        mlp = moe_blocks(d, s, worst_case_routing, expert_partner_s, expert_routing_share)
     else:
         mlp = mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
     return [*mixer, residual, mlp_norm, *mlp]
@@ -147,13 +148,15 @@ def kept_parts(blocks: list[Block], modules: frozenset[str]) -> list[float]:
 def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, grad: bool,
                 worst_case_routing: bool = False, padded: int | None = None,
                 rule_calls: tuple[tuple[int, ...], ...] | None = None,
-                segments: int = 1, expert_partner_s: int | None = None) -> LayerCost:
+                segments: int = 1, expert_partner_s: int | None = None,
+                expert_routing_share: float = 1.0) -> LayerCost:
     """Default LayerCost of one layer running with the selective `modules` (empty: none);
     `padded`, `rule_calls` and `segments` as in `linear_attention_blocks`;
-    `expert_partner_s` as `moe_blocks`' `partner_s`."""
+    `expert_partner_s` and `expert_routing_share` as `moe_blocks`' `partner_s` and
+    `routing_share`."""
     g, b = d.geometry, d.dtype_bytes
     blocks = layer_blocks(d, kind, s, worst_case_routing, padded, rule_calls, segments,
-                          expert_partner_s)
+                          expert_partner_s, expert_routing_share)
     x = d.hidden_tokens(s) * g.hidden_size * b
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous

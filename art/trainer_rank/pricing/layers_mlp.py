@@ -82,11 +82,12 @@ def moe_dispatcher_state(d: Dims, s: int) -> float:
             + 2 * g.num_experts * d.layout.expert_tensor_parallel * INT64)
 
 
-def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None
-               ) -> list[Block]:
+def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
+               routing_share: float = 1.0) -> list[Block]:
     """`partner_s`: the tokens (as `s` counts them) of the other ranks of this rank's EP
     group, when they run rows of their own (expert parallel across model replicas); None:
-    `s`, every rank of the group runs this row."""
+    `s`, every rank of the group runs this row. `routing_share`: the share of the even
+    share this rank's experts take (the probe measures the router's, measuring/routing.py)."""
     g, b = d.geometry, d.dtype_bytes
     ep = d.layout.expert_parallel
     local_experts = max(1, g.num_experts // ep)
@@ -102,7 +103,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None
     if worst_case:
         local_pairs = group_tokens * min(g.moe_router_topk, local_experts)
     else:
-        local_pairs = group_tokens * g.moe_router_topk / ep
+        local_pairs = group_tokens * g.moe_router_topk / ep * routing_share
     # Logits and scores [tokens, experts] fp32, the top-k indices (int64) besides the top-k
     # probabilities (its output); the routing map [tokens, experts] (bool) and the
     # permutation's token indices (int64 per routed pair) the dispatcher keeps for the

@@ -27,12 +27,13 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field, replace
 from typing import Any
 
-from art.megatron.geometry import LINEAR_ATTENTION, ModelGeometry
+from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.megatron.recompute import EffectiveRecompute, LayerRecompute
 from art.trainer_rank._request import LoraShape, MicroBatchShape, OutputRequest, RecurrentRow
 from art.trainer_rank.pricing.adapters import lora_params_per_rank, resident_adapter_terms
+from art.trainer_rank.pricing.base_weights import params_per_rank
 from art.trainer_rank.pricing.budget import AllocatorReserve
 from art.trainer_rank.pricing.chunked import has_chunked_layers, padded_chunk_tokens, row_segments
 from art.trainer_rank.pricing.coefficients import Coefficients, MeasuredTail, RecomputeMode
@@ -54,7 +55,13 @@ from art.trainer_rank.pricing.passes import (
     pre_decoder_terms,
 )
 from art.trainer_rank.pricing.probe_reading import PaddedRow, ProbeReading, probe_tokens
-from art.trainer_rank.pricing.row_changes import expert_partner_s, partner_change, tree_change
+from art.trainer_rank.pricing.row_changes import (
+    expert_partner_s,
+    measured_shares,
+    routing_change,
+    share_at,
+    tree_change,
+)
 from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
     TailCost,
@@ -98,6 +105,7 @@ class MemoryModel:
     # own); not part of what the model is.
     dims: Dims = field(init=False, repr=False, compare=False)
     _kinds: tuple[PricedKind, ...] = field(init=False, repr=False, compare=False)
+    _shares: tuple[tuple[int, float], ...] = field(init=False, repr=False, compare=False)
     # Caches of what the model priced: (layer kind, modules, tokens, ...) -> layer cost and
     # whether the probe measured it; micro-batch -> estimate.
     _memo: dict[tuple[Any, ...], tuple[LayerCost, bool]] = field(
@@ -120,6 +128,7 @@ class MemoryModel:
                          self.lora.rank, frozenset(self.lora.target_modules)),
             "_kinds": tuple(layer_kind(self.geometry, i)
                             for i in range(self.geometry.num_layers)),
+            "_shares": measured_shares(self.coefficients, self.layout),
             "_memo": {},
             "_estimates": {},
             "_readings": {},
@@ -180,7 +189,7 @@ class MemoryModel:
         runs the row as; `recurrent`: the row's calls when it holds prefix trees;
         `segments`: the row's segments as its delta rule runs them (its padded tail too);
         `expert_partner_s`: the EP partners' rows (`row_changes.expert_partner_s`), whose
-        routed tokens a MoE layer's experts take beside this row's (`partner_change`)."""
+        routed tokens a MoE layer's experts take beside this row's (`routing_change`)."""
         kind = self._kinds[index]
         memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments,
                     expert_partner_s)
@@ -211,9 +220,10 @@ class MemoryModel:
                 self.dims, kind, modules, s, grad, padded, recurrent, segments,
                 self.worst_case_routing, self._probe_tokens(kind, s))
         kept_change = 0.0
-        if expert_partner_s is not None and kind.moe:
-            partners = partner_change(self.dims, kind, modules, s, grad, padded, segments,
-                                      self.worst_case_routing, expert_partner_s)
+        share = share_at(self._shares, s)
+        if kind.moe and (expert_partner_s is not None or share != 1.0):
+            partners = routing_change(self.dims, kind, modules, s, grad, padded, segments,
+                                      self.worst_case_routing, expert_partner_s, share)
             kept_change = partners.kept
             forward_change += partners.forward
             backward_change += partners.backward
@@ -259,7 +269,7 @@ class MemoryModel:
         `segments` and `expert_partner_s` as in `_layer_cost`: a MoE unit beside partners'
         rows of another size is composed from its layers (None), which carry the change."""
         kind = self._kinds[index]
-        if expert_partner_s is not None and kind.moe:
+        if kind.moe and (expert_partner_s is not None or share_at(self._shares, s) != 1.0):
             return None
         cost = self._probed_unit_cost(index, n, s, grad, padded, sequences, segments)
         if (cost is None or recurrent is None or len(recurrent.calls) < 2
@@ -340,7 +350,7 @@ class MemoryModel:
     def resident_terms(self) -> list[Term]:
         g, b, tp = self.geometry, self.dtype_bytes, self.layout.tensor_parallel
         pp = self.layout.pipeline_parallel
-        params = _params_per_rank(g, self.layout)
+        params = params_per_rank(g, self.layout)
         terms = [Term(TermKind.WEIGHTS, "weights", int(params * b), Lifetime.RESIDENT,
                       f"{params / 1e9:.3f}B params/rank x {b} B (TP{tp}"
                       f"{f', PP{pp}' if pp > 1 else ''})")]
@@ -425,6 +435,9 @@ class MemoryModel:
         if g.is_moe:
             routing = "worst-case" if self.worst_case_routing else "balanced"
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
+            if share_at(self._shares, s) != 1.0:
+                layer_kept_note += (f" at {share_at(self._shares, s):.3f} of the even share "
+                                    "(its router's)")
             if partner is not None:
                 layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
                                     " tokens")
@@ -547,42 +560,6 @@ def largest_fitting(fits: Callable[[int], bool], low: int, high: int, *, cap: in
         else:
             high = mid
     return low
-
-
-def _params_per_rank(g: ModelGeometry, layout: ParallelLayout) -> float:
-    tp, pp, ep = layout.tensor_parallel, layout.pipeline_parallel, layout.expert_parallel
-    etp = layout.expert_tensor_parallel
-    h = g.hidden_size
-    total = 0.0
-    for i in range(g.num_layers):
-        if g.layer_types[i] == LINEAR_ATTENTION and g.linear_attention is not None:
-            la = g.linear_attention
-            key = la.num_key_heads * la.key_head_dim
-            value = la.num_value_heads * la.value_head_dim
-            mixer = h * (2 * key + 2 * value + 2 * la.num_value_heads) + value * h
-            mixer += (2 * key + value) * la.conv_kernel_size
-            # A_log and dt_bias per value head (split); the gated norm's weight (replicated).
-            mixer += 2 * la.num_value_heads + la.value_head_dim * tp
-        else:
-            q = g.num_attention_heads * g.head_dim
-            kv = g.num_query_groups * g.head_dim
-            gate = q if g.gated_attention_output else 0
-            mixer = h * (q + gate + 2 * kv) + q * h
-            if g.qk_layernorm:
-                mixer += 2 * g.head_dim * tp  # per-head q/k norms, replicated over TP
-        if g.moe_layers[i]:
-            # Experts are split over expert-TP, not TP (the /tp below is undone by * tp).
-            experts = g.num_experts / ep * 3 * h * g.moe_ffn_hidden_size * tp / etp
-            shared = 3 * h * g.shared_expert_ffn_hidden_size
-            mlp = experts + shared + h * g.num_experts * tp  # router replicated
-        else:
-            mlp = 3 * h * g.ffn_hidden_size
-        total += mixer + mlp + 2 * h * tp  # norms are replicated over TP
-    total /= tp
-    embed = g.vocab_size * h / tp
-    heads = embed if g.tied_embeddings else 2 * embed
-    # The final norm (replicated) lives on the last stage, with the output layer.
-    return total / pp + (heads + h if pp == 1 else embed + h)
 
 
 def _megatron_targets(targets: tuple[str, ...] | list[str]) -> tuple[str, ...]:

@@ -1,14 +1,18 @@
 """What a row changes in a layer's price beside the plain row the probe measured: its prefix
-trees' recurrent calls, and its EP partners' rows.
+trees' recurrent calls, and how its experts' pairs are routed (EP partners' rows, the
+router's share).
 
-The probe measures a layer on plain rows with every rank of its group running the same row;
-the formulas price the same, and each change here is the formulas' layer over this row less
-the formulas' layer over the plain one, added to the probe's layer as to the formulas'.
+The probe measures a layer on plain rows with every rank of its group running the same row,
+MoE layers routed evenly; the formulas price the same, and each change here is the formulas'
+layer over this row less the formulas' layer over the plain one, added to the probe's layer
+as to the formulas'.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from typing import Any
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.layout import ParallelLayout
@@ -50,18 +54,36 @@ def expert_partner_s(batch: MicroBatchShape, s: int, geometry: ModelGeometry,
     return None if partner == s else partner
 
 
-def partner_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
+def share_at(shares: Sequence[tuple[int, float]], tokens: int) -> float:
+    """The share to price a row of `tokens` (this rank's) at: the largest measured at that
+    length or longer, the longest row's past it (1: none measured)."""
+    if not shares:
+        return 1.0
+    longer = [share for n, share in shares if n >= tokens]
+    return max(longer) if longer else shares[-1][1]
+
+
+def measured_shares(coefficients: Any, layout: ParallelLayout
+                    ) -> tuple[tuple[int, float], ...]:
+    """The router's spread the probe measured under expert parallel, by row length, which the
+    experts' pairs are priced at (`share_at`; none: the even share)."""
+    if coefficients is None or layout.expert_parallel == 1:
+        return ()
+    return tuple(getattr(coefficients, "expert_routing_shares", ()))
+
+
+def routing_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
                    padded: int | None, segments: int, worst_case_routing: bool,
-                   partner_s: int) -> LayerCost:
-    """A MoE layer's price beside EP partners' rows of `partner_s` tokens less its price
-    beside partners of this row's size, quantity by quantity (its experts take the partners'
-    routed tokens too)."""
-    def layer(partner: int | None) -> LayerCost:
+                   partner_s: int | None, share: float) -> LayerCost:
+    """A MoE layer's price beside EP partners' rows of `partner_s` tokens (None: this row's
+    size), its experts taking `share` of the even share, less its price beside partners of
+    this row's size at the even share, quantity by quantity."""
+    def layer(partner: int | None, at: float) -> LayerCost:
         return price_layer(d, kind, modules, s, grad=grad, padded=padded,
                            worst_case_routing=worst_case_routing, segments=segments,
-                           expert_partner_s=partner)
+                           expert_partner_s=partner, expert_routing_share=at)
 
-    there, here = layer(partner_s), layer(None)
+    there, here = layer(partner_s, share), layer(None, 1.0)
     held = (None if there.backward_held is None or here.backward_held is None
             else there.backward_held - here.backward_held)
     return LayerCost(kept=there.kept - here.kept, forward=there.forward - here.forward,
