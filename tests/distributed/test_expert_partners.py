@@ -24,19 +24,12 @@ def records(two_rank_launch) -> list[dict]:
 def test_rows_beside_partners_rows_are_priced_with_them(records):
     assert len(records) == 24
     for r in records:
-        ratio = r["priced"] / r["measured"]
-        if r["grad"] or r["own"] >= r["partner"]:
-            # With grad, and without grad for equal rows and a long row beside a short one:
-            # in the band. The experts' working sets hold the partner's tokens, and the
-            # all-to-all's output (what every rank sent here) stays beside this rank's
-            # permuted tokens through the combine.
-            assert 1.0 <= ratio <= 1.05, r
-        else:
-            # A short row beside a long one, without grad: its experts run mostly the
-            # partner's tokens one expert at a time (Megatron's SequentialMLP), which the
-            # formulas price as one pass over every local pair: over, never under (README,
-            # "Expert parallel").
-            assert 1.0 <= ratio <= 1.25, r
+        # Every pair of rows, with and without grad: in the band. The experts' working sets
+        # hold the partner's tokens, the all-to-all's output (what every rank sent here)
+        # stays beside this rank's permuted tokens through the combine, and without grad
+        # the routed tensors are priced at the combine's moment (the experts run one at a
+        # time), not as one pass over every local pair (1.13-1.21 over).
+        assert 1.0 <= r["priced"] / r["measured"] <= 1.05, r
     short_grad = [r for r in records if r["own"] < r["partner"] and r["grad"]]
     assert short_grad
     for r in short_grad:

@@ -99,6 +99,11 @@ class Block:
     # (None: those two): a Gated DeltaNet rule over a row of prefix trees runs one call at a
     # time, and without grad nothing of a call outlives it but its output.
     no_grad_work: float | None = None
+    # Without grad, everything the block's highest moment holds beside the residual stream,
+    # in place of the previous block's output, its own and its work (None: those): a MoE
+    # layer's routed experts, whose tensors outlive the blocks they are made in
+    # (`layers_mlp.routed_no_grad_bytes`); 0 for the blocks whose moments that one covers.
+    no_grad_held: float | None = None
 
 
 

@@ -188,6 +188,8 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                     # gathered whole-row input is held beside.
                     held = prev + (blk.stream - x if blk.stream is not None else 0.0)
             work = blk.temp + blk.internal if blk.no_grad_work is None else blk.no_grad_work
+            if blk.no_grad_held is not None:
+                held, work = (x if blk.stream is None else blk.stream), blk.no_grad_held
             peak = max(peak, held + work + extra)
             prev = blk.output
             if blk.role is BlockRole.QKV:

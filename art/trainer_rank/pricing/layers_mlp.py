@@ -137,15 +137,50 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
     blocks = [replace(blk, module="shared_experts")
               for blk in mlp_blocks(d, s, g.shared_expert_ffn_hidden_size, float(s), "shared ")
               ] if g.shared_expert_ffn_hidden_size else []
-    blocks += [replace(router, module="moe"), dispatch, *experts]
+    # Without grad the routed tensors outlive the blocks that make them: the combine's moment
+    # prices them all (`routed_no_grad_bytes`), the dispatch's and the experts' none.
+    per_expert = max(blk.output + blk.temp for blk in experts[:2]) / local_experts
+    routed = routed_no_grad_bytes(d, s, local_pairs, local_experts, per_expert)
+    shared = d.hidden_tokens(s) * g.hidden_size * b if g.shared_expert_ffn_hidden_size else 0.0
+    blocks += [replace(router, module="moe"), replace(dispatch, no_grad_held=0.0),
+               *(replace(blk, no_grad_held=0.0) for blk in experts)]
     # The combine's backward gathers the output's gradient back to the pairs and, with several
     # local experts, sorts it back to the experts' order (a copy): both pair-sized gradients
     # are live at once, the copy beyond what the block's gradients price.
     sorted_gradient = local_pairs * g.hidden_size * b if local_experts > 1 else 0.0
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=combine_working_set(d, s, local_pairs, local_experts),
-                        grad_temp=sorted_gradient, role=BlockRole.COMBINE))
+                        grad_temp=sorted_gradient, role=BlockRole.COMBINE,
+                        # Beside the residual stream: the pre-MLP norm's output (the MoE
+                        # layer's input) and the shared experts' output.
+                        no_grad_held=d.hidden_tokens(s) * g.hidden_size * b + shared
+                        + routed))
     return blocks
+
+
+def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int,
+                         per_expert_work: float) -> float:
+    """What a MoE layer's routed experts hold at their highest moment without grad (Megatron's
+    alltoall dispatcher and SequentialMLP, which runs one expert at a time): this rank's
+    permuted tokens (a pair per routed token, with its probability), at EP > 1 the
+    all-to-all's output, with several local experts their sorted copy (the experts' input);
+    then either the last expert's working set (`per_expert_work`: its fc1's or activation's
+    output and temporaries) beside the others' outputs, or at the combine the concatenated
+    output and its copy sorted back by rank."""
+    g, b = d.geometry, d.dtype_bytes
+    pair = g.hidden_size * b
+    routed = pair + FP32  # a pair's hidden row and the probability that travels with it
+    held = d.hidden_tokens(s) * g.moe_router_topk * routed
+    if d.layout.expert_parallel > 1:
+        held += local_pairs * routed
+    if local_experts > 1:
+        held += local_pairs * routed
+    combine = local_pairs * pair * (2 if local_experts > 1 else 1)
+    if d.layout.expert_tensor_parallel > 1:
+        # The reduce-scatter over expert TP (`combine_working_set`).
+        combine += local_pairs * pair + local_pairs / d.layout.expert_tensor_parallel * pair
+    others = local_pairs * pair * (1 - 1 / local_experts)
+    return held + max(combine, others + per_expert_work)
 
 
 def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int) -> float:
