@@ -10,6 +10,8 @@
         --out bench/calibration/hybrid  # Gated DeltaNet + attention, dense and MoE
     .venv/bin/python scripts/calibrate.py --tp 2 --geometries hybrid-128 hybrid-moe-128 \
         --out bench/calibration/hybrid-tp2  # the hybrids on two torchrun ranks
+    .venv/bin/python scripts/calibrate.py --geometries moe-128 --tp 1 \
+        --out bench/calibration/moe  # attention + routed experts in every layer (Qwen3-MoE)
     .venv/bin/python scripts/calibrate.py --rungs --out bench/calibration/rungs  # recompute
         # rungs switched at run time on models built with another policy, dense and hybrid,
         # TP=1 and TP=2
@@ -27,7 +29,8 @@ with the estimate's max(forward peak, backward peak), with probe coefficients (t
 same matrix on the CPU stand-ins of the GPU build's fused kernels (art/megatron/cpu_fused.py:
 RMSNorm, SwiGLU, RoPE; segmented flash attention), so the pricing of those kernels is
 measured. The hybrid geometries (Qwen3.5-style: three Gated DeltaNet layers and one gated
-attention layer, dense and MoE) are a seeded matrix of their own, every recompute policy;
+attention layer, dense and MoE) are a seeded matrix of their own, every recompute policy, and
+so is the MoE one (Qwen3-MoE-style: attention and routed experts in every layer);
 `--tp 2 --geometries ...` measures them on two torchrun ranks (five policies, the MoE one with
 sequence parallel, which Megatron-Core's MoE layer needs at TP > 1).
 Writes calibration.csv, calibration.md and calibration.png to --out (default
@@ -83,6 +86,7 @@ def tp1_cells(args: argparse.Namespace) -> list:
     from _calibration.cells import (
         DENSE_GEOMETRIES,
         HYBRID_GEOMETRIES,
+        MOE_GEOMETRIES,
         POLICY_BY_NAME,
         off_grid_matrix,
         shared_prefix_cells,
@@ -96,7 +100,7 @@ def tp1_cells(args: argparse.Namespace) -> list:
     # --geometries the dense one runs, the hybrids measure into their own --out.
     wanted = set(args.geometries or DENSE_GEOMETRIES)
     cells = []
-    for family in (DENSE_GEOMETRIES, HYBRID_GEOMETRIES):
+    for family in (DENSE_GEOMETRIES, HYBRID_GEOMETRIES, MOE_GEOMETRIES):
         if wanted & set(family):
             cells += off_grid_matrix(args.seed, rows_per_model=args.rows_per_model or 5,
                                      max_tokens=args.max_tokens, build=args.build,

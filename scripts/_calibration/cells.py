@@ -64,11 +64,25 @@ def calibration_geometries() -> dict[str, ModelGeometry]:
         "mqa-192": make("mqa-192", 192, 6, 1, 512, 1536),
         "hybrid-128": hybrid_geometry(moe=False),
         "hybrid-moe-128": hybrid_geometry(moe=True),
+        "moe-128": moe_geometry(),
     }
 
 
 DENSE_GEOMETRIES = ("gqa-128", "gqa-256", "mqa-192")
+# Attention and routed experts in every layer (Qwen3-MoE's pattern): without a Gated DeltaNet
+# rule, a MoE layer's routed experts set its peaks.
+MOE_GEOMETRIES = ("moe-128",)
 HYBRID_GEOMETRIES = ("hybrid-128", "hybrid-moe-128")
+
+
+def moe_geometry() -> ModelGeometry:
+    """A Qwen3-MoE-style model sized like gqa-128: GQA attention and 8 routed experts (top-2,
+    no shared expert) in each of its four layers."""
+    return geometry_from_hf_dict(dict(
+        model_type="qwen3_moe", num_hidden_layers=4, hidden_size=128, intermediate_size=384,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=16, vocab_size=1024,
+        max_position_embeddings=8192, tie_word_embeddings=False, num_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True), name="moe-128")
 
 
 def hybrid_geometry(moe: bool = False) -> ModelGeometry:
