@@ -375,3 +375,27 @@ def test_an_attention_moe_model_without_grad_is_priced_at_its_routed_experts(meg
             priced = memory.estimate(micro_batch_shape(
                 [tokens], request, False, provider.layout, implementation)).dynamic_bytes
             assert 1.0 <= priced / measured <= 1.05, (outputs, tokens, priced / measured)
+
+
+def test_probed_moe_units_keep_every_layer_s_routing_state(monkeypatch):
+    """The probe measures a full-recompute unit of n layers by running one layer n times, and
+    that layer's token dispatcher keeps only its latest routing state; the model's n layers
+    keep one each. The committed Qwen3-MoE-shaped matrix's two-layer units (measured whole
+    micro-batches) are in the band with the other n - 1 states added, under it without."""
+    import csv
+    from pathlib import Path
+
+    from _calibration.harness import reprice_rows
+
+    import art.trainer_rank.pricing.model as model_module
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe"
+    with open(folder / "calibration.csv") as f:
+        units = [r for r in csv.DictReader(f) if r["policy"] == "full uniform 2"]
+    assert len(units) == 7
+    priced = reprice_rows(units, str(folder / "probes"))
+    assert all(1.0 <= float(r["ratio"]) <= 1.05 for r in priced), [r["ratio"] for r in priced]
+    monkeypatch.setattr(model_module, "unit_of_distinct_layers",
+                        lambda d, kind, n, s, cost: cost)
+    one_state = reprice_rows(units, str(folder / "probes"))
+    assert all(float(r["ratio"]) < 1.0 for r in one_state), [r["ratio"] for r in one_state]

@@ -61,6 +61,7 @@ from art.trainer_rank.pricing.row_changes import (
     routing_change,
     share_at,
     tree_change,
+    unit_of_distinct_layers,
 )
 from art.trainer_rank.pricing.tail import (
     CALLER_LOSS_SCALARS_BYTES,
@@ -306,9 +307,10 @@ class MemoryModel:
         kind = kinds.pop()
         change = (self._unit_segments_change(index, kind, n, s, padded, sequences, segments)
                   if grad else None)
-        return self.coefficients.layer_cost(
+        cost = self.coefficients.layer_cost(
             kind, RecomputeMode(grad=grad, full_layers=n).key, self._probe_tokens(kind, s),
             padded, change, segments)
+        return cost if cost is None else unit_of_distinct_layers(self.dims, kind, n, s, cost)
 
     def _unit_segments_change(self, index: int, kind: PricedKind, n: int, s: int,
                               padded: int | None, sequences: int, segments: int

@@ -1,6 +1,6 @@
 """What a row changes in a layer's price beside the plain row the probe measured: its prefix
 trees' recurrent calls, and how its experts' pairs are routed (EP partners' rows, the
-router's share).
+router's share); and what a probed full-recompute unit of MoE layers lacks.
 
 The probe measures a layer on plain rows with every rank of its group running the same row,
 MoE layers routed evenly; the formulas price the same, and each change here is the formulas'
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from art.megatron.geometry import ModelGeometry
@@ -20,6 +21,7 @@ from art.trainer_rank._request import MicroBatchShape, RecurrentRow
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import price_layer
 from art.trainer_rank.pricing.layers_gdn import prefix_tree_extra_forward_bytes
+from art.trainer_rank.pricing.layers_mlp import moe_dispatcher_state
 
 
 def tree_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
@@ -42,6 +44,22 @@ def tree_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad
             else float(tree.backward_held - plain.backward_held))
     return (float(tree.forward - plain.forward) + extra,
             float(tree.backward - plain.backward) if grad else 0.0, held)
+
+
+def unit_of_distinct_layers(d: Dims, kind: PricedKind, n: int, s: int, cost: LayerCost
+                            ) -> LayerCost:
+    """A probed full-recompute unit of `n` layers as the model's `n` distinct layers run it.
+    The probe runs one layer `n` times, whose MoE token dispatcher keeps only its latest call's
+    routing state; each of the model's layers keeps its own until its next call, so beside
+    the last one the other `n` - 1 states are live through the unit's run, what it keeps
+    and its backward."""
+    if not kind.moe or n < 2:
+        return cost
+    states = (n - 1) * moe_dispatcher_state(d, s)
+    return replace(cost, kept=int(cost.kept + states), forward=int(cost.forward + states),
+                   backward=int(cost.backward + states),
+                   backward_held=None if cost.backward_held is None
+                   else int(cost.backward_held + states))
 
 
 def expert_partner_s(batch: MicroBatchShape, s: int, geometry: ModelGeometry,
