@@ -12,6 +12,8 @@
         --out bench/calibration/hybrid-tp2  # the hybrids on two torchrun ranks
     .venv/bin/python scripts/calibrate.py --geometries moe-128 --tp 1 \
         --out bench/calibration/moe  # attention + routed experts in every layer (Qwen3-MoE)
+    .venv/bin/python scripts/calibrate.py --tp 2 --geometries moe-128 \
+        --out bench/calibration/moe-tp2  # the MoE model on two torchrun ranks
     .venv/bin/python scripts/calibrate.py --rungs --out bench/calibration/rungs  # recompute
         # rungs switched at run time on models built with another policy, dense and hybrid,
         # TP=1 and TP=2
@@ -126,9 +128,14 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
               geometries: Sequence[str] | None = None,
               rows_per_model: int | None = None) -> list:
     """The TP=2 matrix: the dense subset (TP2_GEOMETRY) without `geometries` or when they
-    name it, and the hybrids they name. Each family is its own seeded matrix, so the dense
-    rows stay those of earlier runs whatever else is measured."""
-    from _calibration.cells import HYBRID_GEOMETRIES, off_grid_matrix, shared_prefix_cells
+    name it, and the hybrids and MoE models they name. Each family is its own seeded matrix,
+    so the dense rows stay those of earlier runs whatever else is measured."""
+    from _calibration.cells import (
+        HYBRID_GEOMETRIES,
+        MOE_GEOMETRIES,
+        off_grid_matrix,
+        shared_prefix_cells,
+    )
 
     policies = ("none", "selective default", "full uniform 1") if quick else TP2_POLICIES
     cells = []
@@ -150,6 +157,14 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
                                                  max_tokens=1500 if quick else 3000,
                                                  build=build)
                   if c.geometry in hybrids]
+    moes = [g for g in MOE_GEOMETRIES if g in (geometries or ())]
+    if moes:
+        cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows_per_model or
+                                             (2 if quick else TP2_HYBRID_ROWS),
+                                             tensor_parallel=2, geometries=MOE_GEOMETRIES,
+                                             policies=policies,
+                                             max_tokens=1500 if quick else 3000, build=build)
+                  if c.geometry in moes]
     return cells
 
 
@@ -210,9 +225,10 @@ def ep_tensor_parallel(args: argparse.Namespace) -> int:
 
 def tp2_wanted(geometries: Sequence[str] | None) -> bool:
     """Whether the geometries asked for have TP=2 cells (all but the dense ones TP=1 only)."""
-    from _calibration.cells import HYBRID_GEOMETRIES
+    from _calibration.cells import HYBRID_GEOMETRIES, MOE_GEOMETRIES
 
-    return not geometries or bool({TP2_GEOMETRY, *HYBRID_GEOMETRIES} & set(geometries))
+    return not geometries or bool({TP2_GEOMETRY, *HYBRID_GEOMETRIES, *MOE_GEOMETRIES}
+                                  & set(geometries))
 
 
 def worker(args: argparse.Namespace) -> int:
