@@ -144,9 +144,9 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
                                  tensor_parallel=2, geometries=(TP2_GEOMETRY,),
                                  policies=policies, max_tokens=1500 if quick else 3000,
                                  build=build)
+    rows = 2 if quick else rows_per_model or TP2_HYBRID_ROWS
     hybrids = [g for g in HYBRID_GEOMETRIES if g in (geometries or ())]
     if hybrids:
-        rows = 2 if quick else rows_per_model or TP2_HYBRID_ROWS
         cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows, tensor_parallel=2,
                                              geometries=HYBRID_GEOMETRIES, policies=policies,
                                              max_tokens=1500 if quick else 3000, build=build)
@@ -159,8 +159,7 @@ def tp2_cells(quick: bool, seed: int, build: str = "local",
                   if c.geometry in hybrids]
     moes = [g for g in MOE_GEOMETRIES if g in (geometries or ())]
     if moes:
-        cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows_per_model or
-                                             (2 if quick else TP2_HYBRID_ROWS),
+        cells += [c for c in off_grid_matrix(seed + 1, rows_per_model=rows,
                                              tensor_parallel=2, geometries=MOE_GEOMETRIES,
                                              policies=policies,
                                              max_tokens=1500 if quick else 3000, build=build)

@@ -72,9 +72,11 @@ class ExpertPartners:
         return cls(dp_rank, dp_size, tuple(sorted({q for q in ranks if q != dp_rank})),
                    ranks.count(dp_rank) > 1)
 
-    def _most(self, tokens_of: Callable[[int], int], own: int) -> int:
+    def _most(self, tokens_of: Callable[[int], int]) -> int:
+        """The longest of the partners' rows (`tokens_of(dp rank)`), this rank's among them
+        when a rank of its replica is a partner; at least a filler's one token."""
         most = max((tokens_of(q) for q in self.dp_ranks), default=0)
-        return max(1, most, own if self.own_replica else 0)
+        return max(1, most, tokens_of(self.dp_rank) if self.own_replica else 0)
 
     def in_wave(self, items: Sequence[Item], start: int, stop: int, grad: bool,
                 packed_length: PackedLength) -> int:
@@ -84,7 +86,7 @@ class ExpertPartners:
             return share_tokens([items[i] for i in range(start + q, stop, self.dp_size)],
                                 grad, packed_length)
 
-        return self._most(tokens_of, tokens_of(self.dp_rank))
+        return self._most(tokens_of)
 
     def for_proposal(self, items: Sequence[Item], start: int, packed_length: PackedLength
                      ) -> Callable[[int, bool], int]:
@@ -114,6 +116,6 @@ class ExpertPartners:
             def tokens_of(q: int) -> int:
                 return every[q][0] if grad else min(every[q][1], cap)
 
-            return self._most(tokens_of, tokens_of(self.dp_rank))
+            return self._most(tokens_of)
 
         return tokens

@@ -90,17 +90,15 @@ def routing_shares(model: Any, rows: Sequence[int], layout: Any, implementation:
     finally:
         for hook in hooks:
             hook.remove()
-    group = parallel_state.get_expert_model_parallel_group()
+    # [router calls, experts]: every EP rank's pairs per expert, in one collective.
+    per_expert = torch.stack(counts).to(device)
+    dist.all_reduce(per_expert, group=parallel_state.get_expert_model_parallel_group())
     ep, rank = layout.expert_parallel, parallel_state.get_expert_model_parallel_rank()
-    per_row = len(counts) // len(rows)
-    shares = torch.ones(len(rows), dtype=torch.float64, device=device)
-    for i, per_expert in enumerate(counts):
-        per_expert = per_expert.to(device)
-        dist.all_reduce(per_expert, group=group)
-        local = per_expert.numel() // ep
-        even = float(per_expert.sum()) / ep
-        if even > 0:
-            mine = float(per_expert[rank * local:(rank + 1) * local].sum()) / even
-            shares[i // per_row] = max(float(shares[i // per_row]), mine)
+    local = per_expert.shape[1] // ep
+    even = per_expert.sum(dim=1) / ep
+    mine = per_expert[:, rank * local:(rank + 1) * local].sum(dim=1)
+    share = torch.where(even > 0, mine / even.clamp_min(1e-30), torch.ones_like(even))
+    # Each row's calls, one per router: its largest share, at least the even share.
+    shares = share.view(len(rows), -1).amax(dim=1).clamp_min(1.0)
     dist.all_reduce(shares, op=dist.ReduceOp.MAX)
     return tuple((int(n), round(float(share), 6)) for n, share in zip(rows, shares.tolist()))

@@ -175,10 +175,8 @@ def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int
         held += local_pairs * routed
     if local_experts > 1:
         held += local_pairs * routed
-    combine = local_pairs * pair * (2 if local_experts > 1 else 1)
-    if d.layout.expert_tensor_parallel > 1:
-        # The reduce-scatter over expert TP (`combine_working_set`).
-        combine += local_pairs * pair + local_pairs / d.layout.expert_tensor_parallel * pair
+    combine = (local_pairs * pair * (2 if local_experts > 1 else 1)
+               + expert_tp_reduce_scatter_bytes(d, local_pairs))
     others = local_pairs * pair * (1 - 1 / local_experts)
     return held + max(combine, others + per_expert_work)
 
@@ -194,7 +192,6 @@ def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int)
     stack) and writes this rank's share of the pairs into a new output."""
     g, b = d.geometry, d.dtype_bytes
     pair = g.hidden_size * b
-    etp = d.layout.expert_tensor_parallel
     own_pairs = d.hidden_tokens(s) * g.moe_router_topk
     held = own_pairs * pair + local_pairs * pair
     if local_experts > 1:
@@ -204,9 +201,18 @@ def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int)
         # frame holds through the combine beside this rank's permuted tokens (at EP = 1 they
         # are one tensor).
         held += local_pairs * pair
-    if etp > 1:
-        held += local_pairs * pair + local_pairs / etp * pair
-    return held
+    return held + expert_tp_reduce_scatter_bytes(d, local_pairs)
+
+
+def expert_tp_reduce_scatter_bytes(d: Dims, local_pairs: float) -> float:
+    """Under expert TP the combine reduce-scatters the experts' sorted output over the
+    expert-TP group: the collective's flattened input buffer and this rank's share of the
+    pairs in a new output (0 without expert TP)."""
+    etp = d.layout.expert_tensor_parallel
+    if etp == 1:
+        return 0.0
+    pair = d.geometry.hidden_size * d.dtype_bytes
+    return local_pairs * pair + local_pairs / etp * pair
 
 
 def expert_tokens(d: Dims, s: int) -> float:

@@ -223,14 +223,14 @@ class MemoryModel:
         kept_change = 0.0
         share = share_at(self._shares, s)
         if kind.moe and (expert_partner_s is not None or share != 1.0):
-            partners = routing_change(self.dims, kind, modules, s, grad, padded, segments,
-                                      self.worst_case_routing, expert_partner_s, share)
-            kept_change = partners.kept
-            forward_change += partners.forward
-            backward_change += partners.backward
+            routed = routing_change(self.dims, kind, modules, s, grad, padded, segments,
+                                    self.worst_case_routing, expert_partner_s, share)
+            kept_change = routed.kept
+            forward_change += routed.forward
+            backward_change += routed.backward
             if held_change is not None:
-                held_change = (None if partners.backward_held is None
-                               else held_change + partners.backward_held)
+                held_change = (None if routed.backward_held is None
+                               else held_change + routed.backward_held)
         if padding or kept_change or forward_change or backward_change or held_change:
             cost, used = result
             held = cost.backward_held
@@ -437,9 +437,9 @@ class MemoryModel:
         if g.is_moe:
             routing = "worst-case" if self.worst_case_routing else "balanced"
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
-            if share_at(self._shares, s) != 1.0:
-                layer_kept_note += (f" at {share_at(self._shares, s):.3f} of the even share "
-                                    "(its router's)")
+            share = share_at(self._shares, s)
+            if share != 1.0:
+                layer_kept_note += f" at {share:.3f} of the even share (its router's)"
             if partner is not None:
                 layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
                                     " tokens")
