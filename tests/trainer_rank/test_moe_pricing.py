@@ -399,3 +399,25 @@ def test_probed_moe_units_keep_every_layer_s_routing_state(monkeypatch):
                         lambda d, kind, n, s, cost: cost)
     one_state = reprice_rows(units, str(folder / "probes"))
     assert all(float(r["ratio"]) < 1.0 for r in one_state), [r["ratio"] for r in one_state]
+
+
+@pytest.mark.parametrize("matrix", ["moe", "moe-tp2"])
+def test_committed_attention_moe_rows_are_priced_in_band_by_the_formulas(matrix):
+    """The committed Qwen3-MoE-shaped matrices (whole micro-batches measured at TP=1 and, on
+    two torchrun ranks, at TP=2) re-priced by the formulas alone (no probe): every cell in
+    the band. What that takes: without grad the combine's moment holds the layer's own
+    routing state beside the routed tensors, and the layer's input is priced once (beside
+    the layer) while each sub-layer's normed input is held until that sub-layer returns;
+    under expert TP the probabilities' product with the activation is a shard of it."""
+    import csv
+    from pathlib import Path
+
+    from _calibration.harness import reprice_rows
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
+    with open(folder / "calibration.csv") as f:
+        rows = list(csv.DictReader(f))
+    priced = reprice_rows(rows, str(folder / "probes"))
+    outside = [(r["policy"], r["lora_rank"], r["packed_tokens"], r["grad"], r["default_ratio"])
+               for r in priced if not 1.0 <= float(r["default_ratio"]) <= 1.05]
+    assert not outside, outside

@@ -64,6 +64,9 @@ class BlockRole(enum.Enum):
     block's name is for display only)."""
 
     RESIDUAL_ADD = "residual add"  # ends a norm's reach (`layers._norm_rebuilt_for`)
+    # A norm whose output is its own tensor, the sub-layer's input (attention's or the
+    # MLP's), which the transformer layer's frame holds until the sub-layer has returned.
+    SUB_LAYER_INPUT = "sub-layer input"
     QKV = "qkv"  # the fused QKV buffer, which core attention keeps alive (V is a view)
     OUTPUT_GATE = "output gate"  # a gated attention's gate, a copy out of the QKV buffer
     ACTIVATION = "activation"  # an MLP's SwiGLU, which `moe_act` recomputes in experts
@@ -141,7 +144,8 @@ def norm_block(d: Dims, s: int, name: str, fused_into_next: bool, saves_out: boo
         normalised = 0.0 if d.lora_rank else rows * g.hidden_size * FP32
         internal = upcast + rows * FP32 + normalised
     out = rows * g.hidden_size * b
-    return Block(name, "layernorm", internal, out, saves_out, temp=rows * g.hidden_size * FP32)
+    return Block(name, "layernorm", internal, out, saves_out, temp=rows * g.hidden_size * FP32,
+                 role=None if fused_into_next else BlockRole.SUB_LAYER_INPUT)
 
 
 # LoRA adapters per fused Megatron linear: one A/B pair per HF projection in it.

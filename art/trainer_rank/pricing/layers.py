@@ -174,11 +174,18 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
         prev = x
         qkv = 0.0
         gate_live = 0.0
+        # The layer's input is priced beside the layer (the caller holds it); the residual
+        # stream the layer itself holds is the add's output, once the add has run. A
+        # sub-layer's normed input stays referenced by the layer's frame until the sub-layer
+        # has returned (beside the block right after the norm it is that block's `prev`).
+        residual = sub_input = 0.0
+        after_norm = False
         for blk in blocks:
             if blk.role is BlockRole.OUTPUT_GATE:
                 gate_live = 0.0
             extra = (qkv if blk.module == "core_attn" else 0.0) + gate_live
-            held = (x if blk.stream is None else blk.stream) + prev + blk.output
+            stream = residual if blk.stream is None else blk.stream - x + residual
+            held = stream + prev + blk.output + (0.0 if after_norm else sub_input)
             if blk.role is BlockRole.DELTA_RULE:
                 extra += rule_inputs
                 if d.implementation.device != "cuda":
@@ -189,9 +196,15 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                     held = prev + (blk.stream - x if blk.stream is not None else 0.0)
             work = blk.temp + blk.internal if blk.no_grad_work is None else blk.no_grad_work
             if blk.no_grad_held is not None:
-                held, work = (x if blk.stream is None else blk.stream), blk.no_grad_held
+                held, work = stream, blk.no_grad_held
             peak = max(peak, held + work + extra)
             prev = blk.output
+            after_norm = blk.role is BlockRole.SUB_LAYER_INPUT
+            if after_norm:
+                sub_input = blk.output
+            if blk.role is BlockRole.RESIDUAL_ADD:
+                # The attention's frame returns after its add, releasing its normed input.
+                residual, sub_input = blk.output, 0.0
             if blk.role is BlockRole.QKV:
                 qkv, gate_live = blk.output, gate
         kept = moe_dispatcher_state(d, s) if kind.moe else 0.0

@@ -129,7 +129,9 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
     # multiply keeps the activation and the probabilities, fc2 keeps the product. The fused
     # kernel (Megatron's `weighted_bias_swiglu_impl`) multiplies inside: it keeps its input
     # (fc1's output, kept above) and the probabilities.
-    act_out = 0.0 if d.implementation.swiglu_fused else local_pairs * g.moe_ffn_hidden_size * b
+    # The product is the activation's size: its hidden dimension split over expert TP.
+    act_out = 0.0 if d.implementation.swiglu_fused else (
+        local_pairs * g.moe_ffn_hidden_size * b / d.layout.expert_tensor_parallel)
     experts[1] = replace(experts[1], internal=experts[1].internal + act_out
                          + local_pairs * FP32)
     # Megatron's MoE layer runs its shared experts first, then routes (`MoELayer.forward`):
@@ -161,16 +163,19 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
 def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int,
                          per_expert_work: float) -> float:
     """What a MoE layer's routed experts hold at their highest moment without grad (Megatron's
-    alltoall dispatcher and SequentialMLP, which runs one expert at a time): this rank's
-    permuted tokens (a pair per routed token, with its probability), at EP > 1 the
-    all-to-all's output, with several local experts their sorted copy (the experts' input);
+    alltoall dispatcher and SequentialMLP, which runs one expert at a time): the layer's
+    routing state, this rank's permuted tokens (a pair per routed token, with its
+    probability), at EP > 1 the all-to-all's output, with several local experts their
+    sorted copy (the experts' input);
     then either the last expert's working set (`per_expert_work`: its fc1's or activation's
     output and temporaries) beside the others' outputs, or at the combine the concatenated
     output and its copy sorted back by rank."""
     g, b = d.geometry, d.dtype_bytes
     pair = g.hidden_size * b
     routed = pair + FP32  # a pair's hidden row and the probability that travels with it
-    held = d.hidden_tokens(s) * g.moe_router_topk * routed
+    # The layer's own routing state (the router's map and probabilities, the permutation's
+    # indices) is made before the dispatch and referenced through the combine.
+    held = d.hidden_tokens(s) * g.moe_router_topk * routed + moe_dispatcher_state(d, s)
     if d.layout.expert_parallel > 1:
         held += local_pairs * routed
     if local_experts > 1:
