@@ -62,8 +62,8 @@ TRAINER_RANK_ENV = EnvTable(
                "`RECOMPUTE=configured`)",
                field="escalate_to_full_recompute", default=True, default_text="true"),
         EnvVar("COLD_START_FRACTION", parse_number,
-               "first micro-batch of an unprofiled signature: this fraction of what the memory "
-               "model admits",
+               "first micro-batch of an unprofiled signature: this fraction of the longest "
+               "row the default formulas admit",
                field="cold_start_fraction", default=0.25, default_text="0.25"),
         EnvVar("TRUST_WINDOW", parse_number,
                "a profile is trusted from (smallest observed / w) to (largest observed x w) "

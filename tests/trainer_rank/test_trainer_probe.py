@@ -145,3 +145,45 @@ def test_probe_points_follow_the_limit_and_are_cached_on_disk(built, tmp_path):
         (32,), outputs=OutputRequest(target_logprobs=True), grad_enabled=True))
     # Next to the profile file: the layers' coefficients and the tail probed on first use.
     assert len(list(tmp_path.glob("probe-*.json"))) == 2
+
+
+def test_a_tail_is_measured_out_to_the_rows_priced_and_further_only_for_a_longer_one(
+        built, monkeypatch):
+    """The tail is measured past the layers' points at the head chunk's multiples, but only
+    out to the first multiple the rows priced so far reach: the cold cap's search, which
+    prices rows up to the limit, prices them by the formulas and measures nothing. A longer
+    row priced later measures the tail further out, and only at its new rows."""
+    from art.trainer_rank.measuring import probe as probe_module
+
+    chunk = 4096
+    p, model = built
+    probe_module.forget_in_process_probes()
+    measured: list[int] = []
+    real = probe_module.measure_tail
+
+    def counted(model, inputs, *args, **kwargs):
+        measured.append(int(inputs.rows))
+        return real(model, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(probe_module, "measure_tail", counted)
+    trainer = TrainerRank(TrainingRuntime.for_model(model, p, trainer_options=TrainerRankOptions(
+        test_memory_limit_bytes=LIMIT, head_chunk_tokens=chunk)))
+    probe = trainer.probe
+    # The limit admits tails far longer than the layers' points reach.
+    assert max(probe._points(LOGPROBS, False)) < chunk
+    assert probe._tail_max_tokens(LOGPROBS, False) >= 3 * chunk
+    list(trainer.forward_micro_batches(make_inputs([6, 9], top_k=None, logits=False,
+                                                   hidden_states=False), no_grad=True))
+    (tail, extent), = probe.tails.values()
+    assert extent == chunk and max(measured) == chunk
+    first = len(measured)
+    shape = MicroBatchShape((int(2.5 * chunk),), outputs=LOGPROBS, grad_enabled=False)
+    trainer.admission.memory_model.estimate(shape)
+    (tail, extent), = probe.tails.values()
+    assert extent == 3 * chunk
+    assert sorted(measured[first:]) == [int(1.5 * chunk), 2 * chunk, 3 * chunk]
+    assert probe.probed_tails == ["logprobs:no-grad"] * 2
+    # A row no longer than the extent measures nothing more.
+    trainer.admission.memory_model.estimate(
+        MicroBatchShape((3 * chunk - 5,), outputs=LOGPROBS, grad_enabled=False))
+    assert len(probe.probed_tails) == 2

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
 from art.megatron.recompute_ladder import RecomputeChoice, RecomputeLadder
@@ -38,6 +37,7 @@ from art.trainer_rank.decide.held_split import plan_call
 from art.trainer_rank.decide.nograd_split import split_no_grad
 from art.trainer_rank.decide.plan import Plan, PlanMode, PlanRequest
 from art.trainer_rank.decide.prefix_search import QueuePrefixes, largest_fitting_count
+from art.trainer_rank.decide.price_caches import PriceCaches
 from art.trainer_rank.decide.priced import MemoryModelLike, Pricing, gib
 from art.trainer_rank.decide.profiles import ProfileStore, signature
 from art.trainer_rank.decide.step_time import StepTimeFit
@@ -99,7 +99,7 @@ class Admission:
     expert_partner_tokens: int = 0
     # Memos of pure functions of the fields above and their arguments (never of a request's
     # limit or gradients, which come with each call): see `clear_caches`.
-    _caches: _PriceCaches = field(default_factory=lambda: _PriceCaches(), init=False,
+    _caches: PriceCaches = field(default_factory=lambda: PriceCaches(), init=False,
                                   repr=False, compare=False)
 
     def clear_caches(self) -> None:
@@ -207,11 +207,7 @@ class Admission:
         hit = priced.get(key)
         if hit is None:
             model = self.model_for(recompute)
-            shape = MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
-                                    grad_enabled=grad,
-                                    padded_tokens=self.packed_length(lengths, shared_tokens),
-                                    recurrent=recurrent,
-                                    expert_partner_tokens=self.expert_partner_tokens)
+            shape = self._row_shape(lengths, outputs, grad, shared_tokens, recurrent)
             if len(priced) > 8192:  # an Estimate holds its terms: bound the memory
                 priced.clear()
             hit = priced[key] = (model.estimate(shape), shape,
@@ -228,35 +224,56 @@ class Admission:
         return Pricing(estimate, profile_dynamic, recompute,
                        first_gradient_allocation_bytes=first_gradients), shape, sig
 
+    def _row_shape(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
+                   shared_tokens: int, recurrent: RecurrentRow | None) -> MicroBatchShape:
+        return MicroBatchShape(sequence_lengths_tokens=lengths, outputs=outputs,
+                               grad_enabled=grad,
+                               padded_tokens=self.packed_length(lengths, shared_tokens),
+                               recurrent=recurrent,
+                               expert_partner_tokens=self.expert_partner_tokens)
+
+    def _formulas_for(self, recompute: EffectiveRecompute) -> MemoryModelLike | None:
+        """The default formulas under `recompute` (None: the memory model has no others)."""
+        if self.default_memory_model is None:
+            return None
+        return self._caches.under(self._caches.formulas, self.default_memory_model, recompute,
+                                  self.recompute)
+
     def model_for(self, recompute: EffectiveRecompute) -> MemoryModelLike:
-        if recompute is self.recompute:
-            return self.memory_model
-        caches = self._caches
-        model = caches.models.get(id(recompute))
-        if model is None:
-            caches.recomputes[id(recompute)] = recompute
-            model = caches.models[id(recompute)] = self.memory_model.with_recompute(recompute)
-        return model
+        return self._caches.under(self._caches.models, self.memory_model, recompute,
+                                  self.recompute)
 
     def model_max_tokens(self, usable_bytes: int, outputs: OutputRequest, grad: bool, *,
                           start_tokens: int = 1,
                           recompute: EffectiveRecompute | None = None,
-                          gradients: UnallocatedGradients | None = None) -> int:
+                          gradients: UnallocatedGradients | None = None,
+                          by_formulas: bool = False) -> int:
         """The largest one-sequence row the memory model admits, to within 1/32 and never
         above it: the cold cap is a fraction of it, so a coarse bound saves half the
-        estimates of an exact bisection (a cold decision's main cost)."""
+        estimates of an exact bisection (a cold decision's main cost). `by_formulas`: the
+        default formulas' (`default_memory_model`, where the memory model prices with
+        measured coefficients): the search prices rows up to the limit, which the probe
+        would otherwise measure though no micro-batch asked for them."""
         recompute = recompute or self.recompute
         model_max = self._caches.model_max
         held = gradients.total_bytes if grad and gradients is not None else 0
-        key = (outputs, grad, usable_bytes, held, id(recompute), self.expert_partner_tokens)
+        formulas = self._formulas_for(recompute) if by_formulas else None
+        key = (outputs, grad, usable_bytes, held, id(recompute), self.expert_partner_tokens,
+               formulas is not None)
         hit = model_max.get(key)
         if hit is not None:
             return hit
 
         def fits(tokens: int) -> bool:
-            pricing = self.price_lengths((tokens,), outputs, grad, recompute,
-                                         gradients=gradients)[0]
-            return pricing.model_dynamic_bytes <= usable_bytes
+            if formulas is None:
+                pricing = self.price_lengths((tokens,), outputs, grad, recompute,
+                                             gradients=gradients)[0]
+                return pricing.model_dynamic_bytes <= usable_bytes
+            estimate = formulas.estimate(self._row_shape((tokens,), outputs, grad, 0, None))
+            first_gradients = (gradients.allocated_down_to(
+                getattr(estimate, "backward_peak_layer", None))
+                if grad and gradients is not None else 0)
+            return int(estimate.dynamic_bytes) + first_gradients <= usable_bytes
 
         start = max(1, start_tokens)
         lo = 0
@@ -264,8 +281,8 @@ class Admission:
             lo = largest_fitting(fits, start, 2 * start, cap=1 << 26,
                                  slack=lambda low: max(1, low // 32))
         elif start_tokens > 1:
-            lo = self.model_for(recompute).max_tokens_that_fit(usable_bytes, outputs=outputs,
-                                                               grad_enabled=grad)
+            lo = (formulas or self.model_for(recompute)).max_tokens_that_fit(
+                usable_bytes, outputs=outputs, grad_enabled=grad)
         if len(model_max) > 4096:
             model_max.clear()
         model_max[key] = lo
@@ -317,7 +334,8 @@ class Admission:
             queue.insert(0, smallest)
             model_max = self.model_max_tokens(usable_bytes, smallest.outputs, grad,
                                                start_tokens=smallest.num_tokens,
-                                               recompute=recompute, gradients=gradients)
+                                               recompute=recompute, gradients=gradients,
+                                               by_formulas=True)
             cap_tokens = max(
                 smallest.num_tokens, int(self.policy.cold_start_fraction * model_max)
             )
@@ -418,7 +436,7 @@ class Admission:
             model_max = self.model_max_tokens(request.usable_bytes, smallest.outputs,
                                                request.grad, start_tokens=smallest.num_tokens,
                                                recompute=recompute,
-                                               gradients=request.gradients)
+                                               gradients=request.gradients, by_formulas=True)
             return True, max(smallest.num_tokens,
                              int(self.policy.cold_start_fraction * model_max))
         return False, self.growth_cap(sig, request.grad, outputs)
@@ -571,25 +589,3 @@ class Admission:
             signature=sig,
             error=error,
         )
-
-
-@dataclass
-class _PriceCaches:
-    """Admission's memos. `recomputes` keeps every recompute whose id keys an entry alive, so
-    an id is never reused while it is cached."""
-
-    # (recompute id, grad, lengths, outputs, shared, recurrent, EP partners' tokens) ->
-    # (estimate, shape, signature); the profile's part is read fresh on every price.
-    priced: dict[tuple[Any, ...], tuple[Any, MicroBatchShape, str]] = field(default_factory=dict)
-    signatures: dict[tuple[int, bool, OutputRequest], str] = field(default_factory=dict)
-    # (outputs, grad, usable, gradient bytes, recompute id, EP partners' tokens) -> the
-    # largest admissible row
-    model_max: dict[tuple[OutputRequest, bool, int, int, int, int], int] = field(
-        default_factory=dict)
-    recomputes: dict[int, EffectiveRecompute] = field(default_factory=dict)
-    models: dict[int, MemoryModelLike] = field(default_factory=dict)
-
-    def clear(self) -> None:
-        for memo in (self.priced, self.signatures, self.model_max, self.recomputes,
-                     self.models):
-            memo.clear()

@@ -259,6 +259,10 @@ _CACHE: dict[str, ProbeCoefficients] = {}
 _PARTS: dict[str, Any] = {}
 # The router's share (routing.py) of a model, layout and build at a probe's no-grad points.
 _SHARES: dict[str, tuple[tuple[int, float], ...]] = {}
+# One tail's measurement at one row, under the key of that tail's probe at no extent past
+# the layers' points: a tail measured further out (a longer row priced) measures only its
+# new rows.
+_TAIL_ROWS: dict[tuple[str, int], dict[str, float]] = {}
 
 
 def forget_in_process_probes() -> None:
@@ -267,6 +271,7 @@ def forget_in_process_probes() -> None:
     _CACHE.clear()
     _PARTS.clear()
     _SHARES.clear()
+    _TAIL_ROWS.clear()
 
 
 def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layout: Any,
@@ -418,15 +423,16 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         return coefficients
 
     def part_key(part_modes: list[LayerMode], part_outputs: list[tuple[OutputRequest, bool]],
-                 grad: bool) -> str:
+                 grad: bool, extent: int | None = None) -> str:
         """The key of a probe of one part at the points it is measured at (a layer mode does
-        not depend on the tails' chunk and largest row)."""
+        not depend on the tails' chunk and largest row; a tail's rows are measured past the
+        layers' points up to `extent`)."""
         tail = bool(part_outputs)
         return probe_key(geometry=geometry, layout=layout, implementation=implementation,
                          dtype=dtype, lora_rank=lora_rank, modes=part_modes,
                          outputs=part_outputs, tokens=points[grad], device=device.type,
                          head_chunk_tokens=head_chunk_tokens if tail else HEAD_CHUNK_TOKENS,
-                         tail_max_tokens=tail_max_tokens if tail else None)
+                         tail_max_tokens=extent if tail else None)
 
     layer_by_kind: dict[PricedKind, Any] = {}
     for layer in inner.decoder.layers:
@@ -502,17 +508,23 @@ def probe(model: Any, *, geometry: ModelGeometry, layout: Any, implementation: A
         cp = layout.context_parallel
         tail_rows = {t: per_tokens[t] for t in tokens} if cp == 1 else {}
         for okey, request, grad in tails:
-            tail_key = part_key([], [(request, grad)], grad)
+            tail_key = part_key([], [(request, grad)], grad, tail_max_tokens)
             if reuse_parts and tail_key in _PARTS:
                 fitted_tails.append(_PARTS[tail_key])
                 continue
             row_tokens = tail_points((t * cp for t in points[grad]), head_chunk_tokens,
                                      tail_max_tokens)
+            rows_key = part_key([], [(request, grad)], grad)
+            rows = []
             for n in row_tokens:
-                if n not in tail_rows:
-                    tail_rows[n] = tail_inputs(model, n, layout, implementation, device)
-            rows = [measure_tail(model, tail_rows[n], request, torch_dtype, device, grad,
-                                 head_chunk_tokens) for n in row_tokens]
+                measured = _TAIL_ROWS.get((rows_key, n)) if reuse_parts else None
+                if measured is None:
+                    if n not in tail_rows:
+                        tail_rows[n] = tail_inputs(model, n, layout, implementation, device)
+                    measured = _TAIL_ROWS[(rows_key, n)] = measure_tail(
+                        model, tail_rows[n], request, torch_dtype, device, grad,
+                        head_chunk_tokens)
+                rows.append(measured)
             fitted_tails.append((okey, grad, ProbedTail(
                 kept=Fit.fit(row_tokens, [r["kept"] for r in rows]),
                 forward=Fit.fit(row_tokens, [r["forward"] for r in rows]),

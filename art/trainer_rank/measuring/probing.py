@@ -165,7 +165,9 @@ class TrainerProbe:
                            self._key((), (), self.tokens, self.grad_tokens), self.tokens,
                            (), ()))
         self.guard = contextlib.nullcontext
-        self.tails: dict[tuple[str, bool], Any] = {}
+        # (output mix key, grad) -> (its tail probe, the largest row it was measured at past
+        # the layers' points: `_tail_extent`)
+        self.tails: dict[tuple[str, bool], tuple[Any, int | None]] = {}
         self.probed_tails: list[str] = []
         self.probed_on_first_use: list[str] = []
 
@@ -196,14 +198,18 @@ class TrainerProbe:
         return len(self.probed_tails) + len(self.probed_on_first_use)
 
     def tail_cost(self, outputs: OutputRequest, grad: bool, s: int) -> MeasuredTail | None:
-        tail = self.tails.get((outputs.key, grad))
-        if tail is None:
-            tail = self._agreed(modes=(), outputs=((outputs, grad),),
-                                tokens=self._points(outputs, grad),
-                                tail_max_tokens=self._tail_max_tokens(outputs, grad))
-            self.tails[(outputs.key, grad)] = tail
+        """The tail of a row of `s` tokens, probed the first time its mix is priced and again,
+        further, the first time a longer row than it was measured at is priced."""
+        held = self.tails.get((outputs.key, grad))
+        if held is None or self._tail_extent(outputs, grad, s, held[1]) != held[1]:
+            points = self._points(outputs, grad)
+            extent = self._tail_extent(outputs, grad, s, None if held is None else held[1],
+                                       points)
+            tail = self._agreed(modes=(), outputs=((outputs, grad),), tokens=points,
+                                tail_max_tokens=extent)
+            held = self.tails[(outputs.key, grad)] = (tail, extent)
             self.probed_tails.append(f"{outputs.key}:{'grad' if grad else 'no-grad'}")
-        return tail.tail_cost(outputs, grad, s)
+        return held[0].tail_cost(outputs, grad, s)
 
     def partial_for(self, geometry: Any) -> bool:
         return self.layers.partial_for(geometry)
@@ -234,7 +240,7 @@ class TrainerProbe:
 
     def snapshot(self) -> Any:
         """Everything probed so far as one plain `ProbeCoefficients` (JSON-able)."""
-        tails = tuple(t for c in self.tails.values() for t in c.tails)
+        tails = tuple(t for c, _ in self.tails.values() for t in c.tails)
         return replace(self.layers, tails=tails)
 
     def _points(self, outputs: OutputRequest, grad: bool) -> tuple[int, ...]:
@@ -244,6 +250,30 @@ class TrainerProbe:
         return probe_tokens_for_limit(self.model, self.provider.implementation,
                                       self.default_model, self.usable_bytes, grad=grad,
                                       outputs=outputs)
+
+    def _tail_extent(self, outputs: OutputRequest, grad: bool, s: int, measured: int | None,
+                     points: tuple[int, ...] | None = None) -> int | None:
+        """The largest row a tail is measured at past the layers' points: the first multiple
+        of the head chunk (`probe.CHUNK_MULTIPLES`) that reaches the rows priced so far
+        (`measured`: the extent of the tail probed already; `s`: the row priced now), up to
+        `_tail_max_tokens`. A job pays for the rows its micro-batches reach, not for every
+        row the limit could admit. On its own (a replica of one rank), a tail probe stored
+        further out is taken as it is (`points`: those the probe would run at)."""
+        ceiling = self._tail_max_tokens(outputs, grad)
+        if ceiling is None:
+            return None
+        multiples = [int(m * self.head_chunk_tokens) for m in probe_module.CHUNK_MULTIPLES
+                     if int(m * self.head_chunk_tokens) <= ceiling]
+        reach = max(s, measured or 0)
+        extent = next((t for t in multiples if t >= reach), ceiling)
+        if measured is not None and extent <= measured:
+            return measured
+        if points is not None and _agree.replica_size() == 1:
+            for further in (t for t in multiples if t >= extent):
+                key = self._key((), ((outputs, grad),), points, None, further)
+                if key in probe_module._CACHE or self._stored(key):
+                    return further
+        return extent
 
     def _tail_max_tokens(self, outputs: OutputRequest, grad: bool) -> int | None:
         """The largest multiple of the head chunk (`probe.CHUNK_MULTIPLES`) whose tail alone
