@@ -261,3 +261,27 @@ def test_cuda_meter_fields_from_allocator_statistics_without_a_gpu():
         assert meter.live_bytes == 12000
         del big
     assert meter.largest_allocation_bytes == 0
+
+
+def test_a_cpu_meter_runs_compiled_functions_as_written_and_is_never_traced():
+    """Megatron compiles a few small functions (`jit_fuser` is torch.compile). Inside a CPU
+    meter they run as written, with the compiler's stance forced eager, so Dynamo never
+    traces a frame there, the meter's own dispatch included (which is why that dispatch
+    need not turn Dynamo off on every op). Outside the meter they compile as usual."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    @torch.compile(backend="eager")
+    def gate(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(g)
+
+    torch._dynamo.reset()
+    counters.clear()
+    x, g = torch.randn(64, 32), torch.randn(64, 32)
+    with MemoryMeter(device="cpu") as meter:
+        out = gate(x, g)
+    assert not counters["frames"], dict(counters["frames"])
+    assert meter.peak_bytes >= 2 * x.nbytes  # sigmoid(g), then the product beside it
+    assert torch.equal(out, x * torch.sigmoid(g))
+    gate(x, g)
+    assert counters["frames"]["ok"] >= 1

@@ -30,6 +30,8 @@ counted by `nbytes()` with a weakref finalizer that subtracts them when the stor
 live total after each op is the exact live-bytes curve. `UntypedStorage.resize_` is not an op
 (Megatron's CheckpointWithoutOutput frees and regrows outputs with it), so it is wrapped while
 a CPU meter is active. Storages that existed before the meter was entered are not counted.
+Inside a CPU meter torch.compile'd functions run as written (the compiler's stance is forced
+eager), as they would under any dispatch mode, so Dynamo never traces a frame there.
 This is the storage-weakref bookkeeping of torch.distributed._tools.mem_tracker.MemTracker,
 which a test cross-checks it against; MemTracker itself is not used because it registers a
 gradient hook on every parameter and raises on frozen ones (the LoRA case).
@@ -152,6 +154,13 @@ def _collective_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, An
 
 
 class _Observer(TorchDispatchMode):
+    # A CPU meter runs with the compiler's stance forced eager (`MemoryMeter.__enter__`): no
+    # frame inside it is ever traced, so its dispatch is not wrapped to turn Dynamo off again
+    # on every op (a few microseconds an op, on CPU a few percent of a step).
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
     def __init__(self, meter: MemoryMeter) -> None:
         super().__init__()
         self.meter = meter
@@ -181,6 +190,17 @@ class _Observer(TorchDispatchMode):
                 if isinstance(leaf, torch.Tensor):
                     self.meter._observe(leaf, kind, func)
         return result
+
+
+class _CudaObserver(_Observer):
+    """The observer of a CUDA meter that looks for the largest allocation: compiled code runs
+    compiled inside it, so its dispatch keeps Dynamo out of its own frames."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return True
+
+    __torch_dispatch__ = _Observer.__torch_dispatch__  # wrapped by __init_subclass__
 
 
 class CudaAllocator(Protocol):
@@ -277,6 +297,7 @@ class MemoryMeter:
         self._cuda_baseline_bytes = 0
         self._cuda_fraction_set = False
         self._observe_cuda = largest_on_cuda
+        self._eager: Any = None
         self._active = False
 
     # -- readings -----------------------------------------------------------------------------
@@ -330,7 +351,13 @@ class MemoryMeter:
                 _resize_below = torch.UntypedStorage.resize_
                 torch.UntypedStorage.resize_ = _tracking_resize  # type: ignore[method-assign]
             _active_cpu_meters.append(self)
-        self._mode = _Observer(self)
+        if self._cuda is None:
+            # torch.compile'd functions (Megatron's `jit_fuser`) run as written under the CPU
+            # meter, as they do under any dispatch mode: the stance says so up front.
+            self._eager = torch.compiler.set_stance("force_eager")
+            self._mode = _Observer(self)
+        else:
+            self._mode = _CudaObserver(self)
         self._mode.__enter__()
         return self
 
@@ -339,6 +366,9 @@ class MemoryMeter:
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(*exc)
+        eager, self._eager = self._eager, None
+        if eager is not None:
+            eager.__exit__(None, None, None)
         if self._cuda is not None:
             self._cuda.synchronize()
             if self._cuda_fraction_set:
