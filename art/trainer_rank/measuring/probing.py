@@ -168,6 +168,7 @@ class TrainerProbe:
         # (output mix key, grad) -> (its tail probe, the largest row it was measured at past
         # the layers' points: `_tail_extent`)
         self.tails: dict[tuple[str, bool], tuple[Any, int | None]] = {}
+        self._tail_ceilings: dict[tuple[str, bool, int], int | None] = {}
         self.probed_tails: list[str] = []
         self.probed_on_first_use: list[str] = []
 
@@ -201,7 +202,8 @@ class TrainerProbe:
         """The tail of a row of `s` tokens, probed the first time its mix is priced and again,
         further, the first time a longer row than it was measured at is priced."""
         held = self.tails.get((outputs.key, grad))
-        if held is None or self._tail_extent(outputs, grad, s, held[1]) != held[1]:
+        if held is None or (held[1] is not None and s > held[1]
+                            and self._tail_extent(outputs, grad, s, held[1]) != held[1]):
             points = self._points(outputs, grad)
             extent = self._tail_extent(outputs, grad, s, None if held is None else held[1],
                                        points)
@@ -282,6 +284,12 @@ class TrainerProbe:
         known, or not one chunk fits."""
         if self.default_model is None or self.usable_bytes is None:
             return None
+        key = (outputs.key, grad, self.usable_bytes)
+        if key not in self._tail_ceilings:
+            self._tail_ceilings[key] = self._largest_tail_fitting(outputs, grad)
+        return self._tail_ceilings[key]
+
+    def _largest_tail_fitting(self, outputs: OutputRequest, grad: bool) -> int | None:
         fitting = None
         for multiple in probe_module.CHUNK_MULTIPLES:
             tokens = int(multiple * self.head_chunk_tokens)
