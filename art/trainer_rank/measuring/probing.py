@@ -12,7 +12,8 @@ the rungs, and one that only scores (or only trains) never pays for the other gr
 The tail (final norm + chunked head + requested outputs + caller loss) depends on the output
 request, and which mixes a run asks for is only known when items arrive (a packed micro-batch
 requests the union of its items' outputs). `TrainerProbe.tail_cost` therefore probes a mix the
-first time an estimate asks for it. That is safe across TP and CP ranks: admission is
+first time an estimate asks for it, and again, further out, the first time a longer row is
+priced (each row measured once in a process). That is safe across TP and CP ranks: admission is
 deterministic given the agreed inputs and limit, so every rank of a replica prices the same
 shapes in the same order and reaches the same probe together. Layer modes are probed on first
 use under the same rule, except under expert parallel: a MoE layer's probe exchanges tokens
@@ -122,7 +123,8 @@ class TrainerProbe:
         per output mix for the tails); the trainer updates `usable_bytes` before each plan,
         so a tail probed on first use stays under the limit read right before it. With them,
         a tail is also measured at the multiples of the head chunk (`head_chunk_tokens`, the
-        one the trainer runs) whose tail the formulas fit in half the limit.
+        one the trainer runs) out to the rows priced so far, never past the one whose tail
+        the formulas fit in half the limit (`_tail_extent`).
 
         `policies` are probed now. The layer modes of the `on_first_use` policies are probed
         the first time an estimate asks for one of them (at the points the limit then
