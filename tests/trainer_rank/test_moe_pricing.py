@@ -421,3 +421,35 @@ def test_committed_attention_moe_rows_are_priced_in_band_by_the_formulas(matrix)
     outside = [(r["policy"], r["lora_rank"], r["packed_tokens"], r["grad"], r["default_ratio"])
                for r in priced if not 1.0 <= float(r["default_ratio"]) <= 1.05]
     assert not outside, outside
+
+
+def test_under_expert_tp_a_moe_layer_s_backward_holds_its_share_of_the_pairs_gradient():
+    """At TP=2 (expert TP 2) the combine's reduce-scatter is an all-gather in backward: this
+    rank's share of the pairs' gradient is its input, live beside the gathered pairs. The
+    formulas' MoE layer backward (incoming gradient held) equals what the committed TP=2
+    probe measured on the real layer under torchrun at every probe point; without that input
+    it is a whole-row hidden tensor short (a fifth of the layer's backward)."""
+    import csv
+    import glob
+    from pathlib import Path
+
+    from _calibration.harness import cell_of, default_memory_model
+
+    from art.trainer_rank.measuring.probe import ProbeCoefficients
+    from art.trainer_rank.pricing.layers import price_layer
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe-tp2"
+    with open(folder / "calibration.csv") as f:
+        row = next(r for r in csv.DictReader(f) if r["policy"] == "none" and r["grad"] == "True")
+    memory = default_memory_model(cell_of(row))
+    probe = ProbeCoefficients.from_json(Path(sorted(glob.glob(
+        str(folder / "probes" / "**" / f"probe-{row['probe_key']}.json"), recursive=True))[0]
+    ).read_text())
+    kind = memory._kinds[0]
+    assert kind.moe and memory.layout.expert_tensor_parallel == 2
+    for s in probe.tokens:
+        measured = probe.layer_cost(kind, "none", s)
+        priced = price_layer(memory.dims, kind, frozenset(), s, grad=True)
+        assert measured is not None and measured.backward_held is not None
+        assert abs(priced.backward_held / measured.backward_held - 1.0) < 0.001, (
+            s, priced.backward_held, measured.backward_held)

@@ -150,6 +150,11 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
     # local experts, sorts it back to the experts' order (a copy): both pair-sized gradients
     # are live at once, the copy beyond what the block's gradients price.
     sorted_gradient = local_pairs * g.hidden_size * b if local_experts > 1 else 0.0
+    # Under expert TP the forward's reduce-scatter is an all-gather backward: this rank's share
+    # of the pairs' gradient is its input, live beside the gathered pairs.
+    etp = d.layout.expert_tensor_parallel
+    if etp > 1:
+        sorted_gradient += local_pairs / etp * g.hidden_size * b
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=combine_working_set(d, s, local_pairs, local_experts),
                         grad_temp=sorted_gradient, role=BlockRole.COMBINE,
