@@ -58,11 +58,11 @@ def even_routing(module: Any) -> Iterator[None]:
 
 
 def routing_shares(model: Any, rows: Sequence[int], layout: Any, implementation: Any,
-                   device: torch.device) -> tuple[tuple[int, float], ...]:
+                   device: torch.device, seed: int = 0) -> tuple[tuple[int, float], ...]:
     """(row length, share) for each length in `rows` (this rank's tokens): the largest share
     of the even share any EP rank's experts took in any MoE layer on a no-grad forward of
-    `model` over one random-token row (every rank calls this: the layers' all-to-alls and
-    the maximum span the job)."""
+    `model` over one random-token row drawn from `seed` (every rank calls this: the layers'
+    all-to-alls and the maximum span the job)."""
     from megatron.core import parallel_state
 
     from art.trainer_rank.compute.forward import decoder_hidden_states, unwrap_model
@@ -78,7 +78,7 @@ def routing_shares(model: Any, rows: Sequence[int], layout: Any, implementation:
         counts.append(output[1].sum(dim=0).to(torch.float64))
 
     hooks = [router.register_forward_hook(count) for router in routers]
-    generator = torch.Generator().manual_seed(0)
+    generator = torch.Generator().manual_seed(seed)
     try:
         with torch.no_grad():
             for n in rows:
