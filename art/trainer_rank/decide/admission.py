@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from art.megatron.recompute import EffectiveRecompute
 from art.megatron.recompute_ladder import RecomputeChoice, RecomputeLadder
@@ -217,12 +218,10 @@ class Admission:
         profile = self.profiles.predict(sig, shape.packed_tokens, self.policy.trust_window,
                                         int(estimate.dynamic_bytes) - reserve)
         profile_dynamic = None if profile is None else profile + reserve
-        first_gradients = 0
-        if grad and gradients is not None:
-            first_gradients = gradients.allocated_down_to(
-                getattr(estimate, "backward_peak_layer", None))
         return Pricing(estimate, profile_dynamic, recompute,
-                       first_gradient_allocation_bytes=first_gradients), shape, sig
+                       first_gradient_allocation_bytes=_first_gradients(estimate, grad,
+                                                                        gradients)
+                       ), shape, sig
 
     def _row_shape(self, lengths: tuple[int, ...], outputs: OutputRequest, grad: bool,
                    shared_tokens: int, recurrent: RecurrentRow | None) -> MicroBatchShape:
@@ -270,10 +269,8 @@ class Admission:
                                              gradients=gradients)[0]
                 return pricing.model_dynamic_bytes <= usable_bytes
             estimate = formulas.estimate(self._row_shape((tokens,), outputs, grad, 0, None))
-            first_gradients = (gradients.allocated_down_to(
-                getattr(estimate, "backward_peak_layer", None))
-                if grad and gradients is not None else 0)
-            return int(estimate.dynamic_bytes) + first_gradients <= usable_bytes
+            return (int(estimate.dynamic_bytes) + _first_gradients(estimate, grad, gradients)
+                    <= usable_bytes)
 
         start = max(1, start_tokens)
         lo = 0
@@ -589,3 +586,11 @@ class Admission:
             signature=sig,
             error=error,
         )
+
+
+def _first_gradients(estimate: Any, grad: bool, gradients: UnallocatedGradients | None) -> int:
+    """The LoRA gradients a grad micro-batch's backward allocates for the first time, down to
+    the layer its backward peaks at (0 without grad or without unallocated gradients)."""
+    if not grad or gradients is None:
+        return 0
+    return gradients.allocated_down_to(getattr(estimate, "backward_peak_layer", None))
