@@ -153,11 +153,10 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
     # Under expert TP the forward's reduce-scatter is an all-gather backward: this rank's share
     # of the pairs' gradient is its input, live beside the gathered pairs.
     etp = d.layout.expert_tensor_parallel
-    if etp > 1:
-        sorted_gradient += local_pairs / etp * g.hidden_size * b
+    gathered_share = local_pairs / etp * g.hidden_size * b if etp > 1 else 0.0
     blocks.append(Block("combine", "moe", 0.0, d.hidden_tokens(s) * g.hidden_size * b, False,
                         temp=combine_working_set(d, s, local_pairs, local_experts),
-                        grad_temp=sorted_gradient, role=BlockRole.COMBINE,
+                        grad_temp=sorted_gradient + gathered_share, role=BlockRole.COMBINE,
                         # Beside the residual stream: the pre-MLP norm's output (the MoE
                         # layer's input) and the shared experts' output.
                         no_grad_held=d.hidden_tokens(s) * g.hidden_size * b + shared
@@ -168,27 +167,28 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
 def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int,
                          per_expert_work: float) -> float:
     """What a MoE layer's routed experts hold at their highest moment without grad (Megatron's
-    alltoall dispatcher and SequentialMLP, which runs one expert at a time): the layer's
-    routing state, this rank's permuted tokens (a pair per routed token, with its
-    probability), at EP > 1 the all-to-all's output, with several local experts their
-    sorted copy (the experts' input);
-    then either the last expert's working set (`per_expert_work`: its fc1's or activation's
-    output and temporaries) beside the others' outputs, or at the combine the concatenated
-    output and its copy sorted back by rank."""
+    alltoall dispatcher and SequentialMLP, which runs one expert at a time). Beside what the
+    combine holds with grad too (`combine_working_set`): what a grad run prices as kept
+    instead, the layer's routing state, the probabilities travelling with this rank's
+    permuted tokens, the all-to-all's output and the sorted copy, and with several local
+    experts that copy itself (the experts' input). The other moment is the last expert's
+    working set (`per_expert_work`: its fc1's or activation's output and temporaries) beside
+    the others' outputs, before the combine."""
     g, b = d.geometry, d.dtype_bytes
     pair = g.hidden_size * b
-    routed = pair + FP32  # a pair's hidden row and the probability that travels with it
-    # The layer's own routing state (the router's map and probabilities, the permutation's
-    # indices) is made before the dispatch and referenced through the combine.
-    held = d.hidden_tokens(s) * g.moe_router_topk * routed + moe_dispatcher_state(d, s)
-    if d.layout.expert_parallel > 1:
-        held += local_pairs * routed
-    if local_experts > 1:
-        held += local_pairs * routed
-    combine = (local_pairs * pair * (2 if local_experts > 1 else 1)
-               + expert_tp_reduce_scatter_bytes(d, local_pairs))
-    others = local_pairs * pair * (1 - 1 / local_experts)
-    return held + max(combine, others + per_expert_work)
+    own_pairs = d.hidden_tokens(s) * g.moe_router_topk
+    sorted_input = local_pairs * pair if local_experts > 1 else 0.0
+    probabilities = FP32 * (own_pairs + (local_pairs if d.layout.expert_parallel > 1 else 0.0)
+                            + (local_pairs if local_experts > 1 else 0.0))
+    also_held = sorted_input + probabilities + moe_dispatcher_state(d, s)
+    combine = combine_working_set(d, s, local_pairs, local_experts) + also_held
+    # Before the combine: this rank's permuted tokens, the all-to-all's output, the sorted
+    # copy, the other experts' outputs and the last one's working set.
+    dispatched = own_pairs * pair + (local_pairs * pair if d.layout.expert_parallel > 1
+                                     else 0.0)
+    last_expert = (dispatched + also_held + local_pairs * pair * (1 - 1 / local_experts)
+                   + per_expert_work)
+    return max(combine, last_expert)
 
 
 def combine_working_set(d: Dims, s: int, local_pairs: float, local_experts: int) -> float:
