@@ -335,6 +335,7 @@ def summarize(rows: list[dict]) -> str:
         f"- default formulas (no probe): {d_inside} of {len(rows)} cells inside "
         f"[{lo:.2f}, {hi:.2f}]; min {d_low['default_ratio']:.4f} ({name(d_low)}); "
         f"max {d_high['default_ratio']:.4f} ({name(d_high)})",
+        *own_routing_summary(rows),
         "",
         "## Per policy",
         "",
@@ -353,18 +354,41 @@ def summarize(rows: list[dict]) -> str:
             f"{min(x['default_ratio'] for x in rs):.4f} | "
             f"{max(x['default_ratio'] for x in rs):.4f} | "
             f"{sum(lo <= x['default_ratio'] <= hi for x in rs)} |")
+    own = any(r.get("own_routing_ratio") not in (None, "") for r in rows)
     lines += ["", "## Every cell", "",
               "| geometry | policy | LoRA r | layout | row | outputs | grad | loss | "
-              "measured MiB | predicted MiB | ratio | defaults ratio | peak at |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "measured MiB | predicted MiB | ratio | defaults ratio | "
+              + ("routed at (working / held / expert) | ratio at its own routing | "
+                 if own else "") + "peak at |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if own else "")
+              + "---|"]
     for r in rows:
+        routed = (f"{' / '.join(f'{float(x):.3f}' for x in str(r['own_routing']).split('/'))}"
+                  f" | {r['own_routing_ratio']:.4f} | " if own else "")
         lines.append(
             f"| {r['geometry']} | {_policy(r)} | {r['lora_rank']} | {_layout(r)} | "
             f"{_lengths(r)} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
             f"{r['loss'] if r['grad'] else '-'} | "
             f"{r['measured_bytes'] / 2**20:.2f} | {r['predicted_bytes'] / 2**20:.2f} | "
-            f"{r['ratio']:.4f} | {r['default_ratio']:.4f} | {r['peak_at']} |")
+            f"{r['ratio']:.4f} | {r['default_ratio']:.4f} | {routed}{r['peak_at']} |")
     return "\n".join(lines) + "\n"
+
+
+def own_routing_summary(rows: list[dict]) -> list[str]:
+    """Under expert parallel, the probe column priced at each row's own routing: what the
+    memory model gets wrong once the router's spread is known (none: no EP rows)."""
+    lo, hi = TARGET
+    own = [r for r in rows if r.get("own_routing_ratio") not in (None, "")]
+    if not own:
+        return []
+    low = min(own, key=lambda r: r["own_routing_ratio"])
+    high = max(own, key=lambda r: r["own_routing_ratio"])
+    inside = sum(lo <= r["own_routing_ratio"] <= hi for r in own)
+    return [
+        f"- probe coefficients at each row's own routing (the shares its forward routed its "
+        f"MoE layers at, in place of the router's spread the price covers before a row runs, "
+        f"measuring/routing.py): {inside} of {len(own)} cells inside [{lo:.2f}, {hi:.2f}]; "
+        f"min {low['own_routing_ratio']:.4f}; max {high['own_routing_ratio']:.4f}"]
 
 
 def _layout(row: dict) -> str:
@@ -543,6 +567,9 @@ def _typed(row: dict) -> dict:
         out[key] = int(out[key])
     for key in ("ratio", "default_ratio", "seconds"):
         out[key] = float(out[key])
+    if out.get("own_routing_bytes") not in (None, ""):
+        out["own_routing_bytes"] = int(out["own_routing_bytes"])
+        out["own_routing_ratio"] = float(out["own_routing_ratio"])
     out["grad"] = out["grad"] in ("True", "true", "1")
     return out
 

@@ -5,11 +5,12 @@
 The calibration's two MoE models (the attention + MoE model and the hybrid MoE: 8 experts,
 top-2, random weights, fp32) at EP=2 with TP=1 on two gloo ranks. For each row length, many
 random-token rows: on each, the probe's own measurement (`measuring/routing.py`,
-`routing_shares`: the largest share of the even share any EP rank's experts took in any MoE
-layer on one no-grad forward). The probe measures one row per length; the first column is
-one such row (seed 0), and the others show how far another row of the same length lands
-from it, which is what a price read from one row must cover. The figures are this tiny
-random router's; a trained router with a load-balancing loss spreads differently.
+`routing_shares` over one row: the working, held and expert shares of one no-grad forward).
+The probe reads the largest of each over its first `ROUTING_DRAWS` rows (seeds 0 onwards);
+the table shows that bound beside the spread of all rows, and the fraction of the other rows
+that exceed it, which a price read from it puts under where that share sets the peak. The
+figures are this tiny random router's; a trained router with a load-balancing loss spreads
+differently.
 """
 
 from __future__ import annotations
@@ -29,12 +30,15 @@ LENGTHS = (64, 128, 256, 512, 1024, 2048)
 GEOMETRIES = ("moe-128", "hybrid-moe-128")
 
 
+SHARES = ("working", "held", "expert")
+
+
 def spread(geometry_name: str, draws: int) -> list[dict[str, float]]:
     from _calibration.cells import POLICY_BY_NAME, calibration_geometries
     from _calibration.harness import calibration_provider
 
     from art.megatron.implementation import Implementation
-    from art.trainer_rank.measuring.routing import routing_shares
+    from art.trainer_rank.measuring.routing import ROUTING_DRAWS, routing_shares
 
     implementation = Implementation.cpu_local("flash")
     provider = calibration_provider(calibration_geometries()[geometry_name],
@@ -47,35 +51,46 @@ def spread(geometry_name: str, draws: int) -> list[dict[str, float]]:
     rows = []
     for n in LENGTHS:
         shares = [routing_shares(model, [n], provider.layout, implementation, device,
-                                 seed=seed)[0][1] for seed in range(draws)]
-        ordered = sorted(shares)
-        rows.append({
-            "tokens": n, "one_row": shares[0], "mean": statistics.mean(shares),
-            "sd": statistics.pstdev(shares), "p90": ordered[max(0, int(0.9 * draws) - 1)],
-            "max": ordered[-1],
-            "above_one_row": sum(s > shares[0] for s in shares[1:]) / max(1, draws - 1),
-        })
+                                 seed=seed, draws=1)[0] for seed in range(draws)]
+        row: dict[str, float] = {"tokens": n}
+        for name in SHARES:
+            values = [getattr(s, name) for s in shares]
+            bound = max(values[:ROUTING_DRAWS])
+            others = values[ROUTING_DRAWS:]
+            row |= {f"{name}_bound": bound, f"{name}_mean": statistics.mean(values),
+                    f"{name}_sd": statistics.pstdev(values), f"{name}_max": max(values),
+                    f"{name}_above": sum(v > bound for v in others) / max(1, len(others))}
+        rows.append(row)
     return rows
 
 
 def markdown(results: dict[str, list[dict[str, float]]], draws: int) -> str:
+    from art.trainer_rank.measuring.routing import ROUTING_DRAWS
+
     lines = [
         "# The router's spread under expert parallel (CPU)",
         "",
         f"Written by `torchrun --nproc_per_node=2 scripts/routing_spread.py --draws {draws}`. "
-        "Per model and row length: the busiest EP rank's share of the even share (largest "
-        "over MoE layers and ranks) on random-token rows, one no-grad forward each; `one "
-        "row` is seed 0's (the probe measures one row per length); `rows above it` is the "
-        "fraction of the other rows whose share is higher, which a price read from one row "
-        "alone puts under (where the experts set the peak).",
+        "Per model and row length, over random-token rows (one no-grad forward each), the "
+        "router's shares of the even share (`measuring/routing.py`): working, the busiest "
+        "EP rank's experts in one MoE layer; held, the busiest rank's averaged over the MoE "
+        "layers; expert, the busiest expert in one layer over the even count per expert. "
+        f"`bound` is what the probe prices at: the largest over its {ROUTING_DRAWS} rows "
+        "(seeds 0 onwards; the memory model then takes the largest at a row's length or "
+        "longer); `above` is the fraction of the other rows whose share is higher, which that "
+        "bound puts under where the share sets the peak.",
         "",
     ]
     for name, rows in results.items():
         lines += [f"## {name}", "",
-                  "| tokens | one row | mean | sd | p90 | max | rows above it |",
-                  "|---|---|---|---|---|---|---|"]
-        lines += [f"| {r['tokens']:,} | {r['one_row']:.3f} | {r['mean']:.3f} | {r['sd']:.3f} | "
-                  f"{r['p90']:.3f} | {r['max']:.3f} | {r['above_one_row']:.0%} |" for r in rows]
+                  "| tokens | " + " | ".join(f"{s} bound | {s} mean | {s} sd | {s} max | "
+                                             f"{s} above" for s in SHARES) + " |",
+                  "|---|" + "---|" * 5 * len(SHARES)]
+        for r in rows:
+            cells = " | ".join(
+                f"{r[f'{s}_bound']:.3f} | {r[f'{s}_mean']:.3f} | {r[f'{s}_sd']:.3f} | "
+                f"{r[f'{s}_max']:.3f} | {r[f'{s}_above']:.0%}" for s in SHARES)
+            lines.append(f"| {r['tokens']:,} | {cells} |")
         lines.append("")
     return "\n".join(lines)
 
@@ -85,8 +100,10 @@ def main() -> int:
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--md", type=Path)
     args = parser.parse_args()
-    if args.draws < 2:
-        parser.error(f"--draws must be at least 2, got {args.draws}")
+    from art.trainer_rank.measuring.routing import ROUTING_DRAWS
+
+    if args.draws <= ROUTING_DRAWS:
+        parser.error(f"--draws must exceed the probe's {ROUTING_DRAWS} rows, got {args.draws}")
     results = {name: spread(name, args.draws) for name in GEOMETRIES}
     if dist.get_rank() == 0:
         text = markdown(results, args.draws)

@@ -19,7 +19,7 @@ import contextlib
 import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,9 +37,11 @@ from art.megatron.geometry import ModelGeometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import MicroBatchShape, OutputRequest
+from art.trainer_rank.compute.forward import unwrap_model
 from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
 from art.trainer_rank.measuring.probe import modes_for, probe
 from art.trainer_rank.measuring.probe_store import probe_file, store_probe
+from art.trainer_rank.measuring.routing import router_counts, row_routing
 from art.trainer_rank.pricing.coefficients import LayerMode
 from art.trainer_rank.pricing.model import MemoryModel
 
@@ -55,6 +57,11 @@ class CellResult:
     peak_at: str
     probe_key: str
     seconds: float
+    # Under expert parallel: the shares the row's own forward routed at (`row_routing`:
+    # working, held, expert) and the estimate priced at them, apart from the router's spread
+    # the price itself covers.
+    own_routing: tuple[float, float, float] | None = None
+    own_routing_bytes: int | None = None
 
     @property
     def ratio(self) -> float:
@@ -82,7 +89,11 @@ class CellResult:
             "peak_at": self.peak_at,
             "probe_key": self.probe_key,
             "seconds": round(self.seconds, 2),
-        }
+        } | ({} if self.own_routing is None else {
+            "own_routing": "/".join(f"{x:.6f}" for x in self.own_routing),
+            "own_routing_bytes": self.own_routing_bytes,
+            "own_routing_ratio": round(self.own_routing_bytes / max(1, self.measured_bytes), 4),
+        })
 
 
 class CalibrationModel:
@@ -156,7 +167,9 @@ class CalibrationModel:
             switch = running_recompute(self.model, recompute)
             memory = memory.with_recompute(recompute)
             memory_default = memory_default.with_recompute(recompute)
-        with switch:
+        routed = (router_counts(unwrap_model(self.model)) if self.layout.expert_parallel > 1
+                  else contextlib.nullcontext([]))
+        with switch, routed as counts:
             measured, measured_forward = run_micro_batch(
                 self.model, cell.lengths, outputs, cell.grad, self.layout, self.implementation,
                 self.device, loss_name=cell.loss, sequences=sequences,
@@ -165,6 +178,12 @@ class CalibrationModel:
                                   self.implementation, sequences)
         est = memory.estimate(batch)
         default = memory_default.estimate(batch)
+        own = own_bytes = None
+        if counts:
+            share = row_routing(counts, sum(self.geometry.moe_layers), batch.packed_tokens,
+                                self.layout)
+            own = (share.working, share.held, share.expert)
+            own_bytes = priced_at_routing(memory, own, batch)
         return CellResult(
             cell=cell, measured_bytes=measured, measured_forward_bytes=measured_forward,
             predicted_bytes=max(est.forward_peak_bytes, est.backward_peak_bytes),
@@ -172,7 +191,20 @@ class CalibrationModel:
             reserve_bytes=est.reserve_bytes, peak_at=est.peak_at,
             probe_key=self.coefficients.key,
             seconds=time.perf_counter() - start,
+            own_routing=own, own_routing_bytes=own_bytes,
         )
+
+
+def priced_at_routing(memory: MemoryModel, shares: Sequence[float],
+                      batch: MicroBatchShape) -> int:
+    """The peak `memory` (with probe coefficients) prices `batch` at when its MoE layers route
+    at `shares` (working, held, expert) whatever the row's length."""
+    from art.trainer_rank.pricing.row_changes import ExpertShare
+
+    at = ExpertShare(2**62, *shares)
+    est = memory.with_coefficients(
+        replace(memory.coefficients, expert_routing_shares=(at,))).estimate(batch)
+    return max(est.forward_peak_bytes, est.backward_peak_bytes)
 
 
 def calibration_provider(geometry: ModelGeometry, policy: Policy, *, lora_rank: int,
@@ -461,10 +493,13 @@ def merge_rank_rows(per_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[s
         busiest = max(rows, key=lambda r: r["measured_bytes"])
         predicted = max(r["predicted_bytes"] for r in rows)
         default = max(r["predicted_default_bytes"] for r in rows)
+        own = ({} if "own_routing_bytes" not in busiest else {
+            "own_routing_bytes": (b := max(r["own_routing_bytes"] for r in rows)),
+            "own_routing_ratio": round(b / busiest["measured_bytes"], 4)})
         merged.append(dict(busiest) | {
             "predicted_bytes": predicted, "predicted_default_bytes": default,
             "ratio": round(predicted / busiest["measured_bytes"], 4),
-            "default_ratio": round(default / busiest["measured_bytes"], 4)})
+            "default_ratio": round(default / busiest["measured_bytes"], 4)} | own)
     return merged
 
 
@@ -607,6 +642,12 @@ def _reprice(row: dict[str, Any], cell: Cell, per_rank: Sequence[Any]) -> dict[s
     predicted_default = max(default.forward_peak_bytes, default.backward_peak_bytes)
     predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
     measured = max(1, int(row["measured_bytes"]))
+    if row.get("own_routing"):
+        shares = [float(x) for x in str(row["own_routing"]).split("/")]
+        own = max(priced_at_routing(model.with_coefficients(c), shares, batch)
+                  for c in per_rank)
+        row = row | {"own_routing_bytes": own,
+                     "own_routing_ratio": round(own / measured, 4)}
     return row | {"predicted_bytes": predicted,
                   "predicted_default_bytes": predicted_default,
                   "ratio": round(predicted / measured, 4),

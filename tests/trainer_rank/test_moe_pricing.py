@@ -270,16 +270,21 @@ def test_estimate_prices_the_partners_rows_only_where_experts_exchange_tokens() 
 
 
 def test_a_row_is_priced_at_the_router_s_share_measured_at_its_length_or_longer() -> None:
-    """The probe measures the router's share of the even share per row length; its spread
-    shrinks as rows grow, so a row takes the largest measured at its length or longer."""
-    from art.trainer_rank.pricing.row_changes import share_at
+    """The probe measures the router's spread per row length (in one layer and over the
+    layers); it shrinks as rows grow, so a row takes the largest of each measured at its
+    length or longer."""
+    from art.trainer_rank.pricing.row_changes import ExpertShare, share_at
 
-    shares = ((32, 1.125), (128, 1.05), (512, 1.08), (2048, 1.04))
-    assert share_at(shares, 16) == share_at(shares, 32) == 1.125
-    assert share_at(shares, 100) == share_at(shares, 512) == 1.08
-    assert share_at(shares, 513) == 1.04
-    assert share_at(shares, 4096) == 1.04  # past the longest: the longest's
-    assert share_at((), 512) == 1.0
+    shares = (ExpertShare(32, 1.125, 1.06, 2.0), ExpertShare(128, 1.05, 1.03, 1.5),
+              ExpertShare(512, 1.08, 1.02, 1.6), ExpertShare(2048, 1.04, 1.025, 1.3))
+    assert share_at(shares, 16)[1:] == share_at(shares, 32)[1:] == (1.125, 1.06, 2.0)
+    assert share_at(shares, 100)[1:] == (1.08, 1.03, 1.6)
+    assert share_at(shares, 512)[1:] == (1.08, 1.025, 1.6)
+    assert share_at(shares, 513)[1:] == (1.04, 1.025, 1.3)
+    assert share_at(shares, 4096)[1:] == (1.04, 1.025, 1.3)  # past the longest: the longest's
+    # A probe file that measured one share for all three.
+    assert ExpertShare.stored([256, 1.1]) == ExpertShare(256, 1.1, 1.1, 1.1)
+    assert share_at((), 512).even
 
 
 def test_experts_pairs_follow_the_router_s_measured_share() -> None:
@@ -328,6 +333,7 @@ def test_committed_ep_rows_are_priced_at_their_router_s_share(matrix, monkeypatc
     from _calibration.harness import reprice_rows
 
     import art.trainer_rank.pricing.model as model_module
+    from art.trainer_rank.pricing.row_changes import ExpertShare
 
     folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
     with open(folder / "calibration.csv") as f:
@@ -335,9 +341,31 @@ def test_committed_ep_rows_are_priced_at_their_router_s_share(matrix, monkeypatc
     priced = reprice_rows(rows, str(folder / "probes"))
     assert all(1.0 <= float(r["ratio"]) <= 1.05 for r in priced), [
         (r["lengths"], r["ratio"]) for r in priced if not 1.0 <= float(r["ratio"]) <= 1.05]
-    monkeypatch.setattr(model_module, "share_at", lambda shares, tokens: 1.0)
+    monkeypatch.setattr(model_module, "share_at",
+                        lambda shares, tokens: ExpertShare(tokens, 1.0, 1.0))
     even = reprice_rows(rows, str(folder / "probes"))
     assert min(float(r["ratio"]) for r in even) < 1.0
+
+
+def test_the_attention_moe_model_at_ep2_is_never_priced_under_its_measured_peak() -> None:
+    """The committed attention + MoE matrix at EP=2 (bench/calibration/moe-ep2), whose routed
+    experts set most peaks and whose tiny random router strays far from the even share row to
+    row: priced at the router's spread the probe read (the largest of its rows' shares), no
+    cell is under its measured peak; priced at each row's own routing (the shares its forward
+    routed at, recorded when it ran), all but two are in the band and none is under."""
+    import csv
+    from pathlib import Path
+
+    from _calibration.harness import reprice_rows
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe-ep2"
+    with open(folder / "calibration.csv") as f:
+        rows = list(csv.DictReader(f))
+    priced = reprice_rows(rows, str(folder / "probes"))
+    assert min(float(r["ratio"]) for r in priced) >= 1.0
+    own = [float(r["own_routing_ratio"]) for r in priced]
+    assert min(own) >= 1.0
+    assert sum(o <= 1.05 for o in own) >= len(own) - 2, sorted(own)[-4:]
 
 
 def test_an_attention_moe_model_without_grad_is_priced_at_its_routed_experts(megatron_process):
@@ -453,3 +481,30 @@ def test_under_expert_tp_a_moe_layer_s_backward_holds_its_share_of_the_pairs_gra
         assert measured is not None and measured.backward_held is not None
         assert abs(priced.backward_held / measured.backward_held - 1.0) < 0.001, (
             s, priced.backward_held, measured.backward_held)
+
+
+def test_experts_priced_at_a_row_s_own_routing_hold_their_busiest_layer_and_expert(tmp_path):
+    """Two EP ranks under routings the test chooses (tests/distributed/skewed_routing_worker.py):
+    one layer of four sends 70% of its tokens to rank 0, or every layer sends each rank's
+    pairs to two of its four experts. Priced at the shares its own forward routed at, every
+    micro-batch is in the band. Pricing all three moments at one share misses both ways:
+    every layer's saved pairs at the busiest layer's share are over (the held share is the
+    average), and a layer's experts at the rank's share without the busiest expert's are under
+    (Megatron's SequentialMLP runs them one at a time: the busiest sets the moment)."""
+    import json
+
+    from _torchrun import ROOT, run_torchrun
+
+    worker = ROOT / "tests" / "distributed" / "skewed_routing_worker.py"
+    run_torchrun(worker, str(tmp_path), timeout_s=300)
+    result = json.loads((tmp_path / "result.json").read_text())
+    for routing, rows in result.items():
+        for row in rows:
+            own, one = row["own"] / row["measured"], row["one_share"] / row["measured"]
+            assert 1.0 <= own <= 1.05, (routing, row["cell"], row["routing"], own)
+            if routing == "layers":
+                assert row["routing"] == pytest.approx([1.4, 1.1, 1.4], abs=0.01)
+                assert one > 1.05, (routing, row["cell"], one)
+            else:
+                assert row["routing"] == pytest.approx([1.0, 1.0, 2.0], abs=0.01)
+                assert one < 1.0, (routing, row["cell"], one)

@@ -76,6 +76,7 @@ from art.trainer_rank.pricing.fit import Fit, Poly
 from art.trainer_rank.pricing.layer_terms import Dims, LayerCost, PricedKind
 from art.trainer_rank.pricing.layers import layer_kind
 from art.trainer_rank.pricing.layers_gdn import conv_sequence_padding_bytes
+from art.trainer_rank.pricing.row_changes import ExpertShare
 
 # Probe token counts (see `Fit`). Which op sets a layer's peak changes with the token count,
 # so a few small counts do not predict large ones; the points span the sizes the estimates are
@@ -171,10 +172,9 @@ class ProbeCoefficients:
     tails: tuple[tuple[str, bool, ProbedTail], ...]  # (outputs key, grad, fit)
     format: int = PROBE_FORMAT_VERSION
     # Under expert parallel: the MoE layers were measured under even routing, and these are
-    # (row length, the largest share of the even share the model's router gave any rank's
-    # experts) at the no-grad points (measuring/routing.py), which the memory model prices
-    # the experts' pairs at.
-    expert_routing_shares: tuple[tuple[int, float], ...] = ()
+    # the router's spread at the no-grad points (measuring/routing.py), which the memory
+    # model prices the experts' pairs at.
+    expert_routing_shares: tuple[ExpertShare, ...] = ()
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,
                    segments_change: Mapping[str, float] | None = None, segments: int = 1
@@ -249,7 +249,7 @@ class ProbeCoefficients:
                                                poly(f["head_backward"])))
                       for k, g, f in raw["tails"])
         return cls(raw["key"], tuple(raw["tokens"]), layers, tails, found,
-                   tuple((int(n), float(v)) for n, v in raw.get("expert_routing_shares", ())))
+                   tuple(ExpertShare.stored(x) for x in raw.get("expert_routing_shares", ())))
 
 
 _CACHE: dict[str, ProbeCoefficients] = {}

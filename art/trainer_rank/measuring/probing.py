@@ -43,6 +43,7 @@ from art.trainer_rank.measuring.probe_store import store_probe, stored_probe_tex
 from art.trainer_rank.pricing.chunked import fewest_chunked_points, has_chunked_layers
 from art.trainer_rank.pricing.coefficients import LayerMode, MeasuredTail
 from art.trainer_rank.pricing.layer_terms import LayerCost, PricedKind
+from art.trainer_rank.pricing.row_changes import ExpertShare
 from art.trainer_rank.pricing.tail import default_tail
 from art.trainer_rank.ranks import agree as _agree
 
@@ -181,7 +182,7 @@ class TrainerProbe:
         return self.layers.key
 
     @property
-    def expert_routing_shares(self) -> tuple[tuple[int, float], ...]:
+    def expert_routing_shares(self) -> tuple[ExpertShare, ...]:
         return tuple(self.layers.expert_routing_shares)
 
     def layer_cost(self, kind: PricedKind, mode: str, s: int, padded: int | None = None,

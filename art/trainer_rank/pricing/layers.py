@@ -69,7 +69,8 @@ def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = F
                  padded: int | None = None,
                  rule_calls: tuple[tuple[int, ...], ...] | None = None,
                  segments: int = 1, expert_partner_s: int | None = None,
-                 expert_routing_share: float = 1.0) -> list[Block]:
+                 expert_routing_share: float = 1.0, busiest_expert_share: float = 1.0
+                 ) -> list[Block]:
     g, b = d.geometry, d.dtype_bytes
     te = d.implementation.spec == "te"
     cp = d.layout.context_parallel
@@ -89,7 +90,8 @@ def layer_blocks(d: Dims, kind: PricedKind, s: int, worst_case_routing: bool = F
     mlp_norm = norm_block(d, s, "pre-MLP norm", fused_norm,
                           linear_input_saved(d, s, "linear_fc1", True) or kind.moe)
     if kind.moe:
-        mlp = moe_blocks(d, s, worst_case_routing, expert_partner_s, expert_routing_share)
+        mlp = moe_blocks(d, s, worst_case_routing, expert_partner_s, expert_routing_share,
+                         busiest_expert_share)
     else:
         mlp = mlp_blocks(d, s, g.ffn_hidden_size, float(s), "")
     return [*mixer, residual, mlp_norm, *mlp]
@@ -149,14 +151,15 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                 worst_case_routing: bool = False, padded: int | None = None,
                 rule_calls: tuple[tuple[int, ...], ...] | None = None,
                 segments: int = 1, expert_partner_s: int | None = None,
-                expert_routing_share: float = 1.0) -> LayerCost:
+                expert_routing_share: float = 1.0, busiest_expert_share: float = 1.0
+                ) -> LayerCost:
     """Default LayerCost of one layer running with the selective `modules` (empty: none);
     `padded`, `rule_calls` and `segments` as in `linear_attention_blocks`;
-    `expert_partner_s` and `expert_routing_share` as `moe_blocks`' `partner_s` and
-    `routing_share`."""
+    `expert_partner_s`, `expert_routing_share` and `busiest_expert_share` as `moe_blocks`'
+    `partner_s`, `routing_share` and `busiest_expert_share`."""
     g, b = d.geometry, d.dtype_bytes
     blocks = layer_blocks(d, kind, s, worst_case_routing, padded, rule_calls, segments,
-                          expert_partner_s, expert_routing_share)
+                          expert_partner_s, expert_routing_share, busiest_expert_share)
     x = d.hidden_tokens(s) * g.hidden_size * b
     if not grad:
         # Nothing is saved: the peak is the residual stream (held for the add), the previous

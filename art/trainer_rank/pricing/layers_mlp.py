@@ -83,11 +83,12 @@ def moe_dispatcher_state(d: Dims, s: int) -> float:
 
 
 def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
-               routing_share: float = 1.0) -> list[Block]:
+               routing_share: float = 1.0, busiest_expert_share: float = 1.0) -> list[Block]:
     """`partner_s`: the tokens (as `s` counts them) of the other ranks of this rank's EP
     group, when they run rows of their own (expert parallel across model replicas); None:
     `s`, every rank of the group runs this row. `routing_share`: the share of the even
-    share this rank's experts take (the probe measures the router's, measuring/routing.py)."""
+    share this rank's experts take; `busiest_expert_share`: the busiest local expert's pairs
+    over the even count per expert (the probe measures the router's, measuring/routing.py)."""
     g, b = d.geometry, d.dtype_bytes
     ep = d.layout.expert_parallel
     local_experts = max(1, g.num_experts // ep)
@@ -141,8 +142,16 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
               ] if g.shared_expert_ffn_hidden_size else []
     # Without grad the routed tensors outlive the blocks that make them: the combine's moment
     # prices them all (`routed_no_grad_bytes`), the dispatch's and the experts' none.
-    per_expert = max(blk.output + blk.temp for blk in experts[:2]) / local_experts
-    routed = routed_no_grad_bytes(d, s, local_pairs, local_experts, per_expert)
+    # An expert's moment: its fc1's output and temporaries beside its adapter's rank
+    # intermediate and A weights (what fc1 keeps with grad), or its activation's.
+    fc1, activation = experts[0], experts[1]
+    per_expert = max(fc1.output + fc1.temp + fc1.internal,
+                     activation.output + activation.temp) / local_experts
+    # Balanced routing gives every expert the same pairs; the router's busiest takes more than
+    # this rank's mean per expert (the even count times `routing_share`).
+    busiest = 1.0 if worst_case else min(
+        float(local_experts), max(1.0, busiest_expert_share / routing_share))
+    routed = routed_no_grad_bytes(d, s, local_pairs, local_experts, per_expert, busiest)
     shared = d.hidden_tokens(s) * g.hidden_size * b if g.shared_expert_ffn_hidden_size else 0.0
     blocks += [replace(router, module="moe"), replace(dispatch, no_grad_held=0.0),
                *(replace(blk, no_grad_held=0.0) for blk in experts)]
@@ -165,7 +174,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
 
 
 def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int,
-                         per_expert_work: float) -> float:
+                         per_expert_work: float, busiest: float = 1.0) -> float:
     """What a MoE layer's routed experts hold at their highest moment without grad (Megatron's
     alltoall dispatcher and SequentialMLP, which runs one expert at a time). Beside what the
     combine holds with grad too (`combine_working_set`): what a grad run prices as kept
@@ -186,8 +195,9 @@ def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int
     # copy, the other experts' outputs and the last one's working set.
     dispatched = own_pairs * pair + (local_pairs * pair if d.layout.expert_parallel > 1
                                      else 0.0)
-    last_expert = (dispatched + also_held + local_pairs * pair * (1 - 1 / local_experts)
-                   + per_expert_work)
+    last_expert = (dispatched + also_held
+                   + local_pairs * pair * max(0.0, 1 - busiest / local_experts)
+                   + per_expert_work * busiest)
     return max(combine, last_expert)
 
 

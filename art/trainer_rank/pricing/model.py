@@ -56,6 +56,7 @@ from art.trainer_rank.pricing.passes import (
 )
 from art.trainer_rank.pricing.probe_reading import PaddedRow, ProbeReading, probe_tokens
 from art.trainer_rank.pricing.row_changes import (
+    ExpertShare,
     expert_partner_s,
     measured_shares,
     routing_change,
@@ -106,7 +107,7 @@ class MemoryModel:
     # own); not part of what the model is.
     dims: Dims = field(init=False, repr=False, compare=False)
     _kinds: tuple[PricedKind, ...] = field(init=False, repr=False, compare=False)
-    _shares: tuple[tuple[int, float], ...] = field(init=False, repr=False, compare=False)
+    _shares: tuple[ExpertShare, ...] = field(init=False, repr=False, compare=False)
     # Caches of what the model priced: (layer kind, modules, tokens, ...) -> layer cost and
     # whether the probe measured it; micro-batch -> estimate.
     _memo: dict[tuple[Any, ...], tuple[LayerCost, bool]] = field(
@@ -184,16 +185,20 @@ class MemoryModel:
     def _layer_cost(self, index: int, modules: frozenset[str], s: int, grad: bool,
                     padded: int | None = None, sequences: int = 1,
                     recurrent: RecurrentRow | None = None, segments: int = 1,
-                    expert_partner_s: int | None = None) -> tuple[LayerCost, bool]:
+                    expert_partner_s: int | None = None, rebuilt: bool = False
+                    ) -> tuple[LayerCost, bool]:
         """`padded`: the row's tokens padded to whole kernel chunks (pricing/chunked.py);
         `sequences`: how many segments (sequences, or prefix-tree nodes) a recurrent layer
         runs the row as; `recurrent`: the row's calls when it holds prefix trees;
         `segments`: the row's segments as its delta rule runs them (its padded tail too);
         `expert_partner_s`: the EP partners' rows (`row_changes.expert_partner_s`), whose
-        routed tokens a MoE layer's experts take beside this row's (`routing_change`)."""
+        routed tokens a MoE layer's experts take beside this row's (`routing_change`);
+        `rebuilt`: the layer as a full-recompute unit rebuilds it for its backward, when what
+        it keeps is held beside its own backward only, at its own layer's share (the working
+        share) rather than beside every layer's (the held share)."""
         kind = self._kinds[index]
         memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments,
-                    expert_partner_s)
+                    expert_partner_s, rebuilt)
         hit = self._memo.get(memo_key)
         if hit is not None:
             return hit
@@ -222,7 +227,9 @@ class MemoryModel:
                 self.worst_case_routing, self._probe_tokens(kind, s))
         kept_change = 0.0
         share = share_at(self._shares, s)
-        if kind.moe and (expert_partner_s is not None or share != 1.0):
+        if rebuilt:
+            share = share._replace(held=share.working)
+        if kind.moe and (expert_partner_s is not None or not share.even):
             routed = routing_change(self.dims, kind, modules, s, grad, padded, segments,
                                     self.worst_case_routing, expert_partner_s, share)
             kept_change = routed.kept
@@ -270,7 +277,7 @@ class MemoryModel:
         `segments` and `expert_partner_s` as in `_layer_cost`: a MoE unit beside partners'
         rows of another size is composed from its layers (None), which carry the change."""
         kind = self._kinds[index]
-        if kind.moe and (expert_partner_s is not None or share_at(self._shares, s) != 1.0):
+        if kind.moe and (expert_partner_s is not None or not share_at(self._shares, s).even):
             return None
         cost = self._probed_unit_cost(index, n, s, grad, padded, sequences, segments)
         if (cost is None or recurrent is None or len(recurrent.calls) < 2
@@ -438,8 +445,9 @@ class MemoryModel:
             routing = "worst-case" if self.worst_case_routing else "balanced"
             layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
             share = share_at(self._shares, s)
-            if share != 1.0:
-                layer_kept_note += f" at {share:.3f} of the even share (its router's)"
+            if not share.even:
+                layer_kept_note += (f" at {share.working:.3f} of the even share in a layer, "
+                                    f"{share.held:.3f} over the layers (its router's)")
             if partner is not None:
                 layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
                                     " tokens")

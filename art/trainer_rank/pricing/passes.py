@@ -25,8 +25,9 @@ BUFFERS_OF_ATTENTION = frozenset({TermKind.SCORE_BUFFER, TermKind.MASK_TYPE_TENS
 FREED_WITH_THE_DECODER = frozenset({TermKind.EMBEDDING_OUTPUT, TermKind.MASK_TYPE_TENSORS,
                                     TermKind.ROTARY_INDEX})
 
-# (layer index, selective modules, tokens, grad) -> (cost, whether the probe measured it)
-LayerPricer = Callable[[int, frozenset[str], int, bool], tuple[LayerCost, bool]]
+# (layer index, selective modules, tokens, grad[, rebuilt=...]) -> (cost, whether the probe
+# measured it); `rebuilt`: the layer as its full-recompute unit rebuilds it for its backward
+LayerPricer = Callable[..., tuple[LayerCost, bool]]
 # (first layer index, layers in the unit, tokens, grad) -> the probe's cost of the whole unit
 UnitPricer = Callable[..., LayerCost | None]
 
@@ -183,7 +184,7 @@ def forward_pass(layers: list[tuple[int, LayerRecompute]], s: int, grad: bool,
                 i += n
                 continue
             nograd = [layer_cost(j, frozenset(), s, False) for j, _ in members]
-            full = [layer_cost(j, frozenset(), s, True) for j, _ in members]
+            full = [layer_cost(j, frozenset(), s, True, rebuilt=True) for j, _ in members]
             fp.probe_used |= any(u for _, u in nograd + full)
             fp.reach(fp.kept_total + x_in + max(c.forward for c, _ in nograd),
                      f"layer {index + 1} (no-grad run)")

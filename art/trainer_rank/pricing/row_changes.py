@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from art.megatron.geometry import ModelGeometry
 from art.megatron.layout import ParallelLayout
@@ -72,17 +72,41 @@ def expert_partner_s(batch: MicroBatchShape, s: int, geometry: ModelGeometry,
     return None if partner == s else partner
 
 
-def share_at(shares: Sequence[tuple[int, float]], tokens: int) -> float:
-    """The share to price a row of `tokens` (this rank's) at: the largest measured at that
-    length or longer, the longest row's past it (1: none measured)."""
-    if not shares:
-        return 1.0
-    longer = [share for n, share in shares if n >= tokens]
-    return max(longer) if longer else shares[-1][1]
+class ExpertShare(NamedTuple):
+    """The router's spread under expert parallel at one row length (this rank's tokens), as
+    shares of the even share, >= 1 (measuring/routing.py measures them)."""
+
+    tokens: int
+    working: float  # the busiest rank's experts in one MoE layer: a layer's own moment
+    held: float  # the busiest rank's experts averaged over the MoE layers: their saved pairs
+    # The busiest expert's pairs in one MoE layer over the even count per expert: what the
+    # expert that runs last holds at once without grad (its experts run one at a time).
+    expert: float = 1.0
+
+    @property
+    def even(self) -> bool:
+        return self.working == self.held == self.expert == 1.0
+
+    @classmethod
+    def stored(cls, values: Sequence[float]) -> ExpertShare:
+        """From a probe file: (tokens, working, held, expert), or (tokens, share) as files
+        that measured one share for all three store it."""
+        tokens, *shares = values
+        working, held, expert = shares if len(shares) == 3 else shares * 3
+        return cls(int(tokens), float(working), float(held), float(expert))
 
 
-def measured_shares(coefficients: Any, layout: ParallelLayout
-                    ) -> tuple[tuple[int, float], ...]:
+def share_at(shares: Sequence[ExpertShare], tokens: int) -> ExpertShare:
+    """The shares to price a row of `tokens` (this rank's) at: each the largest measured at
+    that length or longer, the longest row's past it (the even share: none measured)."""
+    longer = [x for x in shares if x.tokens >= tokens] or list(shares[-1:])
+    if not longer:
+        return ExpertShare(tokens, 1.0, 1.0)
+    return ExpertShare(tokens, max(x.working for x in longer), max(x.held for x in longer),
+                       max(x.expert for x in longer))
+
+
+def measured_shares(coefficients: Any, layout: ParallelLayout) -> tuple[ExpertShare, ...]:
     """The router's spread the probe measured under expert parallel, by row length, which the
     experts' pairs are priced at (`share_at`; none: the even share)."""
     if coefficients is None or layout.expert_parallel == 1:
@@ -92,19 +116,23 @@ def measured_shares(coefficients: Any, layout: ParallelLayout
 
 def routing_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
                    padded: int | None, segments: int, worst_case_routing: bool,
-                   partner_s: int | None, share: float) -> LayerCost:
+                   partner_s: int | None, share: ExpertShare) -> LayerCost:
     """A MoE layer's price beside EP partners' rows of `partner_s` tokens (None: this row's
-    size), its experts taking `share` of the even share, less its price beside partners of
-    this row's size at the even share, quantity by quantity."""
-    def layer(partner: int | None, at: float) -> LayerCost:
+    size), its experts taking the router's `share` of the even share (what it keeps at the
+    held share, its own moments at the working share and its busiest expert's), less its
+    price beside partners of this row's size at the even share, quantity by quantity."""
+    def layer(partner: int | None, at: float, busiest: float) -> LayerCost:
         return price_layer(d, kind, modules, s, grad=grad, padded=padded,
                            worst_case_routing=worst_case_routing, segments=segments,
-                           expert_partner_s=partner, expert_routing_share=at)
+                           expert_partner_s=partner, expert_routing_share=at,
+                           busiest_expert_share=busiest)
 
-    there, here = layer(partner_s, share), layer(None, 1.0)
+    there, here = layer(partner_s, share.working, share.expert), layer(None, 1.0, 1.0)
+    kept = (there if share.held == share.working
+            else layer(partner_s, share.held, share.expert)).kept
     held = (None if there.backward_held is None or here.backward_held is None
             else there.backward_held - here.backward_held)
-    return LayerCost(kept=there.kept - here.kept, forward=there.forward - here.forward,
+    return LayerCost(kept=kept - here.kept, forward=there.forward - here.forward,
                      backward=there.backward - here.backward,
                      output=there.output - here.output, saves_input=there.saves_input,
                      backward_held=held)
