@@ -12,7 +12,8 @@ instead of only read from the kernels' source.
   torch path keeps silu's input and output and both halves for the product.
 - `fused_rope`: keeps the rotary frequencies only, not the rotated tensor or cos/sin copies
   (transformer_engine/pytorch/attention/rope.py, `FusedRoPEFunc.forward`:
-  `ctx.save_for_backward(freqs, ...)`).
+  `ctx.save_for_backward(freqs, ...)`), and like that kernel rotates the first d2 dims of each
+  head for frequencies of d2 dims (partial rotary), passing the rest through.
 
 Each computes in row chunks into its preallocated output, so, like a fused kernel, it
 allocates its output (and in backward its gradients) and only chunk-sized temporaries.
@@ -145,34 +146,42 @@ def _rotate_half_transposed(x: torch.Tensor) -> torch.Tensor:
 
 
 class _FusedRoPE(torch.autograd.Function):
+    # The first `rotary` dims of each head are rotated, the rest pass through (partial
+    # rotary: transformer_engine's kernel takes freqs of d2 <= d dims the same way).
     @staticmethod
     def forward(ctx: Any, t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        rotary = freqs.shape[-1]
         out = torch.empty_like(t)
         with torch.no_grad():
             for i in _chunks(t.shape[0]):
                 f = freqs[i:i + CHUNK_ROWS] if freqs.shape[0] > 1 else freqs
-                rows = t[i:i + CHUNK_ROWS]
-                out[i:i + CHUNK_ROWS] = (rows * f.cos().to(t.dtype)
-                                         + _rotate_half(rows) * f.sin().to(t.dtype))
+                rows = t[i:i + CHUNK_ROWS, ..., :rotary]
+                out[i:i + CHUNK_ROWS, ..., :rotary] = (rows * f.cos().to(t.dtype)
+                                                       + _rotate_half(rows) * f.sin().to(t.dtype))
+            out[..., rotary:] = t[..., rotary:]
         ctx.save_for_backward(freqs)
         return out
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor, None]:
         (freqs,) = ctx.saved_tensors
+        rotary = freqs.shape[-1]
         dt = torch.empty_like(dy)
         for i in _chunks(dy.shape[0]):
             f = freqs[i:i + CHUNK_ROWS] if freqs.shape[0] > 1 else freqs
-            g = dy[i:i + CHUNK_ROWS]
-            dt[i:i + CHUNK_ROWS] = (g * f.cos().to(dy.dtype)
-                                    + _rotate_half_transposed(g * f.sin().to(dy.dtype)))
+            g = dy[i:i + CHUNK_ROWS, ..., :rotary]
+            sin = f.sin().to(dy.dtype)
+            dt[i:i + CHUNK_ROWS, ..., :rotary] = (g * f.cos().to(dy.dtype)
+                                                  + _rotate_half_transposed(g * sin))
+        dt[..., rotary:] = dy[..., rotary:]
         return dt, None
 
 
 def fused_rope(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding of `t` [s, b, heads, d] with `freqs` [s or 1, 1, 1, d] (non-interleaved,
-    the whole head dimension rotated), keeping only `freqs` for backward."""
-    if freqs.shape[-1] != t.shape[-1]:
-        raise ValueError(f"the RoPE stand-in rotates the whole head: freqs dim {freqs.shape[-1]} "
-                         f"!= head dim {t.shape[-1]}")
+    """Rotary embedding of `t` [s, b, heads, d] with `freqs` [s or 1, 1, 1, d2 <= d]
+    (non-interleaved: the first d2 dims of each head rotated, the rest passed through),
+    keeping only `freqs` for backward."""
+    if freqs.shape[-1] > t.shape[-1] or freqs.shape[-1] % 2:
+        raise ValueError(f"the RoPE stand-in rotates an even number of each head's dims, at most "
+                         f"the head's: freqs dim {freqs.shape[-1]}, head dim {t.shape[-1]}")
     return _FusedRoPE.apply(t, freqs)

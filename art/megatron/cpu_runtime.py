@@ -266,7 +266,7 @@ def _redirect_fused_kernels() -> None:
                              cp_group: Any = None) -> torch.Tensor:
         if (getattr(config, GPU_SHAPED_CONFIG_FLAG, False) and cu_seqlens is None
                 and mscale == 1.0 and not config.rotary_interleaved
-                and not config.multi_latent_attention and freqs.shape[-1] == t.shape[-1]):
+                and not config.multi_latent_attention and freqs.shape[-1] <= t.shape[-1]):
             return cpu_fused.fused_rope(t, freqs)
         return torch_path(t, freqs, config=config, cu_seqlens=cu_seqlens, mscale=mscale,
                           cp_group=cp_group)

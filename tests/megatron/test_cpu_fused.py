@@ -61,12 +61,15 @@ def test_swiglu_equals_torch_and_keeps_only_its_input():
     torch.testing.assert_close(_grads(out, grad, (x,))[0], _grads(reference, grad, (x,))[0])
 
 
-def test_rope_equals_megatrons_torch_path_and_keeps_only_the_frequencies():
+@pytest.mark.parametrize("rotary", [16, 4])
+def test_rope_equals_megatrons_torch_path_and_keeps_only_the_frequencies(rotary):
+    """The whole head rotated, or its first `rotary` dims (partial rotary, as Qwen3.5's
+    attention: transformer_engine's fused kernel takes frequencies narrower than the head)."""
     from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
 
     g = torch.Generator().manual_seed(2)
     t = torch.randn(ROWS, 1, 4, 16, generator=g, requires_grad=True)
-    freqs = torch.rand(ROWS, 1, 1, 16, generator=g) * 6.0
+    freqs = torch.rand(ROWS, 1, 1, rotary, generator=g) * 6.0
     reference = _apply_rotary_pos_emb_bshd(t, freqs)
     out, saved = _saved(lambda: fused_rope(t, freqs), ("freqs", freqs))
     assert saved == ["freqs"]
@@ -116,10 +119,12 @@ def test_gpu_shaped_build_uses_the_stand_ins_and_equals_the_local_flash_build(me
 
 
 def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
-        megatron_process):
+        megatron_process, monkeypatch):
     """A hybrid (Gated DeltaNet + gated attention) built GPU-shaped takes the fused norms'
-    stand-ins and the segmented flash attention, as the dense local spec does, runs a packed
-    row of several sequences forward and backward, and gives the local build's output."""
+    stand-ins, the fused RoPE's (its attention rotates a quarter of each head, as the fused
+    kernel does for frequencies narrower than the head) and the segmented flash attention, as
+    the dense local spec does, runs a packed row of several sequences forward and backward,
+    and gives the local build's output."""
     from _calibration.harness import POLICY_BY_NAME, calibration_geometries, calibration_provider
 
     from art.megatron import cpu_fused
@@ -129,6 +134,15 @@ def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
     from art.trainer_rank.compute.packing import pack_sequences, unpack
 
     geometry = calibration_geometries()["hybrid-128"]
+    assert geometry.rotary_fraction < 1.0
+    rotated: list[tuple[int, int]] = []
+    stand_in = cpu_fused.fused_rope
+
+    def counted(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        rotated.append((freqs.shape[-1], t.shape[-1]))
+        return stand_in(t, freqs)
+
+    monkeypatch.setattr(cpu_fused, "fused_rope", counted)
     generator = torch.Generator().manual_seed(0)
     sequences = [torch.randint(0, 1024, (n,), generator=generator) for n in (37, 70, 21)]
     hidden = {}
@@ -149,4 +163,5 @@ def test_gpu_shaped_hybrid_build_takes_the_stand_ins_and_equals_the_local_build(
     assert isinstance(attention.q_layernorm, cpu_fused.FusedRMSNorm)
     assert isinstance(decoder.layers[0].pre_mlp_layernorm, cpu_fused.FusedRMSNorm)
     assert isinstance(decoder.final_layernorm, cpu_fused.FusedRMSNorm)
+    assert rotated and all(rotary < head for rotary, head in rotated), rotated
     torch.testing.assert_close(hidden["gpu-shaped"], hidden["local"], atol=1e-5, rtol=1e-4)
