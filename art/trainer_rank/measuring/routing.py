@@ -8,7 +8,7 @@ next point's, and its curves would carry that noise between their points. So a p
 MoE layers under an even round-robin routing (`even_routing`: token t's top-k experts are
 t * k, ..., t * k + k - 1 modulo the experts, the router's scores kept as its probabilities),
 and measures the router's spread apart (`routing_shares`), per row length, on no-grad
-forwards of the whole model over `ROUTING_DRAWS` random-token rows, as two shares of the even
+forwards of the whole model over `ROUTING_DRAWS` random-token rows, as three shares of the even
 share (`ExpertShare`):
 - working: the largest any rank's experts took in any one MoE layer, what a layer's own
   moment (its experts' working set, its backward) holds at most;

@@ -149,9 +149,10 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
                      activation.output + activation.temp) / local_experts
     # Balanced routing gives every expert the same pairs; the router's busiest takes more than
     # this rank's mean per expert (the even count times `routing_share`).
-    busiest = 1.0 if worst_case else min(
+    busiest_over_mean = 1.0 if worst_case else min(
         float(local_experts), max(1.0, busiest_expert_share / routing_share))
-    routed = routed_no_grad_bytes(d, s, local_pairs, local_experts, per_expert, busiest)
+    routed = routed_no_grad_bytes(d, s, local_pairs, local_experts, per_expert,
+                                  busiest_over_mean)
     shared = d.hidden_tokens(s) * g.hidden_size * b if g.shared_expert_ffn_hidden_size else 0.0
     blocks += [replace(router, module="moe"), replace(dispatch, no_grad_held=0.0),
                *(replace(blk, no_grad_held=0.0) for blk in experts)]
@@ -174,7 +175,7 @@ def moe_blocks(d: Dims, s: int, worst_case: bool, partner_s: int | None = None,
 
 
 def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int,
-                         per_expert_work: float, busiest: float = 1.0) -> float:
+                         per_expert_work: float, busiest_over_mean: float = 1.0) -> float:
     """What a MoE layer's routed experts hold at their highest moment without grad (Megatron's
     alltoall dispatcher and SequentialMLP, which runs one expert at a time). Beside what the
     combine holds with grad too (`combine_working_set`): what a grad run prices as kept
@@ -196,8 +197,8 @@ def routed_no_grad_bytes(d: Dims, s: int, local_pairs: float, local_experts: int
     dispatched = own_pairs * pair + (local_pairs * pair if d.layout.expert_parallel > 1
                                      else 0.0)
     last_expert = (dispatched + also_held
-                   + local_pairs * pair * max(0.0, 1 - busiest / local_experts)
-                   + per_expert_work * busiest)
+                   + local_pairs * pair * max(0.0, 1 - busiest_over_mean / local_experts)
+                   + per_expert_work * busiest_over_mean)
     return max(combine, last_expert)
 
 

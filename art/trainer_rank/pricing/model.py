@@ -447,7 +447,8 @@ class MemoryModel:
             share = share_at(self._shares, s)
             if not share.even:
                 layer_kept_note += (f" at {share.working:.3f} of the even share in a layer, "
-                                    f"{share.held:.3f} over the layers (its router's)")
+                                    f"{share.held:.3f} over the layers, its busiest expert "
+                                    f"at {share.expert:.3f} (its router's)")
             if partner is not None:
                 layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
                                     " tokens")
