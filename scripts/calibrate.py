@@ -349,7 +349,7 @@ def main() -> int:
             parser.error(f"unknown calibration geometries {unknown}; known: "
                          f"{sorted(calibration_geometries())}")
     if args.reprice:
-        from _calibration.harness import reprice_rows
+        from _calibration.reprice import reprice_rows
 
         if args.reprobe:
             from art.megatron.distributed import initialize_distributed

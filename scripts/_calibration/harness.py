@@ -20,7 +20,6 @@ import time
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -40,7 +39,7 @@ from art.trainer_rank._request import MicroBatchShape, OutputRequest
 from art.trainer_rank.compute.forward import unwrap_model
 from art.trainer_rank.measuring.meter import MemoryMeter, release_score_buffer
 from art.trainer_rank.measuring.probe import modes_for, probe
-from art.trainer_rank.measuring.probe_store import probe_file, store_probe
+from art.trainer_rank.measuring.probe_store import store_probe
 from art.trainer_rank.measuring.routing import router_counts, row_routing
 from art.trainer_rank.pricing.coefficients import LayerMode
 from art.trainer_rank.pricing.model import MemoryModel
@@ -290,13 +289,13 @@ def expected_probe_key(cells: Sequence[Cell], probe_tokens: tuple[int, ...] | No
                       else provider.effective_recompute for c in cells]
     modes, outputs = probe_request(geometry, recomputes, cells)
     return probe_key(geometry=geometry,
-                     layout=provider.settings.layout(_world_size(first)),
+                     layout=provider.settings.layout(cell_world_size(first)),
                      implementation=implementation, dtype=first.dtype,
                      lora_rank=first.lora_rank, modes=modes, outputs=outputs,
                      device=implementation.device, tokens=probe_tokens)
 
 
-def _world_size(cell: Cell) -> int:
+def cell_world_size(cell: Cell) -> int:
     """The ranks a cell runs on: its TP x CP group, or its EP group where that is larger
     (expert parallel spans the data-parallel ranks)."""
     return max(cell.tensor_parallel * cell.context_parallel, cell.expert_parallel)
@@ -545,7 +544,7 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
                             # As calibration_provider builds it (Megatron's default: TP).
                             expert_tensor_parallel=(1 if cell.expert_parallel > 1
                                                     else cell.tensor_parallel),
-                            data_parallel=_world_size(cell) // (cell.tensor_parallel
+                            data_parallel=cell_world_size(cell) // (cell.tensor_parallel
                                                                 * cell.context_parallel),
                             sequence_parallel=calibration_sequence_parallel(
                                 geometry, cell.tensor_parallel))
@@ -553,103 +552,3 @@ def default_memory_model(cell: Cell, implementation: Implementation | None = Non
                        recompute=recompute, implementation=impl,
                        lora=LoraShape(cell.lora_rank, lora_targets_for(geometry)),
                        dtype=cell.dtype)
-
-
-def cell_of(row: dict[str, Any]) -> Cell:
-    """The cell a calibration CSV row measured."""
-    return Cell(row["geometry"], row["policy"], int(row["lora_rank"]),
-                int(row["tensor_parallel"]),
-                tuple(int(n) for n in str(row["lengths"]).split("+")), row["outputs"],
-                str(row["grad"]) in ("True", "true", "1"), row.get("dtype") or "float32",
-                row.get("loss") or "synthetic", row.get("build") or "local",
-                int(row.get("shared_prefix") or 0), int(row.get("deeper") or 0),
-                row.get("built_with") or "", int(row.get("context_parallel") or 1),
-                int(row.get("expert_parallel") or 1))
-
-
-def reprice_rows(rows: Sequence[dict[str, Any]], probe_dir: str, *, reprobe: bool = False,
-                 probe_tokens: tuple[int, ...] | None = None,
-                 progress: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Re-price measured CSV rows with the current memory model, without running a cell.
-
-    The default column is re-priced from the geometry. The probe column uses the probe stored
-    in `probe_dir` under the key the current probe gives the row's model (`expected_probe_key`),
-    never a file found under the row's old key: a probe made by another version of the probe
-    measures something else. When that file is missing, `reprobe` builds the model and probes
-    it again (TP=1; seconds a model, the file is stored for the next re-price); otherwise the
-    error says what to do."""
-    from art.trainer_rank.measuring.probe import ProbeCoefficients
-
-    cells = [cell_of(r) for r in rows]
-    groups: dict[tuple[Any, ...], list[int]] = {}
-    for i, c in enumerate(cells):
-        groups.setdefault((c.geometry, c.built_policy, c.lora_rank, c.dtype, c.build,
-                           c.tensor_parallel, c.context_parallel, c.expert_parallel),
-                          []).append(i)
-    out: list[dict[str, Any]] = [dict(r) for r in rows]
-    for (geo, policy, rank, dtype, build, tp, cp, ep), indices in groups.items():
-        group = [cells[i] for i in indices]
-        key = expected_probe_key(group, probe_tokens)
-        # TP, CP and EP rows: one probe per rank, each in its rank's folder (`run_cells`).
-        ranks = _world_size(group[0])
-        paths = ([probe_file(probe_dir, key)] if ranks == 1 else
-                 [probe_file(Path(probe_dir) / f"rank{r}", key) for r in range(ranks)])
-        name = (f"{geo} / {policy} / LoRA r{rank} / TP{tp}{f' CP{cp}' if cp > 1 else ''}"
-                f"{f' EP{ep}' if ep > 1 else ''} / {build}")
-        if all(p.is_file() for p in paths):
-            per_rank = [ProbeCoefficients.from_json(p.read_text()) for p in paths]
-        elif reprobe and ranks == 1:
-            built = CalibrationModel(calibration_geometries()[geo], POLICY_BY_NAME[policy],
-                                     lora_rank=rank, tensor_parallel=tp, dtype=dtype,
-                                     cells=group, probe_tokens=probe_tokens,
-                                     probe_dir=probe_dir,
-                                     implementation=implementation_for(build))
-            per_rank = [built.coefficients]
-            del built
-            if progress:
-                progress(f"re-probed {name}: probe {per_rank[0].key}")
-        else:
-            old = sorted({str(rows[i].get("probe_key", "")) for i in indices})
-            remedy = ("pass --reprobe to measure the probe again (seconds a model; no cell "
-                      "is re-run)" if ranks == 1 else
-                      "TP>1 probes run on torchrun ranks and are stored per rank by "
-                      "scripts/calibrate.py --tp 2 (<out>/probes/rank<R>): re-measure these "
-                      "rows with it")
-            raise ValueError(
-                f"no stored probe for {name} under key {key} in {probe_dir} (the rows were "
-                f"priced by probe {', '.join(old)}: another probe version or other inputs, "
-                f"or a probe never stored); {remedy}")
-        for path, coefficients in zip(paths, per_rank, strict=True):
-            if coefficients.key != key:
-                raise ValueError(f"{path} holds probe {coefficients.key}, expected {key}: the "
-                                 "file was renamed or the probe's key computation changed")
-        for i in indices:
-            out[i] = _reprice(out[i], cells[i], per_rank)
-    return out
-
-
-def _reprice(row: dict[str, Any], cell: Cell, per_rank: Sequence[Any]) -> dict[str, Any]:
-    """Both columns of a measured row with the current model; a TP row's probe column is
-    the highest estimate over its ranks' probes (as `merge_rank_rows` prices it)."""
-    model = default_memory_model(cell)
-    batch = micro_batch_shape(cell.lengths, OutputRequest.parse(cell.outputs), cell.grad,
-                              model.layout, model.implementation,
-                              cell_sequences(cell, model.geometry.vocab_size))
-    default = model.estimate(batch)
-    estimates = [model.with_coefficients(c).estimate(batch) for c in per_rank]
-    est = max(estimates, key=lambda e: max(e.forward_peak_bytes, e.backward_peak_bytes))
-    coefficients = per_rank[estimates.index(est)]
-    predicted_default = max(default.forward_peak_bytes, default.backward_peak_bytes)
-    predicted = max(est.forward_peak_bytes, est.backward_peak_bytes)
-    measured = max(1, int(row["measured_bytes"]))
-    if row.get("own_routing"):
-        shares = [float(x) for x in str(row["own_routing"]).split("/")]
-        own = max(priced_at_routing(model.with_coefficients(c), shares, batch)
-                  for c in per_rank)
-        row = row | {"own_routing_bytes": own,
-                     "own_routing_ratio": round(own / measured, 4)}
-    return row | {"predicted_bytes": predicted,
-                  "predicted_default_bytes": predicted_default,
-                  "ratio": round(predicted / measured, 4),
-                  "default_ratio": round(predicted_default / measured, 4),
-                  "peak_at": est.peak_at, "probe_key": coefficients.key}

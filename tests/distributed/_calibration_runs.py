@@ -29,7 +29,8 @@ def assert_rows_reprice(run_dir: Path, probes: Path, probe_tokens: tuple[int, ..
                         ) -> list[dict]:
     """The ranks' rows merged (busiest rank's measurement, highest rank estimate) re-price to
     the same bytes from each rank's stored probe, copied to `probes`; returns the merged rows."""
-    from _calibration.harness import merge_rank_rows, reprice_rows
+    from _calibration.harness import merge_rank_rows
+    from _calibration.reprice import reprice_rows
 
     from _torchrun import rank_records
 

@@ -44,7 +44,7 @@ def test_tp2_rows_reprice_from_each_ranks_stored_probe(tp2_run, tmp_path):
     """`calibrate.py --reprice` on TP=2 rows: each rank's probe is stored in its own folder
     and the merged row (busiest rank's measurement, highest rank estimate) re-prices to the
     same bytes without a rank running."""
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     probes = tmp_path / "probes"
     merged = assert_rows_reprice(tp2_run, probes, PROBE_TOKENS)

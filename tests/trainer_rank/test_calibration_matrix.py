@@ -49,7 +49,8 @@ def test_moe_cells_at_tp2_use_sequence_parallel() -> None:
 def test_the_ep2_matrix_is_the_moe_model_at_tp1_x_ep2() -> None:
     """calibrate.py --ep 2: its cells, their what-if layout and a CSV row's round trip (the
     measured matrix is bench/calibration/ep2, two torchrun ranks)."""
-    from _calibration.harness import cell_of, default_memory_model
+    from _calibration.harness import default_memory_model
+    from _calibration.reprice import cell_of
 
     cells = calibrate.ep2_cells(False, 0)
     assert cells and {c.geometry for c in cells} == set(calibrate.EP2_GEOMETRIES)

@@ -93,7 +93,7 @@ def test_cp_row_of_short_segments_is_read_on_the_sparse_chord():
     on both hybrids (0.9997); on the chord, in the band. Re-priced from the committed rows."""
     import csv
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     for matrix in ("hybrid-cp2", "moe-cp2"):
         folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
@@ -396,7 +396,7 @@ def test_cp_rows_sharing_a_prompt_under_full_recompute_price_one_unit_s_states()
     band. Re-priced from the committed rows."""
     import csv
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "hybrid-cp2"
     with open(folder / "calibration.csv") as f:
@@ -423,7 +423,7 @@ def test_cp_row_with_a_tail_segment_is_read_where_the_probe_measured():
     Re-priced from the committed row and its rank probes."""
     import csv
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe-cp2"
     with open(folder / "calibration.csv") as f:
@@ -447,7 +447,8 @@ def test_cp_gated_deltanet_units_backward_meets_the_probe(matrix, kind):
     gradient twice through every mixer block priced it 4-5% over."""
     import csv
 
-    from _calibration.harness import cell_of, default_memory_model
+    from _calibration.harness import default_memory_model
+    from _calibration.reprice import cell_of
 
     from art.trainer_rank.measuring.probe import ProbeCoefficients
     from art.trainer_rank.pricing.chunked import padded_chunk_tokens

@@ -320,8 +320,8 @@ def test_reprice_uses_only_a_probe_stored_under_the_current_key(megatron_process
         Cell,
         calibration_geometries,
         expected_probe_key,
-        reprice_rows,
     )
+    from _calibration.reprice import reprice_rows
 
     from art.trainer_rank.measuring import probe as probe_module
 

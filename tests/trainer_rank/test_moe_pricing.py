@@ -330,7 +330,7 @@ def test_committed_ep_rows_are_priced_at_their_router_s_share(matrix, monkeypatc
     import csv
     from pathlib import Path
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     import art.trainer_rank.pricing.model as model_module
     from art.trainer_rank.pricing.row_changes import ExpertShare
@@ -356,7 +356,7 @@ def test_the_attention_moe_model_at_ep2_is_never_priced_under_its_measured_peak(
     import csv
     from pathlib import Path
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / "moe-ep2"
     with open(folder / "calibration.csv") as f:
@@ -413,7 +413,7 @@ def test_probed_moe_units_keep_every_layer_s_routing_state(monkeypatch):
     import csv
     from pathlib import Path
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     import art.trainer_rank.pricing.model as model_module
 
@@ -440,7 +440,7 @@ def test_committed_attention_moe_rows_are_priced_in_band_by_the_formulas(matrix)
     import csv
     from pathlib import Path
 
-    from _calibration.harness import reprice_rows
+    from _calibration.reprice import reprice_rows
 
     folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
     with open(folder / "calibration.csv") as f:
@@ -461,7 +461,8 @@ def test_under_expert_tp_a_moe_layer_s_backward_holds_its_share_of_the_pairs_gra
     import glob
     from pathlib import Path
 
-    from _calibration.harness import cell_of, default_memory_model
+    from _calibration.harness import default_memory_model
+    from _calibration.reprice import cell_of
 
     from art.trainer_rank.measuring.probe import ProbeCoefficients
     from art.trainer_rank.pricing.layers import price_layer
