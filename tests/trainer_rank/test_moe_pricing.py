@@ -110,9 +110,7 @@ def test_the_moe_checkpoint_is_priced_as_one_and_leaves_its_input_and_gradient(
     module (seams kept) puts the first cell's forward above the band; leaving the checkpoint's
     input and gradient out prices its peak under the measurement; leaving out the experts'
     input, which the layer's frame holds through the combine inside the checkpoint's
-    no-grad forward, prices the second cell's forward under it; leaving out the token
-    dispatcher's routing state, which that run leaves referenced until the rebuild routes
-    again, prices both cells' forward under it (32 KB a layer at 584 tokens)."""
+    no-grad forward, prices the second cell's forward under it."""
     import torch
     from _calibration.cells import POLICY_BY_NAME, Cell, calibration_geometries
     from _calibration.harness import (
