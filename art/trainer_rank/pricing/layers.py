@@ -221,6 +221,11 @@ def price_layer(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, *, g
                   for blk in blocks]
     segments = _checkpoint_segments(blocks, modules)
     parts = kept_parts(blocks, modules)
+    if moe_checkpoint:
+        # The checkpoint's run without grad leaves the token dispatcher's routing state
+        # referenced until the rebuild routes again (as a layer's run without grad does).
+        router = next(i for i, blk in enumerate(blocks) if blk.role is BlockRole.ROUTER)
+        parts[router] += moe_dispatcher_state(d, s)
     saves_input = keeps_layer_input(d, kind)
     kept = (x if saves_input else 0.0) + sum(parts)  # the input norm keeps the layer input
 
