@@ -257,8 +257,8 @@ _CACHE: dict[str, ProbeCoefficients] = {}
 # another policy of the same model, layout and build measures only the parts this process has
 # not measured yet (the ladder's rungs make most of them common to every policy).
 _PARTS: dict[str, Any] = {}
-# The router's share (routing.py) of a model, layout and build at a probe's no-grad points.
-_SHARES: dict[str, tuple[tuple[int, float], ...]] = {}
+# The router's spread (routing.py) of a model, layout and build at a probe's no-grad points.
+_SHARES: dict[str, tuple[ExpertShare, ...]] = {}
 # One tail's measurement at one row, under the key of that tail's probe at no extent past
 # the layers' points: a tail measured further out (a longer row priced) measures only its
 # new rows.

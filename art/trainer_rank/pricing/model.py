@@ -197,6 +197,8 @@ class MemoryModel:
         it keeps is held beside its own backward only, at its own layer's share (the working
         share) rather than beside every layer's (the held share)."""
         kind = self._kinds[index]
+        # Only a MoE layer's price under a measured spread depends on being rebuilt.
+        rebuilt = rebuilt and kind.moe and bool(self._shares)
         memo_key = (kind, modules, s, grad, padded, sequences, recurrent, segments,
                     expert_partner_s, rebuilt)
         hit = self._memo.get(memo_key)
