@@ -43,6 +43,7 @@ from art.trainer_rank.measuring.probe_store import store_probe
 from art.trainer_rank.measuring.routing import router_counts, row_routing
 from art.trainer_rank.pricing.coefficients import LayerMode
 from art.trainer_rank.pricing.model import MemoryModel
+from art.trainer_rank.pricing.row_changes import ExpertShare
 
 
 @dataclass
@@ -198,8 +199,6 @@ def priced_at_routing(memory: MemoryModel, shares: Sequence[float],
                       batch: MicroBatchShape) -> int:
     """The peak `memory` (with probe coefficients) prices `batch` at when its MoE layers route
     at `shares` (working, held, expert) whatever the row's length."""
-    from art.trainer_rank.pricing.row_changes import ExpertShare
-
     at = ExpertShare(2**62, *shares)
     est = memory.with_coefficients(
         replace(memory.coefficients, expert_routing_shares=(at,))).estimate(batch)

@@ -71,7 +71,7 @@ def main(out_dir: str) -> None:
     from _calibration.harness import CalibrationModel, micro_batch_shape, priced_at_routing
 
     from art.trainer_rank._request import OutputRequest
-    from art.trainer_rank.measuring.routing import _routers
+    from art.trainer_rank.measuring.routing import moe_routers
 
     def cell(lengths: tuple[int, ...], grad: bool) -> Cell:
         return Cell("moe-128", "selective default", 8, 1, lengths, "logprobs", grad,
@@ -82,7 +82,7 @@ def main(out_dir: str) -> None:
                              POLICY_BY_NAME["selective default"], lora_rank=8,
                              tensor_parallel=1, expert_parallel=2,
                              cells=[c for group in cells.values() for c in group])
-    routers = _routers(model.model)
+    routers = moe_routers(model.model)
     results: dict[str, list[dict]] = {}
     for name, skew in ROUTINGS.items():
         for index, router in enumerate(routers):

@@ -54,7 +54,8 @@ def even_routing_map(self: Any, logits: torch.Tensor, padding_mask: Any = None
     return probs.type_as(logits), routing_map
 
 
-def _routers(module: Any) -> list[Any]:
+def moe_routers(module: Any) -> list[Any]:
+    """Megatron's top-k routers inside `module`, in module order (one per MoE layer)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for m in module.modules() if isinstance(m, TopKRouter)]
@@ -63,7 +64,7 @@ def _routers(module: Any) -> list[Any]:
 @contextlib.contextmanager
 def even_routing(module: Any) -> Iterator[None]:
     """Every router inside `module` routes evenly (`even_routing_map`) until the block ends."""
-    routers = _routers(module)
+    routers = moe_routers(module)
     for router in routers:
         router.routing = types.MethodType(even_routing_map, router)
     try:
@@ -82,7 +83,7 @@ def router_counts(module: Any) -> Iterator[list[torch.Tensor]]:
     def count(router: Any, inputs: Any, output: Any) -> None:
         counts.append(output[1].sum(dim=0).to(torch.float64))
 
-    hooks = [router.register_forward_hook(count) for router in _routers(module)]
+    hooks = [router.register_forward_hook(count) for router in moe_routers(module)]
     try:
         yield counts
     finally:
@@ -144,7 +145,7 @@ def routing_shares(model: Any, rows: Sequence[int], layout: Any, implementation:
     from art.trainer_rank.compute.packing import pack_sequences
 
     inner = unwrap_model(model)
-    routers = _routers(inner)
+    routers = moe_routers(inner)
     if not routers or layout.expert_parallel == 1 or not rows:
         return ()
     with router_counts(inner) as counts, torch.no_grad():
