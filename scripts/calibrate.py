@@ -414,9 +414,10 @@ def _typed(row: dict) -> dict:
         out[key] = int(out[key])
     for key in ("ratio", "default_ratio", "seconds"):
         out[key] = float(out[key])
-    if out.get("own_routing_bytes") not in (None, ""):
-        out["own_routing_bytes"] = int(out["own_routing_bytes"])
-        out["own_routing_ratio"] = float(out["own_routing_ratio"])
+    for column in ("own_routing", "own_routing_default"):
+        if out.get(f"{column}_bytes") not in (None, ""):
+            out[f"{column}_bytes"] = int(out[f"{column}_bytes"])
+            out[f"{column}_ratio"] = float(out[f"{column}_ratio"])
     out["grad"] = out["grad"] in ("True", "true", "1")
     return out
 

@@ -43,7 +43,7 @@ from art.trainer_rank.measuring.probe_store import store_probe
 from art.trainer_rank.measuring.routing import router_counts, row_routing
 from art.trainer_rank.pricing.coefficients import LayerMode
 from art.trainer_rank.pricing.model import MemoryModel
-from art.trainer_rank.pricing.row_changes import ExpertShare
+from art.trainer_rank.pricing.row_changes import ANY_ROW_TOKENS, ExpertShare
 
 
 @dataclass
@@ -62,6 +62,7 @@ class CellResult:
     # the price itself covers.
     own_routing: tuple[float, float, float] | None = None
     own_routing_bytes: int | None = None
+    own_routing_default_bytes: int | None = None  # the formulas priced at those shares
 
     @property
     def ratio(self) -> float:
@@ -93,6 +94,9 @@ class CellResult:
             "own_routing": "/".join(f"{x:.6f}" for x in self.own_routing),
             "own_routing_bytes": self.own_routing_bytes,
             "own_routing_ratio": round(self.own_routing_bytes / max(1, self.measured_bytes), 4),
+            "own_routing_default_bytes": self.own_routing_default_bytes,
+            "own_routing_default_ratio": round(
+                (self.own_routing_default_bytes or 0) / max(1, self.measured_bytes), 4),
         })
 
 
@@ -178,12 +182,13 @@ class CalibrationModel:
                                   self.implementation, sequences)
         est = memory.estimate(batch)
         default = memory_default.estimate(batch)
-        own = own_bytes = None
+        own = own_bytes = own_default_bytes = None
         if counts:
             share = row_routing(counts, sum(self.geometry.moe_layers), batch.packed_tokens,
                                 self.layout)
             own = (share.working, share.held, share.expert)
             own_bytes = priced_at_routing(memory, own, batch)
+            own_default_bytes = priced_at_routing(memory_default, own, batch)
         return CellResult(
             cell=cell, measured_bytes=measured, measured_forward_bytes=measured_forward,
             predicted_bytes=max(est.forward_peak_bytes, est.backward_peak_bytes),
@@ -192,16 +197,20 @@ class CalibrationModel:
             probe_key=self.coefficients.key,
             seconds=time.perf_counter() - start,
             own_routing=own, own_routing_bytes=own_bytes,
+            own_routing_default_bytes=own_default_bytes,
         )
 
 
 def priced_at_routing(memory: MemoryModel, shares: Sequence[float],
                       batch: MicroBatchShape) -> int:
-    """The peak `memory` (with probe coefficients) prices `batch` at when its MoE layers route
-    at `shares` (working, held, expert) whatever the row's length."""
-    at = ExpertShare(2**62, *shares)
-    est = memory.with_coefficients(
-        replace(memory.coefficients, expert_routing_shares=(at,))).estimate(batch)
+    """The peak `memory` prices `batch` at when its MoE layers route at `shares` (working,
+    held, expert) whatever the row's length: in place of the probe's measured spread, or
+    as the formulas' assumed one (`expert_load`) when `memory` has no probe."""
+    at = ExpertShare(ANY_ROW_TOKENS, *shares)
+    priced = (replace(memory, expert_load=at) if memory.coefficients is None else
+              memory.with_coefficients(replace(memory.coefficients,
+                                               expert_routing_shares=(at,))))
+    est = priced.estimate(batch)
     return max(est.forward_peak_bytes, est.backward_peak_bytes)
 
 
@@ -493,7 +502,10 @@ def merge_rank_rows(per_rank: Sequence[Sequence[dict[str, Any]]]) -> list[dict[s
         default = max(r["predicted_default_bytes"] for r in rows)
         own = ({} if "own_routing_bytes" not in busiest else {
             "own_routing_bytes": (b := max(r["own_routing_bytes"] for r in rows)),
-            "own_routing_ratio": round(b / busiest["measured_bytes"], 4)})
+            "own_routing_ratio": round(b / busiest["measured_bytes"], 4),
+            "own_routing_default_bytes": (d := max(r["own_routing_default_bytes"]
+                                                   for r in rows)),
+            "own_routing_default_ratio": round(d / busiest["measured_bytes"], 4)})
         merged.append(dict(busiest) | {
             "predicted_bytes": predicted, "predicted_default_bytes": default,
             "ratio": round(predicted / busiest["measured_bytes"], 4),

@@ -69,12 +69,12 @@ def summarize(rows: list[dict]) -> str:
               "| geometry | policy | LoRA r | layout | row | outputs | grad | loss | "
               "measured MiB | predicted MiB | ratio | defaults ratio | "
               + ("routed at (working / held / expert) | ratio at its own routing | "
-                 if own else "") + "peak at |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|---|" if own else "")
-              + "---|"]
+                 "defaults ratio at its own routing | " if own else "") + "peak at |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"
+              + ("---|---|---|" if own else "") + "---|"]
     for r in rows:
         routed = (f"{' / '.join(f'{float(x):.3f}' for x in str(r['own_routing']).split('/'))}"
-                  f" | {r['own_routing_ratio']:.4f} | " if own else "")
+                  f" | {r['own_routing_ratio']:.4f} | {_own_default(r)} | " if own else "")
         lines.append(
             f"| {r['geometry']} | {_policy(r)} | {r['lora_rank']} | {_layout(r)} | "
             f"{_lengths(r)} | {r['outputs']} | {'yes' if r['grad'] else 'no'} | "
@@ -94,11 +94,25 @@ def own_routing_summary(rows: list[dict]) -> list[str]:
     low = min(own, key=lambda r: r["own_routing_ratio"])
     high = max(own, key=lambda r: r["own_routing_ratio"])
     inside = sum(lo <= r["own_routing_ratio"] <= hi for r in own)
-    return [
+    lines = [
         f"- probe coefficients at each row's own routing (the shares its forward routed its "
         f"MoE layers at, in place of the router's spread the price covers before a row runs, "
         f"measuring/routing.py): {inside} of {len(own)} cells inside [{lo:.2f}, {hi:.2f}]; "
         f"min {low['own_routing_ratio']:.4f}; max {high['own_routing_ratio']:.4f}"]
+    formulas = [r for r in own if r.get("own_routing_default_ratio") not in (None, "")]
+    if formulas:
+        ratios = [r["own_routing_default_ratio"] for r in formulas]
+        lines.append(
+            f"- default formulas at each row's own routing (those shares given as "
+            f"`estimate --expert-load` gives them, in place of the even share): "
+            f"{sum(lo <= x <= hi for x in ratios)} of {len(formulas)} cells inside "
+            f"[{lo:.2f}, {hi:.2f}]; min {min(ratios):.4f}; max {max(ratios):.4f}")
+    return lines
+
+
+def _own_default(row: dict) -> str:
+    value = row.get("own_routing_default_ratio")
+    return "-" if value in (None, "") else f"{float(value):.4f}"
 
 
 def _layout(row: dict) -> str:

@@ -115,8 +115,11 @@ def _reprice(row: dict[str, Any], cell: Cell, per_rank: Sequence[Any]) -> dict[s
         shares = [float(x) for x in str(row["own_routing"]).split("/")]
         own = max(priced_at_routing(model.with_coefficients(c), shares, batch)
                   for c in per_rank)
+        own_default = priced_at_routing(model, shares, batch)
         row = row | {"own_routing_bytes": own,
-                     "own_routing_ratio": round(own / measured, 4)}
+                     "own_routing_ratio": round(own / measured, 4),
+                     "own_routing_default_bytes": own_default,
+                     "own_routing_default_ratio": round(own_default / measured, 4)}
     return row | {"predicted_bytes": predicted,
                   "predicted_default_bytes": predicted_default,
                   "ratio": round(predicted / measured, 4),

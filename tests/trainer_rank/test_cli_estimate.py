@@ -118,3 +118,37 @@ def test_the_rungs_and_what_each_setting_runs(capsys):
     assert picks["adaptive"] == next(r["name"] for r in rungs if r["fits"])
     no_grad = _json(capsys, [*SEED, "--tp", "2", "--recompute", "selective", "--no-grad"])
     assert no_grad["recompute_rungs"] is None
+
+
+def test_expert_load_prices_the_router_spread_it_names(capsys):
+    """`--expert-load` prices a MoE model's experts under EP at the router's spread it gives
+    (working, held, expert shares of the even share) instead of the even share: the
+    backward peak grows, one value stands for all three, and the layers' note names the
+    shares as assumed. What is no spread (under 1, held over working, not three values) or
+    cannot apply (EP=1, a dense model, beside --worst-case-routing) is refused."""
+    moe = ["--model", "Qwen3-30B-A3B", "--tokens", "8192", "--ep", "2"]
+    even = _json(capsys, moe)
+    spread = _json(capsys, [*moe, "--expert-load", "1.25,1.1,1.8"])
+    assert spread["backward_peak_bytes"] > even["backward_peak_bytes"] * 1.02
+    notes = " ".join(t["note"] for t in spread["term_details"])
+    assert "routing at 1.250 of the even share in a layer, 1.100 over the layers" in notes
+    assert "its busiest expert at 1.800 (assumed)" in notes
+    assert "balanced routing over EP2" in " ".join(t["note"] for t in even["term_details"])
+    one = _json(capsys, [*moe, "--expert-load", "1.2"])
+    three = _json(capsys, [*moe, "--expert-load", "1.2,1.2,1.2"])
+    assert one["peak_bytes"] == three["peak_bytes"] > even["peak_bytes"]
+    for bad, words in [(["--expert-load", "0.9"], "at least 1.0"),
+                       (["--expert-load", "1.1,1.2"], "one share or three"),
+                       (["--expert-load", "1.1,1.2,1.5"], "cannot exceed its working share"),
+                       (["--expert-load", "nan"], "one share or three")]:
+        with pytest.raises(SystemExit) as exited:
+            main(["estimate", *moe, *bad])
+        assert exited.value.code == 2
+        assert words in capsys.readouterr().err, bad
+    for argv, words in [
+            (["--model", "Qwen3-30B-A3B", "--tokens", "64", "--expert-load", "1.2"], "EP=1"),
+            (["--model", "Qwen3-8B", "--tokens", "64", "--expert-load", "1.2"],
+             "no routed experts"),
+            ([*moe, "--expert-load", "1.2", "--worst-case-routing"], "give one")]:
+        assert main(["estimate", *argv]) == 2
+        assert words in capsys.readouterr().err, argv

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -46,7 +47,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "exit status 3 when the peak does not fit")
     p.add_argument("--worst-case-routing", action="store_true",
                    help="MoE: price every token routed to this rank's experts")
+    p.add_argument("--expert-load", type=parse_expert_load, metavar="WORKING[,HELD,EXPERT]",
+                   help="MoE under expert parallel: price the router's spread instead of the "
+                        "even share, as shares of it: the busiest EP rank's pairs in one MoE "
+                        "layer (working), the same averaged over the MoE layers (held), the "
+                        "busiest expert's over the even count per expert (expert); one value "
+                        "sets all three (e.g. 1.2, or 1.25,1.1,1.8)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
+
+
+def parse_expert_load(text: str) -> Any:
+    """--expert-load: '1.2' -> each share 1.2; '1.25,1.1,1.8' -> working, held, expert (an
+    ExpertShare at every row length)."""
+    from art.trainer_rank.pricing.row_changes import ANY_ROW_TOKENS, ExpertShare
+
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 3) or not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--expert-load takes one share or three (working,held,expert), got {text!r}")
+    if min(values) < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"--expert-load shares are the busiest rank's or expert's load over the even share, "
+            f"so at least 1.0; got {text!r} (1.0 is balanced routing, the default)")
+    working, held, expert = values * 3 if len(values) == 1 else values
+    if held > working:
+        raise argparse.ArgumentTypeError(
+            f"--expert-load's held share (the busiest rank's load averaged over the MoE layers, "
+            f"{held}) cannot exceed its working share (the largest in one layer, {working})")
+    return ExpertShare(ANY_ROW_TOKENS, working, held, expert)
 
 
 # flag attribute -> (ART_MEGATRON_* variable, the flag as the user spells it)
@@ -108,11 +139,23 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
     environ = dict(os.environ if env is None else env)
     provider = provider or build_provider(args, environ)
     geometry, implementation = provider.geometry, provider.implementation
+    load = getattr(args, "expert_load", None)
+    if load is not None:
+        if args.worst_case_routing:
+            raise ValueError("--expert-load and --worst-case-routing both set the routing to "
+                             "price; give one")
+        if not geometry.is_moe:
+            raise ValueError(f"--expert-load prices a router's spread, but {geometry.name} "
+                             "has no routed experts")
+        if provider.layout.expert_parallel == 1:
+            raise ValueError(
+                "--expert-load prices a router's spread over expert-parallel ranks, and this "
+                "layout is EP=1; set --ep (or ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE)")
     return MemoryModel(
         geometry, layout=provider.layout, recompute=provider.effective_recompute,
         implementation=implementation, lora=lora_shape_from_args(args), dtype=provider.dtype,
         alloc_conf=environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-        worst_case_routing=args.worst_case_routing,
+        worst_case_routing=args.worst_case_routing, expert_load=load,
     )
 
 

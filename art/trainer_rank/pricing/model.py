@@ -57,6 +57,7 @@ from art.trainer_rank.pricing.passes import (
 from art.trainer_rank.pricing.probe_reading import PaddedRow, ProbeReading, probe_tokens
 from art.trainer_rank.pricing.row_changes import (
     ExpertShare,
+    assumed_shares,
     expert_partner_s,
     measured_shares,
     routing_change,
@@ -102,6 +103,9 @@ class MemoryModel:
     coefficients: Coefficients | None = None  # measured by the probe; None: formulas
     alloc_conf: str | None = None
     worst_case_routing: bool = False
+    # Under expert parallel, the router's spread to price without a probe's measurement
+    # (`estimate --expert-load`); None: the even share. A probe's measured spread wins.
+    expert_load: ExpertShare | None = None
     head_chunk_tokens: int = 0  # 0: the compute path's HEAD_CHUNK_TOKENS
     # Derived from the fields above in __post_init__ (a copy made with `replace` derives its
     # own); not part of what the model is.
@@ -130,7 +134,8 @@ class MemoryModel:
                          self.lora.rank, frozenset(self.lora.target_modules)),
             "_kinds": tuple(layer_kind(self.geometry, i)
                             for i in range(self.geometry.num_layers)),
-            "_shares": measured_shares(self.coefficients, self.layout),
+            "_shares": (measured_shares(self.coefficients, self.layout)
+                        or assumed_shares(self.expert_load, self.layout)),
             "_memo": {},
             "_estimates": {},
             "_readings": {},
@@ -444,13 +449,14 @@ class MemoryModel:
         tail, tail_probed = self._tail(batch, s, S)
         layer_kept_note = kept_note(fp.units, s)
         if g.is_moe:
-            routing = "worst-case" if self.worst_case_routing else "balanced"
-            layer_kept_note += f"; MoE: {routing} routing over EP{self.layout.expert_parallel}"
             share = share_at(self._shares, s)
-            if not share.even:
-                layer_kept_note += (f" at {share.working:.3f} of the even share in a layer, "
-                                    f"{share.held:.3f} over the layers, its busiest expert "
-                                    f"at {share.expert:.3f} (its router's)")
+            routing = ("worst-case routing" if self.worst_case_routing
+                       else "balanced routing" if share.even
+                       else f"routing at {share.working:.3f} of the even share in a layer, "
+                       f"{share.held:.3f} over the layers, its busiest expert at "
+                       f"{share.expert:.3f} (" + ("its router's" if measured_shares(
+                           self.coefficients, self.layout) else "assumed") + ")")
+            layer_kept_note += f"; MoE: {routing} over EP{self.layout.expert_parallel}"
             if partner is not None:
                 layer_kept_note += (f", the EP partners' rows at {batch.expert_partner_tokens}"
                                     " tokens")

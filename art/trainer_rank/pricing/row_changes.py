@@ -96,6 +96,10 @@ class ExpertShare(NamedTuple):
         return cls(int(tokens), float(working), float(held), float(expert))
 
 
+# The length an assumed share stands at: longer than any row, so `share_at` reads it for all.
+ANY_ROW_TOKENS = 2**62
+
+
 def share_at(shares: Sequence[ExpertShare], tokens: int) -> ExpertShare:
     """The shares to price a row of `tokens` (this rank's) at: each the largest measured at
     that length or longer, the longest row's past it (the even share: none measured)."""
@@ -112,6 +116,14 @@ def measured_shares(coefficients: Any, layout: ParallelLayout) -> tuple[ExpertSh
     if coefficients is None or layout.expert_parallel == 1:
         return ()
     return tuple(getattr(coefficients, "expert_routing_shares", ()))
+
+
+def assumed_shares(load: ExpertShare | None, layout: ParallelLayout) -> tuple[ExpertShare, ...]:
+    """A router's spread given rather than measured (the formulas have no router to measure),
+    at every row length: `load`'s three shares, under expert parallel only."""
+    if load is None or layout.expert_parallel == 1:
+        return ()
+    return (load._replace(tokens=ANY_ROW_TOKENS),)
 
 
 def routing_change(d: Dims, kind: PricedKind, modules: frozenset[str], s: int, grad: bool,
