@@ -52,29 +52,26 @@ def measure() -> list[dict[str, Any]]:
         run_micro_batch,
     )
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.router import TopKRouter
 
     from art.megatron.implementation import Implementation
     from art.trainer_rank._request import OutputRequest
-    from art.trainer_rank.measuring.routing import even_routing_map
+    from art.trainer_rank.measuring.routing import even_routing
 
     geometry = calibration_geometries()["hybrid-moe-128"]
     impl = Implementation.cpu_local("flash")
     outputs = OutputRequest.parse("logprobs")
     records = []
-    original = TopKRouter.routing
-    TopKRouter.routing = even_routing_map
-    try:
-        for policy in POLICIES:
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
-            provider = calibration_provider(
-                geometry, POLICY_BY_NAME[policy], lora_rank=8, tensor_parallel=1,
-                context_parallel=1, expert_parallel=2, dtype="float32", implementation=impl)
-            provider.initialize_distributed()
-            rank = dist.get_rank()
-            model = provider.build_model(seed=0)
-            device = next(model.parameters()).device
+    for policy in POLICIES:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        provider = calibration_provider(
+            geometry, POLICY_BY_NAME[policy], lora_rank=8, tensor_parallel=1,
+            context_parallel=1, expert_parallel=2, dtype="float32", implementation=impl)
+        provider.initialize_distributed()
+        rank = dist.get_rank()
+        model = provider.build_model(seed=0)
+        device = next(model.parameters()).device
+        with even_routing(model):  # the round-robin router (module docstring)
             run_micro_batch(model, [16], outputs, True, provider.layout, impl, device)
             for rows in ROWS:
                 own, partner = rows[rank], rows[1 - rank]
@@ -93,8 +90,6 @@ def measure() -> list[dict[str, Any]]:
                         "measured": measured,
                         "priced": int(memory.estimate(beside).dynamic_bytes),
                         "priced_as_own": int(memory.estimate(shape).dynamic_bytes)})
-    finally:
-        TopKRouter.routing = original
     return records
 
 

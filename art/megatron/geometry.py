@@ -101,6 +101,12 @@ class ModelGeometry:
     def dtype_bytes(self) -> int:
         return {"bfloat16": 2, "float16": 2, "float32": 4}[self.dtype]
 
+    @property
+    def rotary_dim(self) -> int:
+        """The dims of each head RoPE rotates (Megatron's RotaryEmbedding: kv_channels x
+        rotary_percent)."""
+        return int(self.head_dim * self.rotary_fraction)
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 

@@ -512,3 +512,41 @@ def test_probe_priced_unit_over_a_row_with_a_tail_segment_meets_its_peak(megatro
         change = priced_with._unit_segments_change(0, kind, 1, tokens, padded, 1, len(lengths))
         price = coefficients.layer_cost(kind, "full:1", tokens, padded, change).backward
         assert abs(price / got - 1) <= 0.002, (lengths, price, got)
+
+
+@pytest.mark.parametrize("matrix", ["hybrid", "hybrid-tp2"])
+def test_a_partial_rotary_attention_layer_keeps_what_the_probe_measured(matrix):
+    """Qwen3.5's attention rotates a quarter of each head: the torch RoPE's cos and sin
+    copies, which the layer keeps for backward, are [s, rotary dim], not [s, head dim]. The
+    formulas' attention layer (the hybrid without MoE, selective core_attn) against the
+    committed probe's, measured on the local flash build at TP1 and on two torchrun ranks at
+    TP2: the same kept bytes and forward peak within 8 bytes, at points between the probe's.
+    Priced at the head's width they were 192 bytes a token over."""
+    import csv
+
+    from _calibration.harness import default_memory_model, expected_probe_key
+    from _calibration.reprice import cell_of
+
+    from art.trainer_rank.measuring.probe import ProbeCoefficients
+    from art.trainer_rank.pricing.layer_terms import PricedKind
+    from art.trainer_rank.pricing.layers import price_layer
+
+    folder = Path(__file__).resolve().parents[2] / "bench" / "calibration" / matrix
+    with open(folder / "calibration.csv") as f:
+        rows = [r for r in csv.DictReader(f) if r["geometry"] == "hybrid-128"
+                and r["policy"] == "selective default" and r["lora_rank"] == "8"
+                and not r.get("built_with")]
+    cells = [cell_of(r) for r in rows]
+    model = default_memory_model(cells[0])
+    assert model.geometry.rotary_dim < model.geometry.head_dim
+    probe = ProbeCoefficients.from_json(next(
+        (folder / "probes").rglob(f"probe-{expected_probe_key(cells)}.json")).read_text())
+    fit = next(fit for k, mode, fit in probe.layers
+               if k == PricedKind.ATTENTION and mode == "sel:core_attn")
+    for tokens in (300, 700, 1500):
+        layer = price_layer(model.dims, PricedKind.ATTENTION, frozenset({"core_attn"}), tokens,
+                            grad=True)
+        measured = fit.cost(tokens)
+        assert abs(layer.kept - measured.kept) <= 8, (tokens, layer.kept - measured.kept)
+        assert abs(layer.forward - measured.forward) <= 8, (tokens, layer.forward
+                                                            - measured.forward)

@@ -304,20 +304,39 @@ def test_even_routing_sends_each_rank_its_share_of_every_row() -> None:
     """The routing a probe measures MoE layers under: token t to experts t*k .. t*k+k-1
     modulo the experts, so each EP rank's experts take exactly 1/EP of the pairs of any row
     whose length is a multiple of experts / k, and the router's scores stay the
-    probabilities of the chosen experts."""
-    import types
-
+    probabilities of the chosen experts. It is chosen through Megatron's own routing
+    function by its replay hook, so the router keeps for backward what it keeps when it
+    chooses by its scores (a stand-in routing that took a softmax over every expert kept
+    more)."""
     import torch
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
 
-    from art.trainer_rank.measuring.routing import even_routing_map
+    from art.trainer_rank.measuring.meter import MemoryMeter
+    from art.trainer_rank.measuring.routing import RoundRobinReplay
 
-    router = types.SimpleNamespace(config=types.SimpleNamespace(num_moe_experts=8), topk=2)
     logits = torch.randn(64, 8)
-    probs, routing_map = even_routing_map(router, logits)
+    probs, routing_map = topk_routing_with_score_function(logits, 2,
+                                                          router_replay=RoundRobinReplay())
     assert routing_map.sum(dim=1).eq(2).all()
     per_rank = routing_map.sum(dim=0).view(2, 4).sum(dim=1)  # EP=2: experts 0-3, 4-7
     assert per_rank.tolist() == [64, 64]
     assert torch.equal(probs > 0, routing_map)
+
+    def kept_bytes(replay: RoundRobinReplay | None) -> int:
+        scores = torch.randn(96, 8, requires_grad=True)
+        with MemoryMeter(device="cpu") as meter:
+            logits = scores * 1.0  # the router's linear output, made inside the meter
+            kept = topk_routing_with_score_function(logits, 2, router_replay=replay)
+            del logits
+            return meter.live_bytes + 0 * len(kept)
+
+    assert kept_bytes(RoundRobinReplay()) == kept_bytes(None)
+    # The picked scores' gradient is the gather's.
+    scores = torch.randn(64, 8, requires_grad=True)
+    picked, index = RoundRobinReplay().get_replay_topk(scores, 2)
+    (picked * torch.arange(128.0).view(64, 2)).sum().backward()
+    expected = torch.zeros(64, 8).scatter(1, index, torch.arange(128.0).view(64, 2))
+    assert torch.equal(scores.grad, expected)
 
 
 @pytest.mark.parametrize("matrix", ["ep2", "tp2-ep2", "unfused/ep2"])

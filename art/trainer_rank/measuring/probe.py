@@ -299,7 +299,7 @@ def cache_key(*, geometry: ModelGeometry, implementation: Any, dtype: str, layou
         fields["chunked_fit"] = [GDN_CHUNK_TOKENS, list(SPARSE_TOKENS_PER_CHUNK)]
     if geometry.is_moe and layout.expert_parallel > 1:
         # MoE layers measured under even routing, the router's share measured apart.
-        fields["moe_routing"] = "even; router's share"
+        fields["moe_routing"] = "round-robin through the router's own routing; its shares"
     payload = json.dumps(fields, sort_keys=True, default=str)
     return hashlib.sha256(payload.encode()).hexdigest()[:16]
 

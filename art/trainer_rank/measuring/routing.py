@@ -6,7 +6,8 @@ The probe measures a layer on random hidden states, whose routing by the model's
 draw: this rank's share at one point can sit several percent off the even share and off the
 next point's, and its curves would carry that noise between their points. So a probe runs its
 MoE layers under an even round-robin routing (`even_routing`: token t's top-k experts are
-t * k, ..., t * k + k - 1 modulo the experts, the router's scores kept as its probabilities),
+t * k, ..., t * k + k - 1 modulo the experts, chosen through Megatron's own routing code by its
+router-replay hook, so the router keeps what it keeps when it chooses by its scores),
 and measures the router's spread apart (`routing_shares`), per row length, on no-grad
 forwards of the whole model over `ROUTING_DRAWS` random-token rows, as three shares of the even
 share (`ExpertShare`):
@@ -28,7 +29,6 @@ length or longer (`row_changes.share_at`).
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -41,17 +41,41 @@ from art.trainer_rank.pricing.row_changes import ExpertShare
 ROUTING_DRAWS = 4
 
 
-def even_routing_map(self: Any, logits: torch.Tensor, padding_mask: Any = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`TopKRouter.routing` under even routing: each token to `topk` consecutive experts,
-    round-robin, its scores (softmax) kept on them as the probabilities."""
-    logits = logits.view(-1, self.config.num_moe_experts)
-    tokens, experts = logits.shape
-    index = (torch.arange(tokens, device=logits.device).unsqueeze(1) * self.topk
-             + torch.arange(self.topk, device=logits.device)) % experts
-    routing_map = torch.zeros_like(logits, dtype=torch.bool).scatter_(1, index, True)
-    probs = torch.softmax(logits, dim=-1, dtype=torch.float32) * routing_map
-    return probs.type_as(logits), routing_map
+class RoundRobinReplay:
+    """Megatron's router-replay hook (the `get_replay_topk` that
+    `topk_routing_with_score_function` calls in place of its top-k) choosing experts
+    round-robin: token t to experts t*k .. t*k+k-1 modulo the experts, their scores gathered
+    as a replay gathers them. The router runs its own code around it, so what it keeps for
+    backward is what it keeps when it chooses by its scores."""
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: int | None = None,
+                        group_topk: int | None = None, default_compute_topk: Any = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+        index = round_robin_experts(scores.shape[0], topk, scores.shape[1], scores.device)
+        return _PickAsTopK.apply(scores, index), index
+
+
+class _PickAsTopK(torch.autograd.Function):
+    """scores.gather(1, index), keeping for backward what torch.topk keeps: the indices and
+    the scores' shape (a gather would keep the scores themselves, [tokens, experts])."""
+
+    @staticmethod
+    def forward(ctx: Any, scores: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(index)
+        ctx.scores_shape = scores.shape
+        return scores.gather(1, index)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (index,) = ctx.saved_tensors
+        return grad.new_zeros(ctx.scores_shape).scatter(1, index, grad), None
+
+
+def round_robin_experts(tokens: int, topk: int, experts: int,
+                        device: torch.device | str = "cpu") -> torch.Tensor:
+    """[tokens, topk] expert indices of the even routing: token t to t*k .. t*k+k-1 mod E."""
+    return ((torch.arange(tokens, device=device).unsqueeze(1) * topk
+             + torch.arange(topk, device=device)) % experts)
 
 
 def moe_routers(module: Any) -> list[Any]:
@@ -63,15 +87,26 @@ def moe_routers(module: Any) -> list[Any]:
 
 @contextlib.contextmanager
 def even_routing(module: Any) -> Iterator[None]:
-    """Every router inside `module` routes evenly (`even_routing_map`) until the block ends."""
+    """Every router inside `module` routes evenly until the block ends: its own routing, its
+    replay hook set to `RoundRobinReplay`. The fused top-k kernel (Transformer Engine's,
+    `moe_router_fusion`) takes no replay, so the routers run unfused inside the block."""
     routers = moe_routers(module)
+    missing = [r for r in routers if not hasattr(r, "router_replay")]
+    if missing:
+        raise RuntimeError(
+            "this Megatron-Core's TopKRouter has no router_replay hook, which even routing "
+            "sets; use megatron-core 0.16.1 or newer")
+    saved = [(r, r.router_replay, r.config.moe_router_fusion) for r in routers]
+    replay = RoundRobinReplay()
     for router in routers:
-        router.routing = types.MethodType(even_routing_map, router)
+        router.router_replay = replay
+        router.config.moe_router_fusion = False
     try:
         yield
     finally:
-        for router in routers:
-            del router.routing
+        for router, hook, fusion in reversed(saved):
+            router.router_replay = hook
+            router.config.moe_router_fusion = fusion
 
 
 @contextlib.contextmanager

@@ -150,7 +150,7 @@ def attention_blocks(d: Dims, s: int) -> list[Block]:
     if impl.spec != "te" and not impl.gpu_shaped_cpu:
         # Unfused RoPE builds cos and sin of the table per call, for q and for k, and its
         # multiplies keep them: 4 x [s, rotary dim] fp32 (the fused kernel keeps the table).
-        qk_norm += 4 * float(s) * g.head_dim * FP32
+        qk_norm += 4 * float(s) * g.rotary_dim * FP32
     # The rotated q and k are kept only by flash attention or a core-attention checkpoint
     # (its inputs); unfused attention keeps its own reshaped copies instead.
     rope = Block("qk-norm + rope", None, qk_norm, rope_q + rope_k, impl.attention == "flash",
