@@ -98,21 +98,22 @@ def _symmetric_collective(func: Any) -> bool:
             and func._schema.name.split("::")[-1] in _SYMMETRIC_COLLECTIVES)
 
 
-# func -> (output kinds, symmetric collective): what the observer needs of an op, looked up
-# once per op instead of read off its schema.
-_OP_INFO: dict[Any, tuple[tuple[int, ...], bool]] = {}
+# id(func) -> (func, output kinds, symmetric collective): what the observer needs of an op,
+# read off its schema once. Keyed by identity: an OpOverload's own hash is a Python call on
+# every op; the entry keeps its op, so the id is not reused while the entry exists.
+_OP_INFO: dict[int, tuple[Any, tuple[int, ...], bool]] = {}
 
 
-def _op_info(func: Any) -> tuple[tuple[int, ...], bool]:
-    info = _OP_INFO.get(func)
-    if info is None:
-        info = _OP_INFO[func] = (output_kinds(func), _symmetric_collective(func))
+def _op_info(func: Any) -> tuple[Any, tuple[int, ...], bool]:
+    info = _OP_INFO.get(id(func))
+    if info is None or info[0] is not func:
+        info = _OP_INFO[id(func)] = (func, output_kinds(func), _symmetric_collective(func))
     return info
 
 
 def _runs_on_copies(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """A symmetric c10d collective over CPU tensors, issued outside any coalescing block."""
-    if not _op_info(func)[1]:
+    if not _op_info(func)[2]:
         return False
     if torch.distributed.distributed_c10d._world.pg_coalesce_state:
         return False
@@ -167,7 +168,10 @@ class _Observer(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[override]
         kwargs = kwargs or {}
-        kinds, collective = _OP_INFO.get(func) or _op_info(func)
+        info = _OP_INFO.get(id(func))
+        if info is None or info[0] is not func:
+            info = _op_info(func)
+        _, kinds, collective = info
         if collective and self.meter._cuda is None and _runs_on_copies(func, args, kwargs):
             return _collective_on_copies(func, args, kwargs)
         result = func(*args, **kwargs)
@@ -182,13 +186,17 @@ class _Observer(TorchDispatchMode):
         else:
             outputs = tuple(result)
         last = len(kinds) - 1
+        observe = self.meter._observe
         for i, value in enumerate(outputs):
             kind = kinds[min(i, last)]
             if kind == VIEW:
                 continue
+            if type(value) is torch.Tensor:  # one tensor per return: no flattening
+                observe(value, kind, func)
+                continue
             for leaf in tree_leaves(value):
                 if isinstance(leaf, torch.Tensor):
-                    self.meter._observe(leaf, kind, func)
+                    observe(leaf, kind, func)
         return result
 
 
