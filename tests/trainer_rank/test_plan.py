@@ -17,6 +17,7 @@ from art.trainer_rank.cli.planner import (
     GIB,
     GPU_MEMORY_GIB,
     POLICIES,
+    CurrentCell,
     candidate_layouts,
     current_cell,
     max_packed_tokens,
@@ -213,13 +214,68 @@ def test_current_cell_follows_the_environment() -> None:
     env = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2",
            "ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
            "ART_MEGATRON_RECOMPUTE_METHOD": "none", "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "none"}
-    assert current_cell(env) == ("selective", 2, 1)
-    assert current_cell({}) == ("full", 1, 1)  # the settings' default: full uniform 1
+    assert current_cell(env) == CurrentCell("selective", 2, 1)
+    assert current_cell({}) == CurrentCell("full", 1, 1)  # the settings' default: full uniform 1
     assert current_cell({"ART_MEGATRON_RECOMPUTE_GRANULARITY": "selective",
-                         "ART_MEGATRON_RECOMPUTE_MODULES": "mlp,core_attn"}) == (
+                         "ART_MEGATRON_RECOMPUTE_MODULES": "mlp,core_attn"}) == CurrentCell(
         "selective+mlp", 1, 1)
     assert current_cell({"ART_MEGATRON_RECOMPUTE_METHOD": "block",
                          "ART_MEGATRON_RECOMPUTE_NUM_LAYERS": "2"}) is None
+
+
+def test_current_cell_is_the_layout_a_launch_on_the_gpus_gets() -> None:
+    """With no layout size set, a launch over N GPUs runs the runtime's default layout (CP =
+    N, and for a MoE model EP = N with expert TP 1): plan marks that cell, not TP1 DP N."""
+    from art.megatron.geometry import load_geometry
+
+    dense, moe = load_geometry("Qwen3-8B"), load_geometry("Qwen3-30B-A3B")
+    assert current_cell({}, gpus=4, geometry=dense) == CurrentCell("full", 1, 4)
+    assert current_cell({}, gpus=4, geometry=moe) == CurrentCell("full", 1, 4, 4)
+    assert current_cell({}, gpus=1, geometry=moe) == CurrentCell("full", 1, 1)
+    # A layout size set: the default layout does not apply.
+    tp2 = {"ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": "2"}
+    assert current_cell(tp2, gpus=4, geometry=moe) == CurrentCell("full", 2, 1)
+    # Experts over EP 4 with expert TP 2 are not a cell of the grid (its EP cells have
+    # expert TP 1); EP 4 with expert TP 1 is.
+    split = {**tp2, "ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE": "4"}
+    assert current_cell(split, gpus=4, geometry=moe) is None
+    whole = {**split, "ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE": "1"}
+    assert current_cell(whole, gpus=4, geometry=moe) == CurrentCell("full", 2, 1, 4)
+    rc, text = run_cli(["plan", "--model", "Qwen3-30B-A3B", "--tokens", "4096", "--gpus", "4",
+                        "--gpu", "H200", "--json"])
+    current = json.loads(text)["current"]
+    assert current == {"policy": "full", "tensor_parallel": 1, "context_parallel": 4,
+                       "expert_parallel": 4}
+
+
+def test_a_moe_model_is_planned_with_its_experts_spread_too() -> None:
+    """A MoE model's layouts come twice: experts at EP 1 (expert TP = TP) and spread over
+    the most GPUs that divide them (expert TP 1), as the runtime's default layout spreads
+    them; spreading them shrinks the experts' weights on each rank, so the spread cell of a
+    layout holds less, and its launch line sets EP and expert TP."""
+    from art.megatron.geometry import load_geometry
+
+    moe = load_geometry("Qwen3-30B-A3B")  # 128 experts
+    layouts = candidate_layouts(8, moe)
+    assert len(layouts) == 2 * len(candidate_layouts(8))
+    spread = [lo for lo in layouts if lo.expert_parallel > 1]
+    assert {lo.expert_parallel for lo in spread} == {8}
+    assert all(lo.expert_tensor_parallel == 1 for lo in spread)
+    assert [lo.expert_parallel for lo in candidate_layouts(8, load_geometry("Qwen3-8B"))] \
+        == [1] * len(candidate_layouts(8))
+    batch = MicroBatchShape((16384,), outputs=OutputRequest(target_logprobs=True))
+    result = plan(moe, batch=batch, gpus=8, gpu_memory_bytes=H200)
+    for tp in (1, 2):
+        at_1, at_8 = result.cell("none", tp, 1, 1), result.cell("none", tp, 1, 8)
+        assert at_8.estimate.resident_bytes < 0.5 * at_1.estimate.resident_bytes
+        assert at_8.env["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"] == "8"
+        assert at_8.env["ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE"] == "1"
+        assert "ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE" not in at_1.env
+    rec = result.recommended
+    assert rec is not None and rec.layout.expert_parallel == 8
+    assert "spread over EP 8 (expert TP 1" in result.report()
+    # Experts that no larger GPU count divides stay at EP 1 only: 6 GPUs, 128 experts -> 2.
+    assert {lo.expert_parallel for lo in candidate_layouts(6, moe)} == {1, 2}
 
 
 def test_plot_draws_a_png(tmp_path) -> None:

@@ -137,7 +137,7 @@ def add_arguments(parser: Any) -> None:
 def batch_from_args(args: Any, geometry: Any, gpus: int) -> MicroBatchShape:
     """The workload flags' micro-batch, checked for `geometry` and every layout of `gpus`."""
     return workload_batch(args, vocab_size=geometry.vocab_size,
-                          layouts=candidate_layouts(gpus))
+                          layouts=candidate_layouts(gpus, geometry))
 
 
 def implementation_from_args(args: Any) -> Implementation:
@@ -191,7 +191,8 @@ def run(args: Any) -> int:
             geometry, batch=batch, gpus=args.gpus, gpu_memory_bytes=memory_bytes,
             lora_rank=args.lora_rank, dtype=args.dtype, lora=lora,
             implementation=implementation_from_args(args),
-            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), current=current_cell(),
+            alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+            current=current_cell(gpus=args.gpus, geometry=geometry),
         )
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)

@@ -3,8 +3,9 @@
 Given a model, one micro-batch (the largest item a step will hand `forward_micro_batches`),
 the memory of one GPU and the number of GPUs, price that micro-batch under each recompute
 policy (none, selective default, selective + mlp, full uniform 1) crossed with each
-tensor/context-parallel layout the GPU count allows, and recommend the cheapest cell that
-fits: least recomputation first (recompute costs time on every step), then the fewest GPUs per
+tensor/context-parallel layout the GPU count allows (a MoE model's with its experts at EP 1
+and spread over the GPUs, `candidate_layouts`), and recommend the cheapest cell that fits:
+least recomputation first (recompute costs time on every step), then the fewest GPUs per
 model replica (the rest become data parallel, which costs nothing per item), then the most
 headroom. Every figure is per rank, from the memory model (this module presents; it does not
 price).
@@ -15,8 +16,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
+from art.megatron.default_layout import default_layout
 from art.megatron.geometry import ModelGeometry, load_geometry
 from art.megatron.implementation import Implementation
 from art.megatron.layout import ParallelLayout
@@ -52,9 +54,12 @@ POLICIES: tuple[Policy, ...] = (
 )
 
 
-def candidate_layouts(gpus: int) -> list[ParallelLayout]:
+def candidate_layouts(gpus: int, geometry: ModelGeometry | None = None) -> list[ParallelLayout]:
     """Every TP x CP whose product divides the GPU count (the rest is data parallel),
-    fewest GPUs per replica first. Sequence parallel is on whenever TP > 1 (the default)."""
+    fewest GPUs per replica first. Sequence parallel is on whenever TP > 1 (the default).
+    For a MoE `geometry` each one comes twice: its experts at EP 1 (expert TP = TP), and
+    spread over the GPUs (`experts_spread`, expert TP 1), as the runtime's default layout
+    spreads them."""
     if gpus < 1:
         raise ValueError(f"gpus must be >= 1, got {gpus}")
     layouts = []
@@ -68,7 +73,19 @@ def candidate_layouts(gpus: int) -> list[ParallelLayout]:
             )
     layouts.sort(key=lambda lo: (lo.tensor_parallel * lo.context_parallel,
                                  lo.context_parallel))
-    return layouts
+    ep = experts_spread(gpus, geometry) if geometry is not None else 1
+    if ep == 1:
+        return layouts
+    return [variant for lo in layouts
+            for variant in (lo, replace(lo, expert_parallel=ep, expert_tensor_parallel=1))]
+
+
+def experts_spread(gpus: int, geometry: ModelGeometry) -> int:
+    """The expert-parallel size `plan` spreads a MoE model's experts over: the most of the
+    GPUs that divide its experts evenly (1: a dense model, or one GPU)."""
+    if not geometry.is_moe:
+        return 1
+    return max(d for d in _divisors(gpus) if geometry.num_experts % d == 0)
 
 
 def _divisors(n: int) -> list[int]:
@@ -76,10 +93,14 @@ def _divisors(n: int) -> list[int]:
 
 
 def layout_env(layout: ParallelLayout) -> dict[str, str]:
-    return {
+    env = {
         "ART_MEGATRON_TENSOR_MODEL_PARALLEL_SIZE": str(layout.tensor_parallel),
         "ART_MEGATRON_CONTEXT_PARALLEL_SIZE": str(layout.context_parallel),
     }
+    if layout.expert_parallel > 1:
+        env["ART_MEGATRON_EXPERT_MODEL_PARALLEL_SIZE"] = str(layout.expert_parallel)
+        env["ART_MEGATRON_EXPERT_TENSOR_PARALLEL_SIZE"] = str(layout.expert_tensor_parallel)
+    return env
 
 
 def layout_name(layout: ParallelLayout) -> str:
@@ -146,6 +167,7 @@ class PlanCell:
             "layout": layout_name(self.layout),
             "tensor_parallel": self.layout.tensor_parallel,
             "context_parallel": self.layout.context_parallel,
+            "expert_parallel": self.layout.expert_parallel,
             "data_parallel": self.layout.data_parallel,
             "limit_bytes": self.limit_bytes,
             "fits": self.fits,
@@ -177,12 +199,11 @@ class PlanResult:
     cells: tuple[PlanCell, ...]
     # The LoRA shape priced (resident checkpoint slots included); None: rank lora_rank only.
     lora: LoraShape | None = None
-    # (policy name, TP, CP) that the ART_MEGATRON_* environment selects, when it is in the grid
-    current: tuple[str, int, int] | None = None
+    # The cell the ART_MEGATRON_* environment selects (`current_cell`), when it is in the grid
+    current: CurrentCell | None = None
 
     def is_current(self, cell: PlanCell) -> bool:
-        return self.current == (cell.policy.name, cell.layout.tensor_parallel,
-                                cell.layout.context_parallel)
+        return self.current == CurrentCell.of(cell)
 
     @property
     def recommended(self) -> PlanCell | None:
@@ -196,13 +217,14 @@ class PlanResult:
                            -(c.headroom_bytes or 0)),
         )
 
-    def cell(self, policy: str, tensor_parallel: int, context_parallel: int = 1) -> PlanCell:
+    def cell(self, policy: str, tensor_parallel: int, context_parallel: int = 1,
+             expert_parallel: int = 1) -> PlanCell:
+        key = CurrentCell(policy, tensor_parallel, context_parallel, expert_parallel)
         for c in self.cells:
-            if (c.policy.name, c.layout.tensor_parallel, c.layout.context_parallel) == (
-                policy, tensor_parallel, context_parallel
-            ):
+            if CurrentCell.of(c) == key:
                 return c
-        raise KeyError(f"no cell for policy {policy!r} at TP{tensor_parallel} CP{context_parallel}")
+        raise KeyError(f"no cell for policy {policy!r} at TP{tensor_parallel} CP{context_parallel}"
+                       f" EP{expert_parallel}")
 
     def layouts(self) -> list[ParallelLayout]:
         seen: list[ParallelLayout] = []
@@ -277,8 +299,13 @@ class PlanResult:
             out[-1:-1] = ["without grad nothing is kept for backward, so every recompute policy "
                           "prices the same; only the layout matters"]
         if self.geometry.is_moe:
-            out[-1:-1] = ["MoE: priced with expert parallel 1 (plan varies TP and CP; try EP "
-                          "with `estimate --ep`)"]
+            ep = experts_spread(self.gpus, self.geometry)
+            out[-1:-1] = [
+                "MoE: each layout priced with its experts at EP 1 (expert TP = TP)"
+                + (f" and spread over EP {ep} (expert TP 1, as the runtime's default layout "
+                   "spreads them)" if ep > 1 else "")
+                + ", balanced routing; `estimate --ep N --expert-load ...` prices another EP "
+                "size or a router's spread"]
         if rung_lines:
             out += [*rung_lines, ""]
         rec = self.recommended
@@ -326,10 +353,7 @@ class PlanResult:
             "policies": [p.name for p in POLICIES],
             "layouts": [layout_name(lo) for lo in self.layouts()],
             "cells": [c.to_dict() for c in self.cells],
-            "current": None if self.current is None else {
-                "policy": self.current[0], "tensor_parallel": self.current[1],
-                "context_parallel": self.current[2],
-            },
+            "current": None if self.current is None else self.current._asdict(),
             "recommended": None if rec is None else {
                 "policy": rec.policy.name,
                 "layout": layout_name(rec.layout),
@@ -432,7 +456,7 @@ def plan(
     implementation = implementation or Implementation.gpu_te()
     dtype = dtype or geometry.dtype
     cells: list[PlanCell] = []
-    for layout in layouts or candidate_layouts(gpus):
+    for layout in layouts or candidate_layouts(gpus, geometry):
         built = built_implementation(implementation, layout)
         for policy in policies:
             try:
@@ -456,10 +480,34 @@ def plan(
     )
 
 
-def current_cell(env: Any = None) -> tuple[str, int, int] | None:
-    """(policy name, TP, CP) of the ART_MEGATRON_* settings in `env` (default os.environ),
-    None when their recompute policy is not one of POLICIES (e.g. full block 2)."""
+class CurrentCell(NamedTuple):
+    """The grid cell a launch's ART_MEGATRON_* settings select."""
+
+    policy: str
+    tensor_parallel: int
+    context_parallel: int
+    expert_parallel: int = 1
+
+    @classmethod
+    def of(cls, cell: PlanCell) -> CurrentCell:
+        return cls(cell.policy.name, cell.layout.tensor_parallel, cell.layout.context_parallel,
+                   cell.layout.expert_parallel)
+
+
+def current_cell(env: Any = None, *, gpus: int | None = None,
+                 geometry: ModelGeometry | None = None) -> CurrentCell | None:
+    """The cell the ART_MEGATRON_* settings in `env` (default os.environ) select; with `gpus`
+    and `geometry`, as a launch on that many GPUs lays the job out when they name no layout
+    size (`default_layout`: CP = the GPUs, and EP = the GPUs for a MoE model). None when
+    their recompute policy is not one of POLICIES (e.g. full block 2), or their experts are
+    split over expert TP other than the grid's (EP > 1 with expert TP > 1)."""
     settings = load_settings(env)
+    if gpus is not None and geometry is not None:
+        settings = default_layout(settings, geometry, visible_gpus=gpus)
+    ep = settings.expert_model_parallel_size
+    etp = settings.expert_tensor_parallel_size
+    if ep > 1 and (etp if etp is not None else settings.tensor_model_parallel_size) != 1:
+        return None
     modules = settings.recompute_modules
     for policy in POLICIES:
         if policy.granularity != settings.recompute_granularity:
@@ -471,7 +519,8 @@ def current_cell(env: Any = None) -> tuple[str, int, int] | None:
         if policy.granularity == "selective" and sorted(policy.modules or ("core_attn",)) != \
                 sorted(modules if modules is not None else ("core_attn",)):
             continue
-        return (policy.name, settings.tensor_model_parallel_size, settings.context_parallel_size)
+        return CurrentCell(policy.name, settings.tensor_model_parallel_size,
+                           settings.context_parallel_size, ep)
     return None
 
 
