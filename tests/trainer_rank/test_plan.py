@@ -349,3 +349,21 @@ def test_a_shared_prefix_on_a_gpu_warns_that_trainer_rank_packs_it_in_full() -> 
     with redirect_stderr(err):
         run_cli([a for a in SEED_ARGS if a not in ("--shared-prefix", "5733")] + ["--gpus", "2"])
     assert "packs every rollout in full" not in err.getvalue()
+
+
+def test_plan_prices_its_ep_cells_at_a_router_spread_given() -> None:
+    """`plan --expert-load` prices the experts of the EP cells at the spread given (at EP 1
+    every pair is this rank's, so those cells do not move); a dense model refuses it."""
+    base = ["plan", "--model", "Qwen3-30B-A3B", "--tokens", "8192", "--gpus", "4",
+            "--gpu", "H200", "--json"]
+    even = {c["layout"] + c["policy"]: c for c in json.loads(run_cli(base)[1])["cells"]}
+    spread = {c["layout"] + c["policy"]: c
+              for c in json.loads(run_cli([*base, "--expert-load", "1.3,1.1,2"])[1])["cells"]}
+    moved = [k for k in even if even[k]["peak_bytes"] != spread[k]["peak_bytes"]]
+    assert moved and all(spread[k]["expert_parallel"] > 1 for k in moved)
+    assert all(spread[k]["peak_bytes"] > even[k]["peak_bytes"] for k in moved)
+    err = io.StringIO()
+    with redirect_stderr(err), redirect_stdout(io.StringIO()):
+        rc = cli_main(["plan", "--model", "Qwen3-8B", "--tokens", "64", "--gpus", "2",
+                       "--gpu", "H200", "--expert-load", "1.2"])
+    assert rc == 2 and "no routed experts" in err.getvalue()

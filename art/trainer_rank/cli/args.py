@@ -4,6 +4,7 @@ outputs, grad), LoRA and resident checkpoint slots; memory sizes with units."""
 from __future__ import annotations
 
 import argparse
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -179,3 +180,34 @@ def lora_shape_from_args(args: Any) -> LoraShape:
                          resident_adapter_rank=getattr(args, "resident_adapter_rank", 0))
     except FieldError as exc:
         raise exc.named(_LORA_FLAGS[exc.field]) from None
+
+
+EXPERT_LOAD_HELP = (
+    "MoE under expert parallel: price the router's spread instead of the even share, as "
+    "shares of it: the busiest EP rank's pairs in one MoE layer (working), the same averaged "
+    "over the MoE layers (held), the busiest expert's over the even count per expert "
+    "(expert); one value sets all three (e.g. 1.2, or 1.25,1.1,1.8)")
+
+
+def parse_expert_load(text: str) -> Any:
+    """--expert-load: '1.2' -> each share 1.2; '1.25,1.1,1.8' -> working, held, expert (an
+    ExpertShare at every row length)."""
+    from art.trainer_rank.pricing.row_changes import ANY_ROW_TOKENS, ExpertShare
+
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 3) or not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(
+            f"--expert-load takes one share or three (working,held,expert), got {text!r}")
+    if min(values) < 1.0:
+        raise argparse.ArgumentTypeError(
+            f"--expert-load shares are the busiest rank's or expert's load over the even share, "
+            f"so at least 1.0; got {text!r} (1.0 is balanced routing, the default)")
+    working, held, expert = values * 3 if len(values) == 1 else values
+    if held > working:
+        raise argparse.ArgumentTypeError(
+            f"--expert-load's held share (the busiest rank's load averaged over the MoE layers, "
+            f"{held}) cannot exceed its working share (the largest in one layer, {working})")
+    return ExpertShare(ANY_ROW_TOKENS, working, held, expert)

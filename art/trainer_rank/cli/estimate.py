@@ -6,15 +6,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
 
 from art.trainer_rank.cli.args import (
+    EXPERT_LOAD_HELP,
     add_workload_arguments,
     implementation_from_args,
     lora_shape_from_args,
+    parse_expert_load,
     parse_size_bytes,
     shared_prefix_caveat,
     workload_batch,
@@ -48,36 +49,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worst-case-routing", action="store_true",
                    help="MoE: price every token routed to this rank's experts")
     p.add_argument("--expert-load", type=parse_expert_load, metavar="WORKING[,HELD,EXPERT]",
-                   help="MoE under expert parallel: price the router's spread instead of the "
-                        "even share, as shares of it: the busiest EP rank's pairs in one MoE "
-                        "layer (working), the same averaged over the MoE layers (held), the "
-                        "busiest expert's over the even count per expert (expert); one value "
-                        "sets all three (e.g. 1.2, or 1.25,1.1,1.8)")
+                   help=EXPERT_LOAD_HELP)
     p.add_argument("--json", action="store_true", help="one JSON object instead of the table")
-
-
-def parse_expert_load(text: str) -> Any:
-    """--expert-load: '1.2' -> each share 1.2; '1.25,1.1,1.8' -> working, held, expert (an
-    ExpertShare at every row length)."""
-    from art.trainer_rank.pricing.row_changes import ANY_ROW_TOKENS, ExpertShare
-
-    try:
-        values = [float(v) for v in text.split(",")]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 3) or not all(math.isfinite(v) for v in values):
-        raise argparse.ArgumentTypeError(
-            f"--expert-load takes one share or three (working,held,expert), got {text!r}")
-    if min(values) < 1.0:
-        raise argparse.ArgumentTypeError(
-            f"--expert-load shares are the busiest rank's or expert's load over the even share, "
-            f"so at least 1.0; got {text!r} (1.0 is balanced routing, the default)")
-    working, held, expert = values * 3 if len(values) == 1 else values
-    if held > working:
-        raise argparse.ArgumentTypeError(
-            f"--expert-load's held share (the busiest rank's load averaged over the MoE layers, "
-            f"{held}) cannot exceed its working share (the largest in one layer, {working})")
-    return ExpertShare(ANY_ROW_TOKENS, working, held, expert)
 
 
 # flag attribute -> (ART_MEGATRON_* variable, the flag as the user spells it)

@@ -18,8 +18,10 @@ from art.megatron.geometry import load_geometry
 from art.megatron.implementation import Implementation
 from art.trainer_rank._request import MicroBatchShape
 from art.trainer_rank.cli.args import (
+    EXPERT_LOAD_HELP,
     add_workload_arguments,
     lora_shape_from_args,
+    parse_expert_load,
     parse_size_bytes,
     shared_prefix_caveat,
     workload_batch,
@@ -128,6 +130,8 @@ def add_arguments(parser: Any) -> None:
                             f"{k}: {v} GiB" for k, v in GPU_MEMORY_GIB.items()) + ")")
     memory.add_argument("--gpu-memory", type=parse_size_bytes,
                         help="memory per GPU (e.g. 141GB, 139.8GiB; a bare number is GiB)")
+    parser.add_argument("--expert-load", type=parse_expert_load,
+                        metavar="WORKING[,HELD,EXPERT]", help=EXPERT_LOAD_HELP + " (the EP cells)")
     parser.add_argument("--json", action="store_true", help="one JSON object instead of tables")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="also draw predicted peak per rank against tokens, one line per "
@@ -170,7 +174,7 @@ def configured_rungs(result: PlanResult, env: Any) -> tuple[Any, RungChoices] | 
                                              settings.recompute_num_layers,
                                              settings.recompute_modules),
         implementation=result.implementation, lora_rank=result.lora_rank, dtype=result.dtype,
-        alloc_conf=result.alloc_conf, lora=result.lora)
+        alloc_conf=result.alloc_conf, lora=result.lora, expert_load=result.expert_load)
     return cell.layout, price_rungs(provider, memory_model, result.batch,
                                     result.gpu_memory_bytes)
 
@@ -184,6 +188,9 @@ def run(args: Any) -> int:
         except ValueError as exc:
             raise ValueError(f"--gpus {args.gpus}: {exc}") from None
         geometry = load_geometry(args.model)
+        if args.expert_load is not None and not geometry.is_moe:
+            raise ValueError(f"--expert-load prices a router's spread, but {geometry.name} has "
+                             "no routed experts")
         batch = batch_from_args(args, geometry, args.gpus)
         lora = lora_shape_from_args(args)
         memory_bytes = int(GPU_MEMORY_GIB[args.gpu] * GIB) if args.gpu else args.gpu_memory
@@ -193,6 +200,7 @@ def run(args: Any) -> int:
             implementation=implementation_from_args(args),
             alloc_conf=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
             current=current_cell(gpus=args.gpus, geometry=geometry),
+            expert_load=args.expert_load,
         )
     except ValueError as exc:
         print(f"plan: {exc}", file=sys.stderr)

@@ -199,6 +199,8 @@ class PlanResult:
     cells: tuple[PlanCell, ...]
     # The LoRA shape priced (resident checkpoint slots included); None: rank lora_rank only.
     lora: LoraShape | None = None
+    # Under EP: the router's spread given (`estimate --expert-load`); None: balanced routing.
+    expert_load: Any = None
     # The cell the ART_MEGATRON_* environment selects (`current_cell`), when it is in the grid
     current: CurrentCell | None = None
 
@@ -304,8 +306,10 @@ class PlanResult:
                 "MoE: each layout priced with its experts at EP 1 (expert TP = TP)"
                 + (f" and spread over EP {ep} (expert TP 1, as the runtime's default layout "
                    "spreads them)" if ep > 1 else "")
-                + ", balanced routing; `estimate --ep N --expert-load ...` prices another EP "
-                "size or a router's spread"]
+                + (", balanced routing" if self.expert_load is None else
+                   f", routing at the spread given (--expert-load {self.expert_load.working:g},"
+                   f"{self.expert_load.held:g},{self.expert_load.expert:g})")
+                + "; `estimate --ep N` prices another EP size"]
         if rung_lines:
             out += [*rung_lines, ""]
         rec = self.recommended
@@ -411,6 +415,7 @@ def memory_model_for(
     alloc_conf: str | None,
     factory: MemoryModelFactory | None = None,
     lora: LoraShape | None = None,
+    expert_load: Any = None,
 ) -> tuple[Any, EffectiveRecompute]:
     """The memory model for one cell. The provider validates the layout and resolves the
     policy exactly as a real launch with these ART_MEGATRON_* settings would (ValueError when
@@ -428,6 +433,8 @@ def memory_model_for(
         lora=lora or LoraShape(rank=lora_rank),
         dtype=dtype,
         alloc_conf=alloc_conf,
+        # Only given: a factory that prices no router's spread need not take it.
+        **({} if expert_load is None else {"expert_load": expert_load}),
     )
     return memory_model, recompute
 
@@ -445,8 +452,9 @@ def plan(
     policies: Sequence[Policy] = POLICIES,
     layouts: Sequence[ParallelLayout] | None = None,
     factory: MemoryModelFactory | None = None,
-    current: tuple[str, int, int] | None = None,
+    current: CurrentCell | None = None,
     lora: LoraShape | None = None,
+    expert_load: Any = None,
 ) -> PlanResult:
     """Price `batch` under every policy x layout; see the module docstring. `current` marks
     the cell a launch with the caller's settings would use (see `current_cell`)."""
@@ -463,7 +471,7 @@ def plan(
                 memory_model, _ = memory_model_for(
                     geometry, layout, policy, implementation=implementation,
                     lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf, factory=factory,
-                    lora=lora,
+                    lora=lora, expert_load=expert_load,
                 )
             except ValueError as exc:
                 cells.append(PlanCell(policy, layout, gpu_memory_bytes, unavailable=str(exc)))
@@ -476,7 +484,7 @@ def plan(
     return PlanResult(
         model=name, geometry=geometry, batch=batch, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes,
         implementation=implementation, lora_rank=lora_rank, dtype=dtype, alloc_conf=alloc_conf,
-        cells=tuple(cells), current=current, lora=lora,
+        cells=tuple(cells), current=current, lora=lora, expert_load=expert_load,
     )
 
 
