@@ -309,7 +309,8 @@ class PlanResult:
                 + (", balanced routing" if self.expert_load is None else
                    f", routing at the spread given (--expert-load {self.expert_load.working:g},"
                    f"{self.expert_load.held:g},{self.expert_load.expert:g})")
-                + "; `estimate --ep N` prices another EP size"]
+                + "; an EP group's other ranks run a micro-batch of this size (`estimate "
+                "--ep N` prices another EP size)"]
         if rung_lines:
             out += [*rung_lines, ""]
         rec = self.recommended
