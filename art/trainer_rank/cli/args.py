@@ -7,7 +7,7 @@ import argparse
 import math
 import re
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from art.megatron.layout import ParallelLayout
 from art.trainer_rank._request import (
@@ -18,6 +18,9 @@ from art.trainer_rank._request import (
     output_request_problem,
 )
 from art.trainer_rank.compute.packing import packed_length_tokens, packed_tokens_problem
+
+if TYPE_CHECKING:
+    from art.trainer_rank.pricing.row_changes import ExpertShare
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 _UNITS = {"": 2**30, "gib": 2**30, "g": 2**30, "gb": 10**9, "mib": 2**20, "mb": 10**6,
@@ -189,7 +192,7 @@ EXPERT_LOAD_HELP = (
     "(expert); one value sets all three (e.g. 1.2, or 1.25,1.1,1.8)")
 
 
-def parse_expert_load(text: str) -> Any:
+def parse_expert_load(text: str) -> ExpertShare:
     """--expert-load: '1.2' -> each share 1.2; '1.25,1.1,1.8' -> working, held, expert (an
     ExpertShare at every row length)."""
     from art.trainer_rank.pricing.row_changes import ANY_ROW_TOKENS, ExpertShare

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from art.megatron.default_layout import default_layout
 from art.megatron.geometry import ModelGeometry, load_geometry
@@ -27,6 +27,9 @@ from art.megatron.recompute import EffectiveRecompute, RecomputePolicy
 from art.megatron.settings import load_settings
 from art.trainer_rank._request import LoraShape, MicroBatchShape
 from art.trainer_rank.decide.runnable import layout_refusal
+
+if TYPE_CHECKING:
+    from art.trainer_rank.pricing.row_changes import ExpertShare
 
 GIB = 1024**3
 
@@ -200,7 +203,7 @@ class PlanResult:
     # The LoRA shape priced (resident checkpoint slots included); None: rank lora_rank only.
     lora: LoraShape | None = None
     # Under EP: the router's spread given (`estimate --expert-load`); None: balanced routing.
-    expert_load: Any = None
+    expert_load: ExpertShare | None = None
     # The cell the ART_MEGATRON_* environment selects (`current_cell`), when it is in the grid
     current: CurrentCell | None = None
 
@@ -416,7 +419,7 @@ def memory_model_for(
     alloc_conf: str | None,
     factory: MemoryModelFactory | None = None,
     lora: LoraShape | None = None,
-    expert_load: Any = None,
+    expert_load: ExpertShare | None = None,
 ) -> tuple[Any, EffectiveRecompute]:
     """The memory model for one cell. The provider validates the layout and resolves the
     policy exactly as a real launch with these ART_MEGATRON_* settings would (ValueError when
@@ -455,7 +458,7 @@ def plan(
     factory: MemoryModelFactory | None = None,
     current: CurrentCell | None = None,
     lora: LoraShape | None = None,
-    expert_load: Any = None,
+    expert_load: ExpertShare | None = None,
 ) -> PlanResult:
     """Price `batch` under every policy x layout; see the module docstring. `current` marks
     the cell a launch with the caller's settings would use (see `current_cell`)."""
