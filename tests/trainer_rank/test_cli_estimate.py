@@ -134,6 +134,8 @@ def test_expert_load_prices_the_router_spread_it_names(capsys):
     assert "routing at 1.250 of the even share in a layer, 1.100 over the layers" in notes
     assert "its busiest expert at 1.800 (assumed)" in notes
     assert "balanced routing over EP2" in " ".join(t["note"] for t in even["term_details"])
+    assert even["expert_load"] is None
+    assert spread["expert_load"] == {"working": 1.25, "held": 1.1, "expert": 1.8}
     one = _json(capsys, [*moe, "--expert-load", "1.2"])
     three = _json(capsys, [*moe, "--expert-load", "1.2,1.2,1.2"])
     assert one["peak_bytes"] == three["peak_bytes"] > even["peak_bytes"]

@@ -359,6 +359,8 @@ def test_plan_prices_its_ep_cells_at_a_router_spread_given() -> None:
     even = {c["layout"] + c["policy"]: c for c in json.loads(run_cli(base)[1])["cells"]}
     spread = {c["layout"] + c["policy"]: c
               for c in json.loads(run_cli([*base, "--expert-load", "1.3,1.1,2"])[1])["cells"]}
+    assert json.loads(run_cli([*base, "--expert-load", "1.2"])[1])["expert_load"] == {
+        "working": 1.2, "held": 1.2, "expert": 1.2}
     moved = [k for k in even if even[k]["peak_bytes"] != spread[k]["peak_bytes"]]
     assert moved and all(spread[k]["expert_parallel"] > 1 for k in moved)
     assert all(spread[k]["peak_bytes"] > even[k]["peak_bytes"] for k in moved)

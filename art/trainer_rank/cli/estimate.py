@@ -156,6 +156,9 @@ def run(args: argparse.Namespace) -> int:
         payload["layout"] = model.layout.summary
         payload["implementation"] = model.implementation.key
         payload["dtype"] = model.dtype
+        # The router's spread priced under EP: given by --expert-load, else balanced (null).
+        payload["expert_load"] = (None if model.expert_load is None else {
+            k: getattr(model.expert_load, k) for k in ("working", "held", "expert")})
         payload["recompute_layers"] = model.recompute.describe_layers()
         if args.gpu_memory is not None:
             payload["gpu_memory_bytes"] = args.gpu_memory

@@ -359,6 +359,8 @@ class PlanResult:
                 "grad_enabled": b.grad_enabled,
             },
             "policies": [p.name for p in POLICIES],
+            "expert_load": None if self.expert_load is None else {
+                k: getattr(self.expert_load, k) for k in ("working", "held", "expert")},
             "layouts": [layout_name(lo) for lo in self.layouts()],
             "cells": [c.to_dict() for c in self.cells],
             "current": None if self.current is None else self.current._asdict(),
