@@ -286,6 +286,27 @@ def test_plot_draws_a_png(tmp_path) -> None:
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_the_plot_prices_the_router_spread_the_plan_was_given(tmp_path) -> None:
+    """Every memory model the plot prices its lines with takes the plan's --expert-load."""
+    pytest.importorskip("matplotlib")
+    from art.megatron.geometry import load_geometry
+    from art.trainer_rank.cli.args import parse_expert_load
+    from art.trainer_rank.cli.planner import _default_factory
+
+    load = parse_expert_load("1.3")
+    seen: list[object] = []
+
+    def recording(**kwargs):
+        seen.append(kwargs.get("expert_load"))
+        return _default_factory(**kwargs)
+
+    batch = MicroBatchShape((1024,), outputs=OutputRequest(target_logprobs=True))
+    result = plan(load_geometry("tiny-qwen3-moe"), batch=batch, gpus=2, gpu_memory_bytes=H200,
+                  expert_load=load)
+    plot_plan(result, tmp_path / "plan.png", points=3, factory=recording)
+    assert seen and all(x == load for x in seen)
+
+
 def _te():
     from art.megatron.implementation import Implementation
 

@@ -86,6 +86,7 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
                 result.geometry, layout, cell.policy, implementation=result.implementation,
                 lora_rank=result.lora_rank, dtype=result.dtype,
                 alloc_conf=result.alloc_conf, factory=factory, lora=result.lora,
+                expert_load=result.expert_load,
             )
             peaks = [memory_model.estimate(scaled_batch(result.batch, n)).peak_bytes / GIB
                      for n in grid]
@@ -110,7 +111,8 @@ def plot_plan(result: PlanResult, path: str | Path, *, points: int = 40,
     fig.suptitle(f"{result.model}: {result.batch.outputs.key}, "
                  f"{'grad' if result.batch.grad_enabled else 'no grad'}, "
                  f"{result.gpus} x {limit_gib:.0f} GiB")
-    fig.tight_layout()
+    # The title's band at the top: a fixed height, whatever the number of panel rows.
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.4 / fig.get_figheight()))
     out = Path(path)
     fig.savefig(out, dpi=110)
     plt.close(fig)
