@@ -376,3 +376,13 @@ def test_the_seed_call_runs_the_check_s_hybrid_and_is_summarised(tmp_path: Path)
     assert "escalated" in line and "32,710 packed tokens" in line and "= 1.500" in line
     report_file.write_text(json.dumps({"declined": "does not fit: 9 GiB over"}))
     assert "declined: does not fit" in gpu_check.seed_call_summary(report_file)
+
+
+def test_the_readme_s_show_plan_command_runs_where_python3_has_no_torch() -> None:
+    """`scripts/gpu_check --show-plan` (README) runs nothing on a GPU: where the system's
+    python3 has no torch (this machine's), the wrapper takes the project's .venv, as a dry
+    run does; on the GPU machine it keeps python3 (CUDA torch, no network to build a venv)."""
+    done = subprocess.run([str(ROOT / "scripts" / "gpu_check"), "--show-plan"],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.startswith("plan gpu ("), done.stdout[:200]
