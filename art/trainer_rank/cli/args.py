@@ -214,3 +214,16 @@ def parse_expert_load(text: str) -> ExpertShare:
             f"--expert-load's held share (the busiest rank's load averaged over the MoE layers, "
             f"{held}) cannot exceed its working share (the largest in one layer, {working})")
     return ExpertShare(ANY_ROW_TOKENS, working, held, expert)
+
+
+def refuse_expert_load_without_experts(load: ExpertShare | None, geometry: Any) -> None:
+    """--expert-load on a model with no routed experts is refused (ValueError)."""
+    if load is not None and not geometry.is_moe:
+        raise ValueError(f"--expert-load prices a router's spread, but {geometry.name} has no "
+                         "routed experts")
+
+
+def expert_load_json(load: ExpertShare | None) -> dict[str, float] | None:
+    """--json's `expert_load`: the three shares priced under EP, or None (balanced routing)."""
+    return None if load is None else {"working": load.working, "held": load.held,
+                                      "expert": load.expert}

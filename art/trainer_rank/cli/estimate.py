@@ -13,10 +13,12 @@ from typing import Any
 from art.trainer_rank.cli.args import (
     EXPERT_LOAD_HELP,
     add_workload_arguments,
+    expert_load_json,
     implementation_from_args,
     lora_shape_from_args,
     parse_expert_load,
     parse_size_bytes,
+    refuse_expert_load_without_experts,
     shared_prefix_caveat,
     workload_batch,
 )
@@ -117,9 +119,7 @@ def build_memory_model(args: argparse.Namespace, env: dict[str, str] | None = No
         if args.worst_case_routing:
             raise ValueError("--expert-load and --worst-case-routing both set the routing to "
                              "price; give one")
-        if not geometry.is_moe:
-            raise ValueError(f"--expert-load prices a router's spread, but {geometry.name} "
-                             "has no routed experts")
+        refuse_expert_load_without_experts(load, geometry)
         if provider.layout.expert_parallel == 1:
             raise ValueError(
                 "--expert-load prices a router's spread over expert-parallel ranks, and this "
@@ -157,8 +157,7 @@ def run(args: argparse.Namespace) -> int:
         payload["implementation"] = model.implementation.key
         payload["dtype"] = model.dtype
         # The router's spread priced under EP: given by --expert-load, else balanced (null).
-        payload["expert_load"] = (None if model.expert_load is None else {
-            k: getattr(model.expert_load, k) for k in ("working", "held", "expert")})
+        payload["expert_load"] = expert_load_json(model.expert_load)
         payload["recompute_layers"] = model.recompute.describe_layers()
         if args.gpu_memory is not None:
             payload["gpu_memory_bytes"] = args.gpu_memory

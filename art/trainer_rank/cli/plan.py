@@ -23,6 +23,7 @@ from art.trainer_rank.cli.args import (
     lora_shape_from_args,
     parse_expert_load,
     parse_size_bytes,
+    refuse_expert_load_without_experts,
     shared_prefix_caveat,
     workload_batch,
 )
@@ -190,9 +191,7 @@ def run(args: Any) -> int:
         except ValueError as exc:
             raise ValueError(f"--gpus {args.gpus}: {exc}") from None
         geometry = load_geometry(args.model)
-        if args.expert_load is not None and not geometry.is_moe:
-            raise ValueError(f"--expert-load prices a router's spread, but {geometry.name} has "
-                             "no routed experts")
+        refuse_expert_load_without_experts(args.expert_load, geometry)
         batch = batch_from_args(args, geometry, args.gpus)
         lora = lora_shape_from_args(args)
         memory_bytes = int(GPU_MEMORY_GIB[args.gpu] * GIB) if args.gpu else args.gpu_memory

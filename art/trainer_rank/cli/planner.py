@@ -26,6 +26,7 @@ from art.megatron.provider import Provider
 from art.megatron.recompute import EffectiveRecompute, RecomputePolicy
 from art.megatron.settings import load_settings
 from art.trainer_rank._request import LoraShape, MicroBatchShape
+from art.trainer_rank.cli.args import expert_load_json
 from art.trainer_rank.decide.runnable import layout_refusal
 
 if TYPE_CHECKING:
@@ -359,8 +360,7 @@ class PlanResult:
                 "grad_enabled": b.grad_enabled,
             },
             "policies": [p.name for p in POLICIES],
-            "expert_load": None if self.expert_load is None else {
-                k: getattr(self.expert_load, k) for k in ("working", "held", "expert")},
+            "expert_load": expert_load_json(self.expert_load),
             "layouts": [layout_name(lo) for lo in self.layouts()],
             "cells": [c.to_dict() for c in self.cells],
             "current": None if self.current is None else self.current._asdict(),
